@@ -1,0 +1,95 @@
+//! The KV cache. MLA layers keep only the compressed latent and the rope key
+//! (`kv_lora_rank + qk_rope_head_dim` floats per token: 576 for GLM-5.2); GQA layers keep K and V;
+//! DSA `full` layers also keep their indexer keys.
+
+use charm_shared::config::{AttentionSpec, IndexerKind, ModelSpec};
+
+/// Cache of one decoder layer.
+#[derive(Debug, Clone, Default)]
+pub struct LayerCache {
+    /// Per token: MLA `[latent (kv_lora_rank, normed), k_rope (roped)]`, or GQA `[k, v]`.
+    pub kv: Vec<f32>,
+    /// Floats per token in `kv`.
+    pub width: usize,
+    /// Per token `[index_head_dim]` indexer keys (normed, roped); empty unless a `full` DSA layer.
+    pub index_keys: Vec<f32>,
+}
+
+impl LayerCache {
+    pub fn len(&self) -> usize {
+        self.kv.len().checked_div(self.width).unwrap_or(0)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.kv.is_empty()
+    }
+    /// Token `t`'s entry.
+    pub fn entry(&self, t: usize) -> &[f32] {
+        &self.kv[t * self.width..(t + 1) * self.width]
+    }
+}
+
+/// The cache of one sequence: one [`LayerCache`] per decoder layer.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    pub layers: Vec<LayerCache>,
+}
+
+impl KvCache {
+    /// An empty cache for the main model (`n_layers` layers).
+    pub fn new(spec: &ModelSpec) -> Self {
+        Self::with_layers(spec, spec.layers.len())
+    }
+
+    /// An empty cache with `n` layers shaped like the model's attention.
+    pub fn with_layers(spec: &ModelSpec, n: usize) -> Self {
+        let width = match &spec.attention {
+            AttentionSpec::Mla(m) => m.cache_width(),
+            AttentionSpec::Gqa(g) => 2 * g.n_kv_heads * g.head_dim,
+        };
+        Self {
+            layers: (0..n)
+                .map(|_| LayerCache {
+                    width,
+                    ..Default::default()
+                })
+                .collect(),
+        }
+    }
+
+    /// Tokens cached so far.
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes of f32 state held.
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| 4 * (l.kv.len() + l.index_keys.len()))
+            .sum()
+    }
+
+    /// Floats per token this model caches across all layers (for planning).
+    pub fn floats_per_token(spec: &ModelSpec) -> usize {
+        let width = match &spec.attention {
+            AttentionSpec::Mla(m) => m.cache_width(),
+            AttentionSpec::Gqa(g) => 2 * g.n_kv_heads * g.head_dim,
+        };
+        let idx = spec.dsa.as_ref().map_or(0, |d| d.head_dim);
+        spec.layers
+            .iter()
+            .map(|l| {
+                width
+                    + if l.indexer == Some(IndexerKind::Full) {
+                        idx
+                    } else {
+                        0
+                    }
+            })
+            .sum()
+    }
+}

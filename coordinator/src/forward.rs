@@ -1,0 +1,573 @@
+//! The forward pass: embeddings, decoder layers (MLA or GQA attention, optional DSA sparse
+//! selection, dense or MoE feed-forward), final norm and head. One code path serves the
+//! one-pass (empty cache) and cached-decode cases: new tokens are appended to the cache and
+//! attend causally to everything cached.
+
+use charm_shared::config::{AttentionSpec, GqaSpec, IndexerKind, MlaSpec};
+use charm_shared::kernels::{dot, layer_norm, rms_norm, softmax, Matrix};
+use charm_shared::routing::{route, top_k};
+use charm_worker::{ExpertBatch, ExpertError};
+
+use crate::cache::{KvCache, LayerCache};
+use crate::model::{
+    AttnWeights, FfnWeights, GqaWeights, IndexerWeights, LayerWeights, MlaWeights, Model,
+};
+use crate::rope::RopeAt;
+
+/// RMSNorm epsilon of MLA's `q_a_layernorm` / `kv_a_layernorm` (transformers builds them with the
+/// default 1e-6, not `rms_norm_eps`).
+const MLA_LATENT_EPS: f32 = 1e-6;
+/// LayerNorm epsilon of the DSA indexer's key norm.
+const INDEXER_KEY_EPS: f32 = 1e-6;
+
+/// A forward pass could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    /// A token id outside the vocabulary.
+    #[error("token id {id} at position {pos} is outside the vocabulary (size {vocab})")]
+    TokenOutOfRange { id: u32, pos: usize, vocab: usize },
+    /// NaN or infinity appeared.
+    #[error("non-finite values in {what}")]
+    NonFinite { what: String },
+    /// The routed-expert executor failed.
+    #[error(transparent)]
+    Expert(#[from] ExpertError),
+    /// The model has no MTP layer.
+    #[error("this model has no MTP layer")]
+    NoMtp,
+    /// Inputs whose sizes disagree.
+    #[error("{0}")]
+    Shape(String),
+}
+
+/// How MLA attention is evaluated. Both give the same result up to float rounding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MlaMode {
+    /// Expand every cached latent into per-head keys and values with `kv_b_proj` (the reference
+    /// formulation).
+    Naive,
+    /// Absorb `kv_b_proj` into the query and the output: attention runs in latent space and the
+    /// cache is never expanded (what decode wants).
+    #[default]
+    Absorbed,
+}
+
+/// Options of one forward call.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ForwardOptions {
+    pub mla: MlaMode,
+}
+
+/// Named intermediates of one forward call, for diffing against the oracle tensor by tensor.
+#[derive(Debug, Default, Clone)]
+pub struct Trace {
+    /// Per decoder layer: `[n, hidden]` residual stream after the layer.
+    pub layer_out: Vec<Vec<f32>>,
+    /// Per MoE layer: per token, (expert ids, gate weights).
+    pub router: Vec<Vec<(Vec<u32>, Vec<f32>)>>,
+    /// Per `full` DSA layer: per query token, the selected key positions (ascending).
+    pub dsa: Vec<Vec<Vec<u32>>>,
+}
+
+/// DSA selection of the current query tokens: per token, ascending key positions.
+type Selection = Vec<Vec<u32>>;
+
+fn check_finite(v: &[f32], what: impl FnOnce() -> String) -> Result<(), ForwardError> {
+    if v.iter().all(|x| x.is_finite()) {
+        Ok(())
+    } else {
+        Err(ForwardError::NonFinite { what: what() })
+    }
+}
+
+impl Model {
+    /// Runs `tokens` through the main model after what `cache` holds, appending to it.
+    /// Returns the final-normed hidden states `[n, hidden]` (the input of the head).
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        opts: ForwardOptions,
+        mut trace: Option<&mut Trace>,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let spec = &self.spec;
+        let h = spec.hidden_size;
+        let n = tokens.len();
+        let pos0 = cache.len();
+        let mut x = self.embed_tokens(&self.embed, tokens, pos0)?;
+        let mut sel: Option<Selection> = None;
+        for (li, layer) in self.layers.iter().enumerate() {
+            self.layer_forward(
+                layer,
+                &mut x,
+                n,
+                pos0,
+                &mut cache.layers[li],
+                &mut sel,
+                opts,
+                trace.as_deref_mut(),
+            )?;
+            check_finite(&x, || format!("the output of layer {li}"))?;
+            if let Some(t) = trace.as_deref_mut() {
+                t.layer_out.push(x.clone());
+            }
+        }
+        rms_norm(&mut x, &self.norm, spec.rms_norm_eps);
+        debug_assert_eq!(x.len(), n * h);
+        Ok(x)
+    }
+
+    /// `[n, hidden]` final-normed states -> `[n, vocab]` logits.
+    pub fn logits(&self, normed: &[f32], n: usize) -> Result<Vec<f32>, ForwardError> {
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let l = head.matmul(normed, n);
+        check_finite(&l, || "the logits".into())?;
+        Ok(l)
+    }
+
+    fn embed_tokens(
+        &self,
+        table: &Matrix,
+        tokens: &[u32],
+        pos0: usize,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let mut x = Vec::with_capacity(tokens.len() * table.cols);
+        for (i, &t) in tokens.iter().enumerate() {
+            if t as usize >= self.spec.vocab_size {
+                return Err(ForwardError::TokenOutOfRange {
+                    id: t,
+                    pos: pos0 + i,
+                    vocab: self.spec.vocab_size,
+                });
+            }
+            x.extend_from_slice(table.row(t as usize));
+        }
+        Ok(x)
+    }
+
+    /// MTP draft: slot `j` takes token `next_tokens[j]` (the token after position `pos0 + j`) and
+    /// the main model's final-normed state at that position. Appends to `cache` (one layer).
+    /// Returns `[n, vocab]` draft logits.
+    pub fn mtp_forward(
+        &self,
+        next_tokens: &[u32],
+        main_normed: &[f32],
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let mtp = self.mtp.as_ref().ok_or(ForwardError::NoMtp)?;
+        let spec = &self.spec;
+        let (h, n) = (spec.hidden_size, next_tokens.len());
+        if main_normed.len() != n * h {
+            return Err(ForwardError::Shape(format!(
+                "mtp: {} hidden values for {n} tokens",
+                main_normed.len()
+            )));
+        }
+        let pos0 = cache.len();
+        let mut e =
+            self.embed_tokens(mtp.embed.as_ref().unwrap_or(&self.embed), next_tokens, pos0)?;
+        if pos0 == 0 && n > 0 {
+            e[..h].fill(0.0); // vLLM deepseek_mtp: the embedding at position 0 is masked
+        }
+        rms_norm(&mut e, &mtp.enorm, spec.rms_norm_eps);
+        let mut hs = main_normed.to_vec();
+        rms_norm(&mut hs, &mtp.hnorm, spec.rms_norm_eps);
+        let mut cat = Vec::with_capacity(n * 2 * h);
+        for t in 0..n {
+            cat.extend_from_slice(&e[t * h..(t + 1) * h]);
+            cat.extend_from_slice(&hs[t * h..(t + 1) * h]);
+        }
+        let mut x = mtp.eh_proj.matmul(&cat, n); // [n, hidden]
+        let mut sel = None;
+        self.layer_forward(
+            &mtp.layer,
+            &mut x,
+            n,
+            pos0,
+            &mut cache.layers[0],
+            &mut sel,
+            ForwardOptions::default(),
+            None,
+        )?;
+        rms_norm(&mut x, &mtp.head_norm, spec.rms_norm_eps);
+        let head = mtp
+            .head
+            .as_ref()
+            .or(self.lm_head.as_ref())
+            .unwrap_or(&self.embed);
+        let l = head.matmul(&x, n);
+        check_finite(&l, || "the MTP logits".into())?;
+        Ok(l)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn layer_forward(
+        &self,
+        layer: &LayerWeights,
+        x: &mut [f32],
+        n: usize,
+        pos0: usize,
+        cache: &mut LayerCache,
+        sel: &mut Option<Selection>,
+        opts: ForwardOptions,
+        mut trace: Option<&mut Trace>,
+    ) -> Result<(), ForwardError> {
+        let spec = &self.spec;
+        let hd = spec.hidden_size;
+        // --- attention ---
+        let mut a = x.to_vec(); // [n, hidden]
+        rms_norm(&mut a, &layer.input_norm, spec.rms_norm_eps);
+        let rope: Vec<RopeAt> = (0..n).map(|t| RopeAt::new(&spec.rope, pos0 + t)).collect();
+        let attn_out = match (&layer.attn, &spec.attention) {
+            (AttnWeights::Mla(w), AttentionSpec::Mla(m)) => self.mla(
+                w,
+                m,
+                layer,
+                &a,
+                n,
+                pos0,
+                &rope,
+                cache,
+                sel,
+                opts,
+                trace.as_deref_mut(),
+            ),
+            (AttnWeights::Gqa(w), AttentionSpec::Gqa(g)) => gqa(
+                w,
+                g,
+                spec.rms_norm_eps,
+                spec.softmax_scale,
+                &a,
+                n,
+                pos0,
+                &rope,
+                cache,
+            ),
+            _ => unreachable!("weights are loaded from the spec"),
+        };
+        for (xi, ai) in x.iter_mut().zip(&attn_out) {
+            *xi += ai;
+        }
+        // --- feed-forward ---
+        let mut f = x.to_vec();
+        rms_norm(&mut f, &layer.post_norm, spec.rms_norm_eps);
+        let out = match &layer.ffn {
+            FfnWeights::Dense(mlp) => mlp.forward(&f, n),
+            FfnWeights::Moe {
+                router,
+                correction_bias,
+                shared,
+            } => {
+                let rs = spec.router.as_ref().expect("MoE model has a router spec");
+                let logits = router.matmul(&f, n); // [n, n_experts], f32
+                let k = rs.top_k;
+                let (mut ids, mut weights) = (Vec::with_capacity(n * k), Vec::with_capacity(n * k));
+                let mut picks = Vec::with_capacity(n);
+                for t in 0..n {
+                    let r = route(
+                        &logits[t * rs.n_experts..(t + 1) * rs.n_experts],
+                        correction_bias.as_deref(),
+                        rs,
+                    );
+                    ids.extend_from_slice(&r.ids);
+                    weights.extend_from_slice(&r.weights);
+                    picks.push((r.ids, r.weights));
+                }
+                if let Some(tr) = trace.as_deref_mut() {
+                    tr.router.push(picks);
+                }
+                let mut y = self.experts.run(ExpertBatch {
+                    layer: layer.index,
+                    x: &f,
+                    n_tokens: n,
+                    ids: &ids,
+                    weights: &weights,
+                    top_k: k,
+                })?;
+                if let Some(s) = shared {
+                    for (a, b) in y.iter_mut().zip(s.forward(&f, n)) {
+                        *a += b;
+                    }
+                }
+                y
+            }
+        };
+        debug_assert_eq!(out.len(), n * hd);
+        for (xi, oi) in x.iter_mut().zip(&out) {
+            *xi += oi;
+        }
+        Ok(())
+    }
+
+    /// Multi-head latent attention over the cache (with optional DSA selection).
+    #[allow(clippy::too_many_arguments)]
+    fn mla(
+        &self,
+        w: &MlaWeights,
+        m: &MlaSpec,
+        layer: &LayerWeights,
+        a: &[f32],
+        n: usize,
+        pos0: usize,
+        rope: &[RopeAt],
+        cache: &mut LayerCache,
+        sel: &mut Option<Selection>,
+        opts: ForwardOptions,
+        trace: Option<&mut Trace>,
+    ) -> Vec<f32> {
+        let spec = &self.spec;
+        let (nh, nope, rd, vd, kvr) = (
+            m.n_heads,
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+            m.kv_lora_rank,
+        );
+        let qkd = m.qk_head_dim();
+        let interleaved = spec.rope.interleaved;
+        // Queries: [n, heads * (nope + rope)]
+        let (mut q, q_resid) = match (&w.q_a, &w.q_a_norm) {
+            (Some(qa), Some(qn)) => {
+                let mut r = qa.matmul(a, n); // [n, q_lora_rank]
+                rms_norm(&mut r, qn, MLA_LATENT_EPS);
+                (w.q_b.matmul(&r, n), Some(r))
+            }
+            _ => (w.q_b.matmul(a, n), None),
+        };
+        for t in 0..n {
+            for hh in 0..nh {
+                let o = t * nh * qkd + hh * qkd + nope;
+                rope[t].apply(&mut q[o..o + rd], interleaved);
+            }
+        }
+        // Latent + rope key, appended to the cache: [n, kvr + rope]
+        let mut ckv = w.kv_a.matmul(a, n);
+        for t in 0..n {
+            let e = &mut ckv[t * (kvr + rd)..(t + 1) * (kvr + rd)];
+            rms_norm(&mut e[..kvr], &w.kv_a_norm, MLA_LATENT_EPS);
+            rope[t].apply(&mut e[kvr..], interleaved);
+        }
+        cache.kv.extend_from_slice(&ckv);
+        let total = cache.len();
+
+        // DSA: this layer's own selection, or the previous full layer's.
+        if let (Some(kind), Some(dsa)) = (layer.indexer_kind, &spec.dsa) {
+            match (kind, &layer.indexer, q_resid.as_ref()) {
+                (IndexerKind::Full, Some(iw), Some(qr)) => {
+                    let s = indexer_select(iw, dsa, a, qr, n, pos0, rope, interleaved, cache);
+                    if let Some(tr) = trace {
+                        tr.dsa.push(s.clone());
+                    }
+                    *sel = Some(s);
+                }
+                _ => {} // shared: reuse `sel` (dense attention if no full layer ran before)
+            }
+        }
+        let sel = sel.as_ref();
+
+        let scale = spec.softmax_scale;
+        let mut out = vec![0.0f32; n * nh * vd];
+        // Naive: expand all cached latents once into per-head keys/values [total, heads*(nope+v)].
+        let expanded = (opts.mla == MlaMode::Naive).then(|| {
+            let lat: Vec<f32> = (0..total)
+                .flat_map(|j| cache.entry(j)[..kvr].to_vec())
+                .collect();
+            w.kv_b.matmul(&lat, total)
+        });
+        let stride = nope + vd;
+        let mut scores = Vec::with_capacity(total);
+        let mut keys: Vec<usize> = Vec::with_capacity(total);
+        for t in 0..n {
+            let p = pos0 + t;
+            keys.clear();
+            match sel {
+                Some(s) => keys.extend(s[t].iter().map(|&j| j as usize)),
+                None => keys.extend(0..=p),
+            }
+            for hh in 0..nh {
+                let qh = &q[t * nh * qkd + hh * qkd..t * nh * qkd + (hh + 1) * qkd];
+                let (q_nope, q_rope) = qh.split_at(nope);
+                let o = &mut out[(t * nh + hh) * vd..(t * nh + hh + 1) * vd];
+                scores.clear();
+                match &expanded {
+                    Some(kv) => {
+                        for &j in &keys {
+                            let kvj = &kv[j * nh * stride + hh * stride..];
+                            let s = dot(q_nope, &kvj[..nope]) + dot(q_rope, &cache.entry(j)[kvr..]);
+                            scores.push(s * scale);
+                        }
+                        softmax(&mut scores);
+                        for (&j, &pj) in keys.iter().zip(&scores) {
+                            let vj = &kv[j * nh * stride + hh * stride + nope
+                                ..j * nh * stride + hh * stride + stride];
+                            for (oi, vi) in o.iter_mut().zip(vj) {
+                                *oi += pj * vi;
+                            }
+                        }
+                    }
+                    None => {
+                        // q_abs[c] = sum_d q_nope[d] * W_uk[h][d][c]
+                        let mut q_abs = vec![0.0f32; kvr];
+                        for d in 0..nope {
+                            let wr = w.kv_b.row(hh * stride + d);
+                            let qd = q_nope[d];
+                            for (qa, wv) in q_abs.iter_mut().zip(wr) {
+                                *qa += qd * wv;
+                            }
+                        }
+                        for &j in &keys {
+                            let e = cache.entry(j);
+                            scores.push((dot(&q_abs, &e[..kvr]) + dot(q_rope, &e[kvr..])) * scale);
+                        }
+                        softmax(&mut scores);
+                        let mut ctx = vec![0.0f32; kvr];
+                        for (&j, &pj) in keys.iter().zip(&scores) {
+                            for (c, l) in ctx.iter_mut().zip(&cache.entry(j)[..kvr]) {
+                                *c += pj * l;
+                            }
+                        }
+                        for (d, oi) in o.iter_mut().enumerate() {
+                            *oi = dot(w.kv_b.row(hh * stride + nope + d), &ctx);
+                        }
+                    }
+                }
+            }
+        }
+        w.o.matmul(&out, n)
+    }
+}
+
+/// DSA lightning indexer: scores every causal key for each new query and keeps the top
+/// `index_topk` (all causal keys when there are fewer). Ties, which arise when the ReLU zeroes
+/// several scores, go to the lowest position. Appends this step's indexer keys to the cache.
+#[allow(clippy::too_many_arguments)]
+fn indexer_select(
+    w: &IndexerWeights,
+    d: &charm_shared::config::DsaSpec,
+    a: &[f32],
+    q_resid: &[f32],
+    n: usize,
+    pos0: usize,
+    rope: &[RopeAt],
+    interleaved: bool,
+    cache: &mut LayerCache,
+) -> Selection {
+    let (ih, ihd, rd) = (d.n_heads, d.head_dim, d.rope_dim);
+    let mut q = w.wq_b.matmul(q_resid, n); // [n, ih * ihd]
+    for t in 0..n {
+        for hh in 0..ih {
+            let o = (t * ih + hh) * ihd;
+            rope[t].apply(&mut q[o..o + rd], interleaved);
+        }
+    }
+    let mut k = w.wk.matmul(a, n); // [n, ihd]
+    layer_norm(&mut k, &w.k_norm_w, &w.k_norm_b, INDEXER_KEY_EPS);
+    for t in 0..n {
+        rope[t].apply(&mut k[t * ihd..t * ihd + rd], interleaved);
+    }
+    cache.index_keys.extend_from_slice(&k);
+    let hw = w.weights_proj.matmul(a, n); // [n, ih]
+    let head_scale = (ih as f32).powf(-0.5);
+    let sm = (ihd as f32).powf(-0.5);
+    (0..n)
+        .map(|t| {
+            let p = pos0 + t;
+            if p < d.topk {
+                return (0..=p as u32).collect();
+            }
+            let scores: Vec<f32> = (0..=p)
+                .map(|j| {
+                    let kj = &cache.index_keys[j * ihd..(j + 1) * ihd];
+                    (0..ih)
+                        .map(|hh| {
+                            let s = dot(&q[(t * ih + hh) * ihd..(t * ih + hh + 1) * ihd], kj) * sm;
+                            hw[t * ih + hh] * head_scale * s.max(0.0)
+                        })
+                        .sum()
+                })
+                .collect();
+            let mut chosen: Vec<u32> = top_k(&scores, d.topk)
+                .into_iter()
+                .map(|j| j as u32)
+                .collect();
+            chosen.sort_unstable();
+            chosen
+        })
+        .collect()
+}
+
+/// Grouped-query attention with per-head q/k RMSNorm (Qwen3).
+#[allow(clippy::too_many_arguments)]
+fn gqa(
+    w: &GqaWeights,
+    g: &GqaSpec,
+    eps: f32,
+    scale: f32,
+    a: &[f32],
+    n: usize,
+    pos0: usize,
+    rope: &[RopeAt],
+    cache: &mut LayerCache,
+) -> Vec<f32> {
+    let (nh, nkv, hd) = (g.n_heads, g.n_kv_heads, g.head_dim);
+    let add = |v: &mut Vec<f32>, b: &Option<Vec<f32>>| {
+        if let Some(b) = b {
+            for row in v.chunks_mut(b.len()) {
+                for (x, y) in row.iter_mut().zip(b) {
+                    *x += y;
+                }
+            }
+        }
+    };
+    let mut q = w.q.matmul(a, n);
+    add(&mut q, &w.q_bias);
+    let mut k = w.k.matmul(a, n);
+    add(&mut k, &w.k_bias);
+    let mut v = w.v.matmul(a, n);
+    add(&mut v, &w.v_bias);
+    if let Some(qn) = &w.q_norm {
+        rms_norm(&mut q, qn, eps);
+    }
+    if let Some(kn) = &w.k_norm {
+        rms_norm(&mut k, kn, eps);
+    }
+    for t in 0..n {
+        for hh in 0..nh {
+            rope[t].apply(&mut q[(t * nh + hh) * hd..(t * nh + hh + 1) * hd], false);
+        }
+        for hh in 0..nkv {
+            rope[t].apply(&mut k[(t * nkv + hh) * hd..(t * nkv + hh + 1) * hd], false);
+        }
+        cache
+            .kv
+            .extend_from_slice(&k[t * nkv * hd..(t + 1) * nkv * hd]);
+        cache
+            .kv
+            .extend_from_slice(&v[t * nkv * hd..(t + 1) * nkv * hd]);
+    }
+    let group = nh / nkv;
+    let mut out = vec![0.0f32; n * nh * hd];
+    let mut scores = Vec::new();
+    for t in 0..n {
+        let p = pos0 + t;
+        for hh in 0..nh {
+            let kvh = hh / group;
+            let qh = &q[(t * nh + hh) * hd..(t * nh + hh + 1) * hd];
+            scores.clear();
+            for j in 0..=p {
+                let e = cache.entry(j);
+                scores.push(dot(qh, &e[kvh * hd..(kvh + 1) * hd]) * scale);
+            }
+            softmax(&mut scores);
+            let o = &mut out[(t * nh + hh) * hd..(t * nh + hh + 1) * hd];
+            for (j, &pj) in scores.iter().enumerate() {
+                let e = cache.entry(j);
+                let vj = &e[nkv * hd + kvh * hd..nkv * hd + (kvh + 1) * hd];
+                for (oi, vi) in o.iter_mut().zip(vj) {
+                    *oi += pj * vi;
+                }
+            }
+        }
+    }
+    w.o.matmul(&out, n)
+}

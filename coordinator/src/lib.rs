@@ -1,0 +1,23 @@
+//! charm's coordinator: the dense forward pass, the KV cache, routing and decoding.
+//!
+//! # Layout
+//! - [`model`]: weights of the dense skeleton, loaded from a checkpoint; routed experts are
+//!   handed to an [`charm_worker::ExpertExecutor`].
+//! - [`forward`]: the forward pass (MLA / GQA attention, DSA selection, MoE), the MTP head, traces.
+//! - [`cache`]: the per-sequence KV cache (compressed latents for MLA).
+//! - [`rope`]: rotary embeddings.
+//! - [`sampling`]: greedy and seeded stochastic sampling.
+//! - [`generate`]: prefill + decode loop with timings.
+//! - [`info`]: parameter and byte accounting for `charm info`.
+
+pub mod cache;
+pub mod forward;
+pub mod generate;
+pub mod info;
+pub mod model;
+pub mod rope;
+pub mod sampling;
+
+pub use cache::KvCache;
+pub use forward::{ForwardError, ForwardOptions, MlaMode, Trace};
+pub use model::Model;

@@ -1,0 +1,225 @@
+//! f32 reference kernels: matmul against `[out, in]` weights, norms, activations.
+//!
+//! Every reduction runs in a fixed order per output element (8 interleaved partial sums, then a
+//! fixed tree), independent of how many tokens are in the batch and of the thread count, so one
+//! row's result is bit-identical whether it is computed alone or in a batch.
+
+use rayon::prelude::*;
+
+/// A row-major `[rows, cols]` f32 weight (PyTorch `nn.Linear.weight` layout: `[out, in]`).
+#[derive(Clone, PartialEq)]
+pub struct Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl std::fmt::Debug for Matrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Matrix[{}x{}]", self.rows, self.cols)
+    }
+}
+
+impl Matrix {
+    pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Self {
+        assert_eq!(
+            rows * cols,
+            data.len(),
+            "matrix data does not match its shape"
+        );
+        Self { rows, cols, data }
+    }
+
+    /// Row `r`.
+    #[inline]
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+
+    /// Rows `[start, start + n)` as a new matrix.
+    pub fn slice_rows(&self, start: usize, n: usize) -> Matrix {
+        Matrix::new(
+            n,
+            self.cols,
+            self.data[start * self.cols..(start + n) * self.cols].to_vec(),
+        )
+    }
+
+    /// `y[t, o] = sum_i x[t, i] * self[o, i]` for `n` tokens: `x` is `[n, cols]`, `y` is `[n, rows]`.
+    pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
+        assert_eq!(x.len(), n * self.cols, "matmul input is not [n, cols]");
+        let mut y = vec![0.0f32; n * self.rows];
+        let work = n * self.rows * self.cols;
+        if work < 1 << 16 {
+            for t in 0..n {
+                let xt = &x[t * self.cols..(t + 1) * self.cols];
+                for (o, yo) in y[t * self.rows..(t + 1) * self.rows].iter_mut().enumerate() {
+                    *yo = dot(self.row(o), xt);
+                }
+            }
+            return y;
+        }
+        // Parallel over output rows; each (token, row) dot product is the same code either way.
+        let chunk = 16usize;
+        let cols = self.cols;
+        let rows = self.rows;
+        let mut yt = vec![0.0f32; n * rows]; // [rows, n] while computing
+        yt.par_chunks_mut(chunk * n)
+            .enumerate()
+            .for_each(|(ci, out)| {
+                let r0 = ci * chunk;
+                for (k, o) in out.chunks_mut(n).enumerate() {
+                    let w = &self.data[(r0 + k) * cols..(r0 + k + 1) * cols];
+                    for (t, v) in o.iter_mut().enumerate() {
+                        *v = dot(w, &x[t * cols..(t + 1) * cols]);
+                    }
+                }
+            });
+        for r in 0..rows {
+            for t in 0..n {
+                y[t * rows + r] = yt[r * n + t];
+            }
+        }
+        y
+    }
+}
+
+/// Dot product with a fixed reduction order.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0.0f32; 8];
+    let ca = a.chunks_exact(8);
+    let cb = b.chunks_exact(8);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    let mut tail = 0.0f32;
+    for (x, y) in ra.iter().zip(rb) {
+        tail += x * y;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// RMSNorm in place over rows of width `w.len()`: `x * rsqrt(mean(x^2) + eps) * w`.
+pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
+    let d = w.len();
+    for row in x.chunks_mut(d) {
+        let ss: f32 = dot(row, row) / d as f32;
+        let r = 1.0 / (ss + eps).sqrt();
+        for (v, g) in row.iter_mut().zip(w) {
+            *v = g * (*v * r);
+        }
+    }
+}
+
+/// LayerNorm in place over rows of width `w.len()` (biased variance, as `nn.LayerNorm`).
+pub fn layer_norm(x: &mut [f32], w: &[f32], b: &[f32], eps: f32) {
+    let d = w.len();
+    for row in x.chunks_mut(d) {
+        let mean = row.iter().sum::<f32>() / d as f32;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
+        let r = 1.0 / (var + eps).sqrt();
+        for ((v, g), bb) in row.iter_mut().zip(w).zip(b) {
+            *v = (*v - mean) * r * g + bb;
+        }
+    }
+}
+
+/// `x * sigmoid(x)`.
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// Numerically stable softmax in place.
+pub fn softmax(x: &mut [f32]) {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut s = 0.0f32;
+    for v in x.iter_mut() {
+        *v = (*v - m).exp();
+        s += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= s;
+    }
+}
+
+/// A SwiGLU feed-forward block: `down(silu(gate x) * up x)`. Dense MLPs, shared experts and
+/// routed experts are all this.
+#[derive(Debug, Clone)]
+pub struct SwiGlu {
+    /// `[inter, hidden]`
+    pub gate: Matrix,
+    /// `[inter, hidden]`
+    pub up: Matrix,
+    /// `[hidden, inter]`
+    pub down: Matrix,
+}
+
+impl SwiGlu {
+    /// `x`: `[n, hidden]` -> `[n, hidden]`.
+    pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let g = self.gate.matmul(x, n); // [n, inter]
+        let u = self.up.matmul(x, n); // [n, inter]
+        let h: Vec<f32> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
+        self.down.matmul(&h, n)
+    }
+
+    /// Parameters in this block.
+    pub fn params(&self) -> usize {
+        self.gate.data.len() + self.up.data.len() + self.down.data.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    #[test]
+    fn matmul_matches_f64_reference_on_odd_sizes() {
+        for &(r, c, n) in &[(1, 1, 1), (7, 13, 3), (33, 65, 5), (300, 257, 2)] {
+            let w = Matrix::new(r, c, lcg(r as u64, r * c));
+            let x = lcg(c as u64 + 9, n * c);
+            let y = w.matmul(&x, n);
+            for t in 0..n {
+                for o in 0..r {
+                    let want: f64 = (0..c)
+                        .map(|i| w.row(o)[i] as f64 * x[t * c + i] as f64)
+                        .sum();
+                    assert!(
+                        (y[t * r + o] as f64 - want).abs() < 1e-5,
+                        "{r}x{c} t{t} o{o}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_is_batch_invariant() {
+        let (r, c) = (257, 300);
+        let w = Matrix::new(r, c, lcg(1, r * c));
+        let x = lcg(2, 9 * c);
+        let all = w.matmul(&x, 9);
+        for t in 0..9 {
+            let one = w.matmul(&x[t * c..(t + 1) * c], 1);
+            assert_eq!(one, all[t * r..(t + 1) * r].to_vec(), "token {t}");
+        }
+    }
+}

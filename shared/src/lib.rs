@@ -1,0 +1,22 @@
+//! Code shared by charm's coordinator and workers. No sockets, no clocks.
+//!
+//! # Layout
+//! - [`config`]: the architecture-independent [`config::ModelSpec`]; [`arch`] builds it from each
+//!   architecture's `config.json`.
+//! - [`safetensors`]: header parser (untrusted bytes), memory-mapped files, a writer.
+//! - [`checkpoint`]: a Hugging Face model directory (shards, index, FP8 block scales).
+//! - [`dtype`]: storage dtypes and exact conversion to f32.
+//! - [`kernels`]: f32 matmul, norms, activations, the SwiGLU block.
+//! - [`routing`]: pure MoE routing maths.
+//! - [`error`]: load errors that name the file and tensor.
+
+pub mod arch;
+pub mod checkpoint;
+pub mod config;
+pub mod dtype;
+pub mod error;
+pub mod kernels;
+pub mod routing;
+pub mod safetensors;
+
+pub use error::LoadError;

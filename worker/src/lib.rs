@@ -1,0 +1,248 @@
+//! charm's worker side: it owns routed experts and executes them.
+//!
+//! # Layout
+//! - [`ExpertExecutor`]: the routed-expert boundary. The MoE layer hands over token activations,
+//!   expert ids and gate weights and gets the weighted sum back. Where the experts live (RAM here;
+//!   NVMe streaming and remote workers behind the same trait later) is invisible to the caller.
+//! - [`RamExperts`]: every expert resident in RAM as f32.
+
+use charm_shared::kernels::SwiGlu;
+
+/// Why an expert call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ExpertError {
+    /// The layer has no routed experts (a dense layer, or out of range).
+    #[error("layer {layer} has no routed experts")]
+    NoSuchLayer { layer: usize },
+    /// An expert id past the layer's expert count.
+    #[error("layer {layer}: expert {expert} out of range (layer has {count})")]
+    NoSuchExpert {
+        layer: usize,
+        expert: u32,
+        count: usize,
+    },
+    /// Inputs whose lengths disagree.
+    #[error("expert call shapes disagree: {0}")]
+    Shape(String),
+}
+
+/// One routed-expert computation request for a batch of tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertBatch<'a> {
+    /// MoE layer index (decoder layer number).
+    pub layer: usize,
+    /// `[n_tokens, hidden]` post-attention-norm activations.
+    pub x: &'a [f32],
+    pub n_tokens: usize,
+    /// `[n_tokens, top_k]` expert ids.
+    pub ids: &'a [u32],
+    /// `[n_tokens, top_k]` gate weights.
+    pub weights: &'a [f32],
+    pub top_k: usize,
+}
+
+impl ExpertBatch<'_> {
+    fn check(&self, hidden: usize) -> Result<(), ExpertError> {
+        let n = self.n_tokens;
+        if self.x.len() != n * hidden
+            || self.ids.len() != n * self.top_k
+            || self.weights.len() != n * self.top_k
+        {
+            return Err(ExpertError::Shape(format!(
+                "x {} (want {}x{hidden}), ids {}, weights {} (want {}x{})",
+                self.x.len(),
+                n,
+                self.ids.len(),
+                self.weights.len(),
+                n,
+                self.top_k
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The routed-expert boundary: returns `[n_tokens, hidden]` with
+/// `out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`.
+///
+/// Contract: for each token the `top_k` contributions are added in ascending expert-id order, so
+/// the result does not depend on batch composition or on where each expert ran.
+pub trait ExpertExecutor: Send + Sync + std::fmt::Debug {
+    fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError>;
+}
+
+/// All routed experts resident in RAM, per layer (`None` for dense layers).
+#[derive(Debug, Default)]
+pub struct RamExperts {
+    pub hidden: usize,
+    pub layers: Vec<Option<Vec<SwiGlu>>>,
+}
+
+impl RamExperts {
+    /// Bytes of expert weights held.
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.params() * 4)
+            .sum()
+    }
+}
+
+/// Runs `batch` with `expert(layer, id)` giving each expert's weights: groups tokens by expert so
+/// each expert runs once per batch (batch-union), then sums per token in ascending expert order.
+pub fn run_grouped<'e>(
+    hidden: usize,
+    batch: ExpertBatch<'_>,
+    expert: impl Fn(u32) -> Result<&'e SwiGlu, ExpertError>,
+) -> Result<Vec<f32>, ExpertError> {
+    batch.check(hidden)?;
+    let (n, k) = (batch.n_tokens, batch.top_k);
+    // slot (t, j) -> expert output row
+    let mut outs = vec![0.0f32; n * k * hidden];
+    let mut order: Vec<usize> = (0..n * k).collect();
+    order.sort_by_key(|&s| (batch.ids[s], s));
+    let mut i = 0;
+    while i < order.len() {
+        let id = batch.ids[order[i]];
+        let mut j = i;
+        while j < order.len() && batch.ids[order[j]] == id {
+            j += 1;
+        }
+        let slots = &order[i..j];
+        let e = expert(id)?;
+        let mut xs = Vec::with_capacity(slots.len() * hidden);
+        for &s in slots {
+            let t = s / k;
+            xs.extend_from_slice(&batch.x[t * hidden..(t + 1) * hidden]);
+        }
+        let y = e.forward(&xs, slots.len()); // [slots, hidden]
+        for (r, &s) in slots.iter().enumerate() {
+            outs[s * hidden..(s + 1) * hidden].copy_from_slice(&y[r * hidden..(r + 1) * hidden]);
+        }
+        i = j;
+    }
+    let mut out = vec![0.0f32; n * hidden];
+    for t in 0..n {
+        let mut slots: Vec<usize> = (t * k..(t + 1) * k).collect();
+        slots.sort_by_key(|&s| batch.ids[s]);
+        let o = &mut out[t * hidden..(t + 1) * hidden];
+        for s in slots {
+            let w = batch.weights[s];
+            for (a, b) in o.iter_mut().zip(&outs[s * hidden..(s + 1) * hidden]) {
+                *a += w * b;
+            }
+        }
+    }
+    Ok(out)
+}
+
+impl ExpertExecutor for RamExperts {
+    fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
+        let layer = batch.layer;
+        let experts = self
+            .layers
+            .get(layer)
+            .and_then(|l| l.as_ref())
+            .ok_or(ExpertError::NoSuchLayer { layer })?;
+        run_grouped(self.hidden, batch, |id| {
+            experts.get(id as usize).ok_or(ExpertError::NoSuchExpert {
+                layer,
+                expert: id,
+                count: experts.len(),
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use charm_shared::kernels::Matrix;
+
+    fn expert(seed: f32, h: usize, i: usize) -> SwiGlu {
+        let m = |r, c, s: f32| {
+            Matrix::new(
+                r,
+                c,
+                (0..r * c)
+                    .map(|k| ((k as f32 + s) * 0.37).sin() * 0.3)
+                    .collect(),
+            )
+        };
+        SwiGlu {
+            gate: m(i, h, seed),
+            up: m(i, h, seed + 1.0),
+            down: m(h, i, seed + 2.0),
+        }
+    }
+
+    #[test]
+    fn weighted_sum_matches_direct_and_is_batch_invariant() {
+        let (h, i) = (8, 4);
+        let store = RamExperts {
+            hidden: h,
+            layers: vec![None, Some((0..4).map(|e| expert(e as f32, h, i)).collect())],
+        };
+        let x: Vec<f32> = (0..3 * h).map(|k| (k as f32 * 0.1).cos()).collect();
+        let ids = [2u32, 0, 1, 3, 2, 0];
+        let w = [0.5f32, 0.25, 1.0, 2.0, 0.1, 0.9];
+        let out = store
+            .run(ExpertBatch {
+                layer: 1,
+                x: &x,
+                n_tokens: 3,
+                ids: &ids,
+                weights: &w,
+                top_k: 2,
+            })
+            .unwrap();
+        for t in 0..3 {
+            let one = store
+                .run(ExpertBatch {
+                    layer: 1,
+                    x: &x[t * h..(t + 1) * h],
+                    n_tokens: 1,
+                    ids: &ids[2 * t..2 * t + 2],
+                    weights: &w[2 * t..2 * t + 2],
+                    top_k: 2,
+                })
+                .unwrap();
+            assert_eq!(one, out[t * h..(t + 1) * h].to_vec());
+            let mut want = vec![0.0f32; h];
+            for j in 0..2 {
+                let e = &store.layers[1].as_ref().unwrap()[ids[2 * t + j] as usize];
+                for (a, b) in want.iter_mut().zip(e.forward(&x[t * h..(t + 1) * h], 1)) {
+                    *a += w[2 * t + j] * b;
+                }
+            }
+            for (a, b) in want.iter().zip(&one) {
+                assert!((a - b).abs() < 1e-5);
+            }
+        }
+        assert!(matches!(
+            store.run(ExpertBatch {
+                layer: 0,
+                x: &x,
+                n_tokens: 3,
+                ids: &ids,
+                weights: &w,
+                top_k: 2
+            }),
+            Err(ExpertError::NoSuchLayer { .. })
+        ));
+        let bad = [9u32, 0, 1, 3, 2, 0];
+        assert!(matches!(
+            store.run(ExpertBatch {
+                layer: 1,
+                x: &x,
+                n_tokens: 3,
+                ids: &bad,
+                weights: &w,
+                top_k: 2
+            }),
+            Err(ExpertError::NoSuchExpert { .. })
+        ));
+    }
+}
