@@ -129,6 +129,22 @@ impl Accounting {
             }
         }
         add(Part::Dense, h);
+        if spec.mtp_layers > 0 {
+            // Each MTP layer: one sparse decoder layer (with its own indexer) plus eh_proj and the
+            // enorm / hnorm / head norms; its embedding and head are counted as shared.
+            let r = spec
+                .router
+                .as_ref()
+                .map_or(0, |r| r.n_experts as u64 * (h + 1 + 3 * h * mi));
+            let one = attn
+                + 2 * h
+                + indexer
+                + r
+                + 3 * h * mi * spec.n_shared_experts as u64
+                + 2 * h * h
+                + 3 * h;
+            add(Part::Mtp, one * spec.mtp_layers as u64);
+        }
         add(Part::Embedding, spec.vocab_size as u64 * h);
         if !spec.tie_word_embeddings {
             add(Part::Head, spec.vocab_size as u64 * h);

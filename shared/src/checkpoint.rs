@@ -58,13 +58,36 @@ impl Checkpoint {
             names.sort();
             names.into_iter().map(|n| dir.join(n)).collect()
         } else {
+            // Without an index: `model.safetensors` alone, else the `model-XXXXX-of-YYYYY` shards,
+            // else every `*.safetensors` (other files beside a model, such as reference outputs,
+            // are not weights).
             let rd = std::fs::read_dir(dir).map_err(|e| LoadError::io(dir, e))?;
             let mut v: Vec<PathBuf> = rd
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
                 .collect();
             v.sort();
-            v
+            let name = |p: &PathBuf| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .unwrap_or("")
+                    .to_string()
+            };
+            let shards: Vec<PathBuf> = v
+                .iter()
+                .filter(|p| {
+                    let n = name(p);
+                    n.starts_with("model-") && n.contains("-of-")
+                })
+                .cloned()
+                .collect();
+            if v.iter().any(|p| name(p) == "model.safetensors") {
+                vec![dir.join("model.safetensors")]
+            } else if !shards.is_empty() {
+                shards
+            } else {
+                v
+            }
         };
         if files.is_empty() {
             return Err(LoadError::NoWeights {

@@ -201,12 +201,14 @@ impl ModelSpec {
             "glm_moe_dsa" => crate::arch::glm_moe_dsa::spec(v, path)?,
             "deepseek_v3" | "kimi_k2" => crate::arch::deepseek_v3::spec(v, path)?,
             "qwen3_moe" => crate::arch::qwen3_moe::spec(v, path)?,
-            other => return Err(LoadError::config(
-                path,
-                format!(
+            other => {
+                return Err(LoadError::config(
+                    path,
+                    format!(
                     "unknown model_type `{other}` (charm runs glm_moe_dsa, deepseek_v3, qwen3_moe)"
                 ),
-            )),
+                ))
+            }
         };
         spec.validate(path)?;
         Ok(spec)
@@ -509,5 +511,10 @@ pub fn parse_arch<T: serde::de::DeserializeOwned>(
     v: serde_json::Value,
     path: &Path,
 ) -> Result<T, LoadError> {
-    serde_json::from_value(v).map_err(|e| LoadError::config(path, format!("invalid config: {e}")))
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        LoadError::config(
+            path,
+            format!("invalid config field `{}`: {}", e.path(), e.inner()),
+        )
+    })
 }
