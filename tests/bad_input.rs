@@ -186,10 +186,11 @@ fn duplicate_tensor_across_shards() {
     let mut entry = st.header[T].clone();
     entry["data_offsets"] = serde_json::json!([0, e - b]);
     extra.header.insert(T.to_string(), entry);
-    extra.write(&s.path("model-extra.safetensors"));
+    std::fs::rename(&p, s.path("model-00001-of-00002.safetensors")).unwrap();
+    extra.write(&s.path("model-00002-of-00002.safetensors"));
     let e = err_text(s.load());
     assert!(
-        e.contains(T) && e.contains("model-extra.safetensors") && e.contains("both"),
+        e.contains(T) && e.contains("model-00002-of-00002.safetensors") && e.contains("both"),
         "{e}"
     );
 }

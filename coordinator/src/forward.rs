@@ -273,7 +273,7 @@ impl Model {
                     weights.extend_from_slice(&r.weights);
                     picks.push((r.ids, r.weights));
                 }
-                if let Some(tr) = trace.as_deref_mut() {
+                if let Some(tr) = trace {
                     tr.router.push(picks);
                 }
                 let mut y = self.experts.run(ExpertBatch {
@@ -352,15 +352,15 @@ impl Model {
 
         // DSA: this layer's own selection, or the previous full layer's.
         if let (Some(kind), Some(dsa)) = (layer.indexer_kind, &spec.dsa) {
-            match (kind, &layer.indexer, q_resid.as_ref()) {
-                (IndexerKind::Full, Some(iw), Some(qr)) => {
-                    let s = indexer_select(iw, dsa, a, qr, n, pos0, rope, interleaved, cache);
-                    if let Some(tr) = trace {
-                        tr.dsa.push(s.clone());
-                    }
-                    *sel = Some(s);
+            // `shared` layers reuse `sel` (dense causal attention if no full layer ran before).
+            if let (IndexerKind::Full, Some(iw), Some(qr)) =
+                (kind, &layer.indexer, q_resid.as_ref())
+            {
+                let s = indexer_select(iw, dsa, a, qr, n, pos0, rope, interleaved, cache);
+                if let Some(tr) = trace {
+                    tr.dsa.push(s.clone());
                 }
-                _ => {} // shared: reuse `sel` (dense attention if no full layer ran before)
+                *sel = Some(s);
             }
         }
         let sel = sel.as_ref();
