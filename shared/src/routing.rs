@@ -126,6 +126,12 @@ mod tests {
     }
 
     #[test]
+    fn ties_go_to_the_lower_index() {
+        assert_eq!(top_k(&[0.0, 1.0, 0.0, 1.0, 0.0], 3), vec![1, 3, 0]);
+        assert_eq!(top_k(&[0.0; 6], 2), vec![0, 1]);
+    }
+
+    #[test]
     fn bias_changes_choice_not_weight() {
         let logits = [0.0; 8];
         let bias = [0.0, 0.0, 0.0, 0.5, 0.0, 0.4, 0.0, 0.0];
