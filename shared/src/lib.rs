@@ -7,6 +7,7 @@
 //! - [`checkpoint`]: a Hugging Face model directory (shards, index, FP8 block scales).
 //! - [`dtype`]: storage dtypes and exact conversion to f32.
 //! - [`kernels`]: f32 matmul, norms, activations, the SwiGLU block.
+//! - [`quant`]: int8 / int4 / int2 / bf16 weight formats and their run-time-dispatched kernels.
 //! - [`routing`]: pure MoE routing maths.
 //! - [`error`]: load errors that name the file and tensor.
 
@@ -16,6 +17,7 @@ pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod kernels;
+pub mod quant;
 pub mod routing;
 pub mod safetensors;
 

@@ -1,0 +1,626 @@
+//! Quantized weight matrices (int8, int4, int2 with per-group scales; bf16) and their matmul
+//! kernels, with the instruction set chosen at run time.
+//!
+//! Formats, per row of `cols` weights split into groups of `group` (a multiple of 8 dividing
+//! `cols`; `group == cols` is per-row):
+//! - `Int8`: one `i8` per weight, `w = scale[g] * q`, symmetric (`q` in -127..=127).
+//! - `Int4`: two weights per byte (even index in the low nibble), stored as `q + 8`,
+//!   `w = scale[g] * q`, symmetric (`q` in -7..=7).
+//! - `Int2`: four weights per byte (index `4j + k` in bits `2k..2k+2`), `w = scale[g] * q + min[g]`,
+//!   affine (`q` in 0..=3).
+//! - `Bf16`: the top 16 bits of an f32, exact for bf16 checkpoints.
+//!
+//! Every kernel reduces a row in a fixed order (per group: 8 lanes over the group, a fixed lane tree,
+//! then `scale * partial` added group by group), so one row's result is bit-identical whatever the
+//! batch size or thread count. The scalar path is the reference twin of each SIMD path.
+
+use rayon::prelude::*;
+
+use crate::kernels::Matrix;
+
+/// A weight storage format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QuantKind {
+    Bf16,
+    Int8,
+    Int4,
+    Int2,
+}
+
+impl QuantKind {
+    /// Bits per weight, scales excluded.
+    pub fn bits(self) -> usize {
+        match self {
+            Self::Bf16 => 16,
+            Self::Int8 => 8,
+            Self::Int4 => 4,
+            Self::Int2 => 2,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bf16",
+            Self::Int8 => "int8",
+            Self::Int4 => "int4",
+            Self::Int2 => "int2",
+        }
+    }
+}
+
+/// The instruction-set path a kernel runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    /// AVX2 + FMA (x86_64).
+    Avx2,
+}
+
+impl Isa {
+    /// The best path this CPU supports, detected at run time.
+    pub fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Self::Avx2;
+            }
+        }
+        Self::Scalar
+    }
+
+    /// Every path this CPU can run (scalar first).
+    pub fn available() -> Vec<Self> {
+        let mut v = vec![Self::Scalar];
+        if Self::detect() == Self::Avx2 {
+            v.push(Self::Avx2);
+        }
+        v
+    }
+}
+
+/// Why a matrix cannot be quantized as asked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QuantError {
+    #[error("group size {group} must be a positive multiple of 8 dividing the {cols} columns")]
+    Group { group: usize, cols: usize },
+    #[error("weight at element {index} is not finite")]
+    NonFinite { index: usize },
+}
+
+/// A quantized `[rows, cols]` matrix in `nn.Linear` layout.
+#[derive(Clone, PartialEq)]
+pub struct QMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub kind: QuantKind,
+    pub group: usize,
+    /// Packed weights, `row_bytes()` per row.
+    pub data: Vec<u8>,
+    /// `[rows, cols / group]` scales (unused for bf16).
+    pub scales: Vec<f32>,
+    /// `[rows, cols / group]` offsets (int2 only).
+    pub mins: Vec<f32>,
+}
+
+impl std::fmt::Debug for QMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "QMatrix[{}x{} {} g{}]",
+            self.rows,
+            self.cols,
+            self.kind.name(),
+            self.group
+        )
+    }
+}
+
+impl QMatrix {
+    /// Bytes of packed weights per row.
+    pub fn row_bytes(&self) -> usize {
+        self.cols * self.kind.bits() / 8
+    }
+
+    fn groups(&self) -> usize {
+        self.cols / self.group
+    }
+
+    /// Quantizes `m` (round to nearest, ties away from zero).
+    pub fn quantize(m: &Matrix, kind: QuantKind, group: usize) -> Result<Self, QuantError> {
+        let (rows, cols) = (m.rows, m.cols);
+        if group == 0 || !group.is_multiple_of(8) || !cols.is_multiple_of(group) {
+            return Err(QuantError::Group { group, cols });
+        }
+        if let Some(index) = m.data.iter().position(|v| !v.is_finite()) {
+            return Err(QuantError::NonFinite { index });
+        }
+        let ng = cols / group;
+        let mut q = QMatrix {
+            rows,
+            cols,
+            kind,
+            group,
+            data: Vec::new(),
+            scales: Vec::new(),
+            mins: Vec::new(),
+        };
+        q.data.reserve(rows * q.row_bytes());
+        for r in 0..rows {
+            let row = m.row(r);
+            if kind == QuantKind::Bf16 {
+                for v in row {
+                    q.data.extend_from_slice(&bf16_round(*v).to_le_bytes());
+                }
+                continue;
+            }
+            let mut codes: Vec<u8> = Vec::with_capacity(cols);
+            for g in 0..ng {
+                let w = &row[g * group..(g + 1) * group];
+                match kind {
+                    QuantKind::Int8 | QuantKind::Int4 => {
+                        let qmax = if kind == QuantKind::Int8 { 127.0 } else { 7.0 };
+                        let amax = w.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                        let scale = amax / qmax;
+                        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+                        q.scales.push(scale);
+                        for v in w {
+                            let c = (v * inv).round().clamp(-qmax, qmax) as i32;
+                            codes.push(if kind == QuantKind::Int8 {
+                                c as i8 as u8
+                            } else {
+                                (c + 8) as u8
+                            });
+                        }
+                    }
+                    QuantKind::Int2 => {
+                        let lo = w.iter().copied().fold(f32::INFINITY, f32::min);
+                        let hi = w.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        let scale = (hi - lo) / 3.0;
+                        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+                        q.scales.push(scale);
+                        q.mins.push(lo);
+                        for v in w {
+                            codes.push(((v - lo) * inv).round().clamp(0.0, 3.0) as u8);
+                        }
+                    }
+                    QuantKind::Bf16 => unreachable!(),
+                }
+            }
+            match kind {
+                QuantKind::Int8 => q.data.extend_from_slice(&codes),
+                QuantKind::Int4 => q
+                    .data
+                    .extend(codes.chunks_exact(2).map(|c| c[0] | (c[1] << 4))),
+                QuantKind::Int2 => q.data.extend(
+                    codes
+                        .chunks_exact(4)
+                        .map(|c| c[0] | (c[1] << 2) | (c[2] << 4) | (c[3] << 6)),
+                ),
+                QuantKind::Bf16 => unreachable!(),
+            }
+        }
+        Ok(q)
+    }
+
+    /// Row `r` as f32 (the exact values the kernels multiply by).
+    pub fn dequantize_row(&self, r: usize) -> Vec<f32> {
+        let b = &self.data[r * self.row_bytes()..(r + 1) * self.row_bytes()];
+        let ng = self.groups();
+        (0..self.cols)
+            .map(|i| {
+                let g = r * ng + i / self.group;
+                match self.kind {
+                    QuantKind::Bf16 => {
+                        crate::dtype::bf16_to_f32(u16::from_le_bytes([b[2 * i], b[2 * i + 1]]))
+                    }
+                    QuantKind::Int8 => self.scales[g] * (b[i] as i8) as f32,
+                    QuantKind::Int4 => {
+                        self.scales[g] * (((b[i / 2] >> (4 * (i % 2))) & 15) as i32 - 8) as f32
+                    }
+                    QuantKind::Int2 => {
+                        self.scales[g] * ((b[i / 4] >> (2 * (i % 4))) & 3) as f32 + self.mins[g]
+                    }
+                }
+            })
+            .collect()
+    }
+
+    /// The whole matrix as f32.
+    pub fn dequantize(&self) -> Matrix {
+        Matrix::new(
+            self.rows,
+            self.cols,
+            (0..self.rows)
+                .flat_map(|r| self.dequantize_row(r))
+                .collect(),
+        )
+    }
+
+    /// `y[t, o] = sum_i x[t, i] * W[o, i]` for `n` tokens on `isa`; `x` is `[n, cols]`.
+    pub fn matmul(&self, x: &[f32], n: usize, isa: Isa) -> Vec<f32> {
+        assert_eq!(x.len(), n * self.cols, "matmul input is not [n, cols]");
+        let ng = self.groups();
+        // Per-token group sums of x, for the affine int2 offset term.
+        let xsum: Vec<f32> = if self.kind == QuantKind::Int2 {
+            x.chunks(self.group).map(lane_sum_scalar).collect()
+        } else {
+            Vec::new()
+        };
+        let mut yt = vec![0.0f32; n * self.rows]; // [rows, n]
+        let rb = self.row_bytes();
+        yt.par_chunks_mut(n)
+            .enumerate()
+            .with_min_len(8)
+            .for_each(|(r, out)| {
+                let row = &self.data[r * rb..(r + 1) * rb];
+                let sc = if self.scales.is_empty() {
+                    &[][..]
+                } else {
+                    &self.scales[r * ng..(r + 1) * ng]
+                };
+                let mn = if self.mins.is_empty() {
+                    &[][..]
+                } else {
+                    &self.mins[r * ng..(r + 1) * ng]
+                };
+                for (t, v) in out.iter_mut().enumerate() {
+                    let xt = &x[t * self.cols..(t + 1) * self.cols];
+                    let xs = if xsum.is_empty() {
+                        &[][..]
+                    } else {
+                        &xsum[t * ng..(t + 1) * ng]
+                    };
+                    *v = row_dot(self.kind, self.group, row, sc, mn, xt, xs, isa);
+                }
+            });
+        let mut y = vec![0.0f32; n * self.rows];
+        for r in 0..self.rows {
+            for t in 0..n {
+                y[t * self.rows + r] = yt[r * n + t];
+            }
+        }
+        y
+    }
+}
+
+/// f32 -> bf16 bits, round to nearest even.
+pub fn bf16_round(v: f32) -> u16 {
+    let b = v.to_bits();
+    let r = b.wrapping_add(0x7fff + ((b >> 16) & 1));
+    (r >> 16) as u16
+}
+
+/// Sum of 8 lanes in the fixed tree every kernel uses.
+#[inline]
+fn tree(l: &[f32; 8]) -> f32 {
+    ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]))
+}
+
+fn lane_sum_scalar(x: &[f32]) -> f32 {
+    let mut l = [0.0f32; 8];
+    for c in x.chunks_exact(8) {
+        for k in 0..8 {
+            l[k] += c[k];
+        }
+    }
+    tree(&l)
+}
+
+/// One row times one token, dispatched on `isa`.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn row_dot(
+    kind: QuantKind,
+    group: usize,
+    row: &[u8],
+    sc: &[f32],
+    mn: &[f32],
+    x: &[f32],
+    xs: &[f32],
+    isa: Isa,
+) -> f32 {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only constructed by `detect()` after checking avx2 and fma.
+        Isa::Avx2 => unsafe { avx2::row_dot(kind, group, row, sc, mn, x, xs) },
+        _ => scalar::row_dot(kind, group, row, sc, mn, x, xs),
+    }
+}
+
+/// The reference kernels.
+pub mod scalar {
+    use super::{tree, QuantKind};
+
+    /// Decodes 8 weights starting at element `i` of a packed row into integer codes as f32.
+    #[inline]
+    pub(super) fn codes8(kind: QuantKind, row: &[u8], i: usize) -> [f32; 8] {
+        let mut c = [0.0f32; 8];
+        for k in 0..8 {
+            let j = i + k;
+            c[k] = match kind {
+                QuantKind::Bf16 => {
+                    crate::dtype::bf16_to_f32(u16::from_le_bytes([row[2 * j], row[2 * j + 1]]))
+                }
+                QuantKind::Int8 => (row[j] as i8) as f32,
+                QuantKind::Int4 => (((row[j / 2] >> (4 * (j % 2))) & 15) as i32 - 8) as f32,
+                QuantKind::Int2 => ((row[j / 4] >> (2 * (j % 4))) & 3) as f32,
+            };
+        }
+        c
+    }
+
+    /// `sum_g (scale[g] * sum_{i in g} q_i x_i + min[g] * xsum[g])`, or the plain dot for bf16.
+    pub fn row_dot(
+        kind: QuantKind,
+        group: usize,
+        row: &[u8],
+        sc: &[f32],
+        mn: &[f32],
+        x: &[f32],
+        xs: &[f32],
+    ) -> f32 {
+        let mut acc = 0.0f32;
+        for g in 0..x.len() / group {
+            let mut l = [0.0f32; 8];
+            for i in (g * group..(g + 1) * group).step_by(8) {
+                let c = codes8(kind, row, i);
+                for k in 0..8 {
+                    l[k] += c[k] * x[i + k];
+                }
+            }
+            let p = tree(&l);
+            acc += match kind {
+                QuantKind::Bf16 => p,
+                QuantKind::Int2 => sc[g] * p + mn[g] * xs[g],
+                _ => sc[g] * p,
+            };
+        }
+        acc
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::QuantKind;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum_tree(v: __m256) -> f32 {
+        // lanes (0+4, 1+5, 2+6, 3+7), then ((a+b) + (c+d)): the scalar tree's order.
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let mut a = [0.0f32; 4];
+        // SAFETY: `a` has room for 4 floats.
+        unsafe { _mm_storeu_ps(a.as_mut_ptr(), s) };
+        (a[0] + a[1]) + (a[2] + a[3])
+    }
+
+    /// 8 codes starting at element `i`, as f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn codes8(kind: QuantKind, row: &[u8], i: usize) -> __m256 {
+        match kind {
+            QuantKind::Bf16 => {
+                let b = &row[2 * i..2 * i + 16];
+                // SAFETY: `b` holds 16 bytes.
+                let h = unsafe { _mm_loadu_si128(b.as_ptr() as *const __m128i) };
+                _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+            }
+            QuantKind::Int8 => {
+                let b = &row[i..i + 8];
+                // SAFETY: `b` holds 8 bytes.
+                let h = unsafe { _mm_loadl_epi64(b.as_ptr() as *const __m128i) };
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h))
+            }
+            QuantKind::Int4 => {
+                let w = u32::from_le_bytes(row[i / 2..i / 2 + 4].try_into().expect("4 bytes"));
+                let v = _mm256_set1_epi32(w as i32);
+                let sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+                let c = _mm256_and_si256(_mm256_srlv_epi32(v, sh), _mm256_set1_epi32(15));
+                _mm256_cvtepi32_ps(_mm256_sub_epi32(c, _mm256_set1_epi32(8)))
+            }
+            QuantKind::Int2 => {
+                let w = u16::from_le_bytes([row[i / 4], row[i / 4 + 1]]);
+                let v = _mm256_set1_epi32(w as i32);
+                let sh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+                let c = _mm256_and_si256(_mm256_srlv_epi32(v, sh), _mm256_set1_epi32(3));
+                _mm256_cvtepi32_ps(c)
+            }
+        }
+    }
+
+    /// AVX2 twin of [`super::scalar::row_dot`] (same lanes and tree; fused multiply-add).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn row_dot(
+        kind: QuantKind,
+        group: usize,
+        row: &[u8],
+        sc: &[f32],
+        mn: &[f32],
+        x: &[f32],
+        xs: &[f32],
+    ) -> f32 {
+        let mut acc = 0.0f32;
+        for g in 0..x.len() / group {
+            let mut l = _mm256_setzero_ps();
+            for i in (g * group..(g + 1) * group).step_by(8) {
+                let xv = &x[i..i + 8];
+                // SAFETY: `xv` holds 8 floats.
+                let xv = unsafe { _mm256_loadu_ps(xv.as_ptr()) };
+                l = _mm256_fmadd_ps(codes8(kind, row, i), xv, l);
+            }
+            let p = hsum_tree(l);
+            acc += match kind {
+                QuantKind::Bf16 => p,
+                QuantKind::Int2 => sc[g] * p + mn[g] * xs[g],
+                _ => sc[g] * p,
+            };
+        }
+        acc
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+            })
+            .collect()
+    }
+
+    const KINDS: [QuantKind; 4] = [
+        QuantKind::Bf16,
+        QuantKind::Int8,
+        QuantKind::Int4,
+        QuantKind::Int2,
+    ];
+    /// Shapes with odd row counts, per-row and per-group scales, and odd token counts.
+    const SHAPES: [(usize, usize, usize, usize); 4] = [
+        (1, 8, 8, 1),
+        (7, 64, 64, 3),
+        (33, 192, 64, 5),
+        (129, 320, 32, 2),
+    ];
+
+    fn reference(q: &QMatrix, x: &[f32], n: usize) -> Vec<f64> {
+        let d = q.dequantize();
+        (0..n)
+            .flat_map(|t| (0..q.rows).map(move |o| (t, o)))
+            .map(|(t, o)| {
+                (0..q.cols)
+                    .map(|i| d.row(o)[i] as f64 * x[t * q.cols + i] as f64)
+                    .sum()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_isa_matches_dequantized_f32() {
+        for kind in KINDS {
+            for (r, c, g, n) in SHAPES {
+                let q =
+                    QMatrix::quantize(&Matrix::new(r, c, data(r as u64, r * c)), kind, g).unwrap();
+                let x = data(c as u64 + 1, n * c);
+                let want = reference(&q, &x, n);
+                for isa in Isa::available() {
+                    let y = q.matmul(&x, n, isa);
+                    for (a, b) in y.iter().zip(&want) {
+                        assert!(
+                            (*a as f64 - b).abs() < 1e-4 * (1.0 + b.abs()),
+                            "{kind:?} {r}x{c} g{g} {isa:?}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn simd_matches_scalar_twin() {
+        for kind in KINDS {
+            for (r, c, g, n) in SHAPES {
+                let q = QMatrix::quantize(&Matrix::new(r, c, data(3 + r as u64, r * c)), kind, g)
+                    .unwrap();
+                let x = data(7, n * c);
+                let s = q.matmul(&x, n, Isa::Scalar);
+                for isa in Isa::available() {
+                    let v = q.matmul(&x, n, isa);
+                    for (a, b) in v.iter().zip(&s) {
+                        assert!(
+                            (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                            "{kind:?} {isa:?}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn batch_and_thread_invariant_bitwise() {
+        for kind in KINDS {
+            let (r, c, g) = (67, 256, 64);
+            let q = QMatrix::quantize(&Matrix::new(r, c, data(11, r * c)), kind, g).unwrap();
+            let n = 9;
+            let x = data(12, n * c);
+            for isa in Isa::available() {
+                let all = q.matmul(&x, n, isa);
+                let one_thread = rayon::ThreadPoolBuilder::new()
+                    .num_threads(1)
+                    .build()
+                    .unwrap();
+                let serial = one_thread.install(|| q.matmul(&x, n, isa));
+                assert_eq!(all, serial, "{kind:?} {isa:?}: thread count changed bits");
+                for t in 0..n {
+                    let one = q.matmul(&x[t * c..(t + 1) * c], 1, isa);
+                    assert_eq!(
+                        one,
+                        all[t * r..(t + 1) * r].to_vec(),
+                        "{kind:?} {isa:?} token {t}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantization_error_is_bounded_by_half_a_step() {
+        let (r, c, g) = (5, 128, 64);
+        let m = Matrix::new(r, c, data(99, r * c));
+        for kind in [QuantKind::Int8, QuantKind::Int4, QuantKind::Int2] {
+            let q = QMatrix::quantize(&m, kind, g).unwrap();
+            let d = q.dequantize();
+            for row in 0..r {
+                for i in 0..c {
+                    let step = q.scales[row * (c / g) + i / g];
+                    let e = (d.row(row)[i] - m.row(row)[i]).abs();
+                    assert!(
+                        e <= 0.5 * step + 1e-6,
+                        "{kind:?}: error {e} > half step {step}"
+                    );
+                }
+            }
+        }
+        let q = QMatrix::quantize(&m, QuantKind::Bf16, c).unwrap();
+        for (a, b) in q.dequantize().data.iter().zip(&m.data) {
+            assert!((a - b).abs() <= b.abs() / 256.0);
+        }
+    }
+
+    #[test]
+    fn refuses_bad_groups_and_non_finite() {
+        let m = Matrix::new(2, 64, vec![0.5; 128]);
+        assert!(matches!(
+            QMatrix::quantize(&m, QuantKind::Int4, 12),
+            Err(QuantError::Group { .. })
+        ));
+        assert!(matches!(
+            QMatrix::quantize(&m, QuantKind::Int4, 0),
+            Err(QuantError::Group { .. })
+        ));
+        assert!(matches!(
+            QMatrix::quantize(&m, QuantKind::Int4, 128),
+            Err(QuantError::Group { .. })
+        ));
+        let mut bad = m.clone();
+        bad.data[70] = f32::NAN;
+        assert_eq!(
+            QMatrix::quantize(&bad, QuantKind::Int8, 64),
+            Err(QuantError::NonFinite { index: 70 })
+        );
+        // all-zero groups quantize to zeros, not NaN
+        let z = QMatrix::quantize(&Matrix::new(1, 64, vec![0.0; 64]), QuantKind::Int2, 64).unwrap();
+        assert!(z
+            .matmul(&[1.0; 64], 1, Isa::detect())
+            .iter()
+            .all(|v| *v == 0.0));
+    }
+}
