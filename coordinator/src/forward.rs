@@ -4,7 +4,7 @@
 //! attend causally to everything cached.
 
 use charm_shared::config::{AttentionSpec, GqaSpec, IndexerKind, MlaSpec};
-use charm_shared::kernels::{dot, layer_norm, rms_norm, softmax, Matrix};
+use charm_shared::kernels::{dot, layer_norm, rms_norm, softmax, Linear};
 use charm_shared::routing::{route, top_k};
 use charm_worker::{ExpertBatch, ExpertError};
 
@@ -127,11 +127,11 @@ impl Model {
 
     fn embed_tokens(
         &self,
-        table: &Matrix,
+        table: &Linear,
         tokens: &[u32],
         pos0: usize,
     ) -> Result<Vec<f32>, ForwardError> {
-        let mut x = Vec::with_capacity(tokens.len() * table.cols);
+        let mut x = Vec::with_capacity(tokens.len() * table.cols());
         for (i, &t) in tokens.iter().enumerate() {
             if t as usize >= self.spec.vocab_size {
                 return Err(ForwardError::TokenOutOfRange {
@@ -140,7 +140,7 @@ impl Model {
                     vocab: self.spec.vocab_size,
                 });
             }
-            x.extend_from_slice(table.row(t as usize));
+            x.extend_from_slice(&table.row_f32(t as usize));
         }
         Ok(x)
     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use charm_shared::checkpoint::Checkpoint;
 use charm_shared::config::{AttentionSpec, IndexerKind, MlpKind, ModelSpec};
-use charm_shared::kernels::{Matrix, SwiGlu};
+use charm_shared::kernels::{Linear, Matrix, SwiGlu};
 use charm_shared::LoadError;
 use charm_worker::{ExpertExecutor, RamExperts};
 
@@ -15,26 +15,26 @@ use charm_worker::{ExpertExecutor, RamExperts};
 #[derive(Debug)]
 pub struct MlaWeights {
     /// `[q_lora_rank, hidden]`, `None` when queries come from one projection.
-    pub q_a: Option<Matrix>,
+    pub q_a: Option<Linear>,
     pub q_a_norm: Option<Vec<f32>>,
     /// `[heads * qk_head_dim, q_lora_rank or hidden]`
-    pub q_b: Matrix,
+    pub q_b: Linear,
     /// `[kv_lora_rank + rope, hidden]`
-    pub kv_a: Matrix,
+    pub kv_a: Linear,
     pub kv_a_norm: Vec<f32>,
     /// `[heads * (nope + v), kv_lora_rank]`
     pub kv_b: Matrix,
     /// `[hidden, heads * v]`
-    pub o: Matrix,
+    pub o: Linear,
 }
 
 /// GQA projections of one layer.
 #[derive(Debug)]
 pub struct GqaWeights {
-    pub q: Matrix,
-    pub k: Matrix,
-    pub v: Matrix,
-    pub o: Matrix,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
     pub q_bias: Option<Vec<f32>>,
     pub k_bias: Option<Vec<f32>>,
     pub v_bias: Option<Vec<f32>>,
@@ -53,9 +53,9 @@ pub enum AttnWeights {
 #[derive(Debug)]
 pub struct IndexerWeights {
     /// `[n_heads * head_dim, q_lora_rank]`
-    pub wq_b: Matrix,
+    pub wq_b: Linear,
     /// `[head_dim, hidden]`
-    pub wk: Matrix,
+    pub wk: Linear,
     pub k_norm_w: Vec<f32>,
     pub k_norm_b: Vec<f32>,
     /// `[n_heads, hidden]`
@@ -95,13 +95,13 @@ pub struct MtpWeights {
     pub enorm: Vec<f32>,
     pub hnorm: Vec<f32>,
     /// `[hidden, 2 * hidden]`
-    pub eh_proj: Matrix,
+    pub eh_proj: Linear,
     pub layer: LayerWeights,
     pub head_norm: Vec<f32>,
     /// `None`: the main `lm_head` is shared.
-    pub head: Option<Matrix>,
+    pub head: Option<Linear>,
     /// `None`: the main embedding is shared.
-    pub embed: Option<Matrix>,
+    pub embed: Option<Linear>,
 }
 
 /// A loaded model: spec, dense skeleton and the routed-expert executor.
@@ -109,33 +109,111 @@ pub struct MtpWeights {
 pub struct Model {
     pub spec: ModelSpec,
     /// `[vocab, hidden]`
-    pub embed: Matrix,
+    pub embed: Linear,
     pub layers: Vec<LayerWeights>,
     pub norm: Vec<f32>,
     /// `[vocab, hidden]`; `None` when tied to the embedding.
-    pub lm_head: Option<Matrix>,
+    pub lm_head: Option<Linear>,
     pub mtp: Option<MtpWeights>,
     pub experts: Arc<dyn ExpertExecutor>,
 }
 
+/// Where weights come from: a Hugging Face checkpoint (f32 after dequantization) or a charm
+/// container (weights in their quantized formats). The model builder only asks by tensor name.
+pub trait WeightSource {
+    /// Whether a tensor exists.
+    fn has(&self, name: &str) -> bool;
+    /// A 1-D f32 tensor of `n` values.
+    fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>, LoadError>;
+    /// A 2-D tensor as f32.
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError>;
+    /// A 2-D tensor in its stored format.
+    fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear, LoadError>;
+    /// The routed experts of decoder layer `layer`.
+    fn experts(&self, layer: usize, spec: &ModelSpec) -> Result<Vec<SwiGlu>, LoadError>;
+}
+
+impl WeightSource for Checkpoint {
+    fn has(&self, name: &str) -> bool {
+        Checkpoint::has(self, name)
+    }
+    fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>, LoadError> {
+        self.f32(name, &[n])
+    }
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+        Ok(Matrix::new(rows, cols, self.f32(name, &[rows, cols])?))
+    }
+    fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
+        self.matrix(name, rows, cols).map(Linear::F32)
+    }
+    /// Fused `experts.gate_up_proj` [E, 2I, H] + `experts.down_proj` [E, H, I] (transformers >= 5),
+    /// or per-expert `experts.{e}.{gate,up,down}_proj.weight`.
+    fn experts(&self, layer: usize, spec: &ModelSpec) -> Result<Vec<SwiGlu>, LoadError> {
+        let r = spec.router.as_ref().expect("MoE layer has a router");
+        let (e, h, i) = (r.n_experts, spec.hidden_size, spec.moe_intermediate_size);
+        let p = format!("model.layers.{layer}.mlp.experts.");
+        (0..e)
+            .map(|x| {
+                let (g, u, d) = read_expert(self, &p, x, e, h, i)?;
+                Ok(SwiGlu {
+                    gate: Linear::F32(Matrix::new(i, h, g)),
+                    up: Linear::F32(Matrix::new(i, h, u)),
+                    down: Linear::F32(Matrix::new(h, i, d)),
+                })
+            })
+            .collect()
+    }
+}
+
+/// Reads expert `x` of the layer whose expert prefix is `p` (`model.layers.{l}.mlp.experts.`)
+/// as f32 `(gate [I, H], up [I, H], down [H, I])`, whichever layout the checkpoint uses. Only this
+/// expert's bytes are decoded.
+pub fn read_expert(
+    ck: &Checkpoint,
+    p: &str,
+    x: usize,
+    e: usize,
+    h: usize,
+    i: usize,
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), LoadError> {
+    let fused = format!("{p}gate_up_proj");
+    if ck.has(&fused) {
+        let gu = ck.f32_slice(&fused, &[e, 2 * i, h], x)?;
+        let d = ck.f32_slice(&format!("{p}down_proj"), &[e, h, i], x)?;
+        let u = gu[i * h..].to_vec();
+        let mut g = gu;
+        g.truncate(i * h);
+        Ok((g, u, d))
+    } else {
+        Ok((
+            ck.f32(&format!("{p}{x}.gate_proj.weight"), &[i, h])?,
+            ck.f32(&format!("{p}{x}.up_proj.weight"), &[i, h])?,
+            ck.f32(&format!("{p}{x}.down_proj.weight"), &[h, i])?,
+        ))
+    }
+}
+
 struct Loader<'a> {
-    ck: &'a Checkpoint,
+    src: &'a dyn WeightSource,
     spec: &'a ModelSpec,
 }
 
 impl Loader<'_> {
     fn vec(&self, name: &str, n: usize) -> Result<Vec<f32>, LoadError> {
-        self.ck.f32(name, &[n])
+        self.src.vector(name, n)
     }
     fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
-        Ok(Matrix::new(rows, cols, self.ck.f32(name, &[rows, cols])?))
+        self.src.matrix(name, rows, cols)
+    }
+    fn lin(&self, name: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
+        self.src.linear(name, rows, cols)
     }
     fn mlp(&self, p: &str, inter: usize) -> Result<SwiGlu, LoadError> {
         let h = self.spec.hidden_size;
         Ok(SwiGlu {
-            gate: self.mat(&format!("{p}gate_proj.weight"), inter, h)?,
-            up: self.mat(&format!("{p}up_proj.weight"), inter, h)?,
-            down: self.mat(&format!("{p}down_proj.weight"), h, inter)?,
+            gate: self.lin(&format!("{p}gate_proj.weight"), inter, h)?,
+            up: self.lin(&format!("{p}up_proj.weight"), inter, h)?,
+            down: self.lin(&format!("{p}down_proj.weight"), h, inter)?,
         })
     }
 
@@ -146,21 +224,21 @@ impl Loader<'_> {
                 let qk = m.n_heads * m.qk_head_dim();
                 let (q_a, q_a_norm, q_b) = match m.q_lora_rank {
                     Some(r) => (
-                        Some(self.mat(&format!("{p}self_attn.q_a_proj.weight"), r, h)?),
+                        Some(self.lin(&format!("{p}self_attn.q_a_proj.weight"), r, h)?),
                         Some(self.vec(&format!("{p}self_attn.q_a_layernorm.weight"), r)?),
-                        self.mat(&format!("{p}self_attn.q_b_proj.weight"), qk, r)?,
+                        self.lin(&format!("{p}self_attn.q_b_proj.weight"), qk, r)?,
                     ),
                     None => (
                         None,
                         None,
-                        self.mat(&format!("{p}self_attn.q_proj.weight"), qk, h)?,
+                        self.lin(&format!("{p}self_attn.q_proj.weight"), qk, h)?,
                     ),
                 };
                 AttnWeights::Mla(MlaWeights {
                     q_a,
                     q_a_norm,
                     q_b,
-                    kv_a: self.mat(
+                    kv_a: self.lin(
                         &format!("{p}self_attn.kv_a_proj_with_mqa.weight"),
                         m.cache_width(),
                         h,
@@ -174,7 +252,7 @@ impl Loader<'_> {
                         m.n_heads * (m.qk_nope_head_dim + m.v_head_dim),
                         m.kv_lora_rank,
                     )?,
-                    o: self.mat(
+                    o: self.lin(
                         &format!("{p}self_attn.o_proj.weight"),
                         h,
                         m.n_heads * m.v_head_dim,
@@ -200,10 +278,10 @@ impl Loader<'_> {
                     }
                 };
                 AttnWeights::Gqa(GqaWeights {
-                    q: self.mat(&format!("{p}self_attn.q_proj.weight"), q, h)?,
-                    k: self.mat(&format!("{p}self_attn.k_proj.weight"), kv, h)?,
-                    v: self.mat(&format!("{p}self_attn.v_proj.weight"), kv, h)?,
-                    o: self.mat(&format!("{p}self_attn.o_proj.weight"), h, q)?,
+                    q: self.lin(&format!("{p}self_attn.q_proj.weight"), q, h)?,
+                    k: self.lin(&format!("{p}self_attn.k_proj.weight"), kv, h)?,
+                    v: self.lin(&format!("{p}self_attn.v_proj.weight"), kv, h)?,
+                    o: self.lin(&format!("{p}self_attn.o_proj.weight"), h, q)?,
                     q_bias: bias("q_proj", q)?,
                     k_bias: bias("k_proj", kv)?,
                     v_bias: bias("v_proj", kv)?,
@@ -223,45 +301,12 @@ impl Loader<'_> {
         };
         let p = format!("{p}self_attn.indexer.");
         Ok(IndexerWeights {
-            wq_b: self.mat(&format!("{p}wq_b.weight"), d.n_heads * d.head_dim, q_rank)?,
-            wk: self.mat(&format!("{p}wk.weight"), d.head_dim, h)?,
+            wq_b: self.lin(&format!("{p}wq_b.weight"), d.n_heads * d.head_dim, q_rank)?,
+            wk: self.lin(&format!("{p}wk.weight"), d.head_dim, h)?,
             k_norm_w: self.vec(&format!("{p}k_norm.weight"), d.head_dim)?,
             k_norm_b: self.vec(&format!("{p}k_norm.bias"), d.head_dim)?,
             weights_proj: self.mat(&format!("{p}weights_proj.weight"), d.n_heads, h)?,
         })
-    }
-
-    /// Routed experts of layer prefix `p`: fused `experts.gate_up_proj` [E, 2I, H] +
-    /// `experts.down_proj` [E, H, I] (transformers >= 5), or per-expert `experts.{e}.*_proj.weight`.
-    fn experts(&self, p: &str) -> Result<Vec<SwiGlu>, LoadError> {
-        let r = self.spec.router.as_ref().expect("MoE layer has a router");
-        let (e, h, i) = (
-            r.n_experts,
-            self.spec.hidden_size,
-            self.spec.moe_intermediate_size,
-        );
-        let fused = format!("{p}mlp.experts.gate_up_proj");
-        if self.ck.has(&fused) {
-            let gu = self.ck.f32(&fused, &[e, 2 * i, h])?;
-            let dn = self
-                .ck
-                .f32(&format!("{p}mlp.experts.down_proj"), &[e, h, i])?;
-            Ok((0..e)
-                .map(|x| {
-                    let g = &gu[x * 2 * i * h..(x * 2 + 1) * i * h];
-                    let u = &gu[(x * 2 + 1) * i * h..(x * 2 + 2) * i * h];
-                    SwiGlu {
-                        gate: Matrix::new(i, h, g.to_vec()),
-                        up: Matrix::new(i, h, u.to_vec()),
-                        down: Matrix::new(h, i, dn[x * h * i..(x + 1) * h * i].to_vec()),
-                    }
-                })
-                .collect())
-        } else {
-            (0..e)
-                .map(|x| self.mlp(&format!("{p}mlp.experts.{x}."), i))
-                .collect()
-        }
     }
 
     fn layer(
@@ -288,7 +333,7 @@ impl Loader<'_> {
                     None
                 };
                 experts.resize_with(experts.len().max(index + 1), || None);
-                experts[index] = Some(self.experts(&p)?);
+                experts[index] = Some(self.src.experts(index, self.spec)?);
                 FfnWeights::Moe {
                     router: self.mat(&format!("{p}mlp.gate.weight"), r.n_experts, h)?,
                     correction_bias: if r.correction_bias {
@@ -328,18 +373,26 @@ impl Model {
 
     /// Builds the model from an opened checkpoint.
     pub fn from_checkpoint(spec: ModelSpec, ck: &Checkpoint) -> Result<Self, LoadError> {
-        let l = Loader { ck, spec: &spec };
+        Self::from_source(spec, ck)
+    }
+
+    /// Builds the model from any weight source.
+    pub fn from_source(spec: ModelSpec, ck: &dyn WeightSource) -> Result<Self, LoadError> {
+        let l = Loader {
+            src: ck,
+            spec: &spec,
+        };
         let (v, h) = (spec.vocab_size, spec.hidden_size);
         let mut experts: Vec<Option<Vec<SwiGlu>>> = Vec::new();
         let mut layers = Vec::with_capacity(spec.layers.len());
         for (i, ls) in spec.layers.iter().enumerate() {
             layers.push(l.layer(i, ls.mlp, ls.indexer, &mut experts)?);
         }
-        let embed = l.mat("model.embed_tokens.weight", v, h)?;
+        let embed = l.lin("model.embed_tokens.weight", v, h)?;
         let lm_head = if spec.tie_word_embeddings && !ck.has("lm_head.weight") {
             None
         } else {
-            Some(l.mat("lm_head.weight", v, h)?)
+            Some(l.lin("lm_head.weight", v, h)?)
         };
         // The MTP layer is loaded when the config announces it and its tensors are present; it is
         // never run as part of the main model.
@@ -357,16 +410,16 @@ impl Model {
             Some(MtpWeights {
                 enorm: l.vec(&format!("{mtp_prefix}enorm.weight"), h)?,
                 hnorm: l.vec(&format!("{mtp_prefix}hnorm.weight"), h)?,
-                eh_proj: l.mat(&format!("{mtp_prefix}eh_proj.weight"), h, 2 * h)?,
+                eh_proj: l.lin(&format!("{mtp_prefix}eh_proj.weight"), h, 2 * h)?,
                 layer,
                 head_norm: l.vec(&format!("{mtp_prefix}shared_head.norm.weight"), h)?,
                 head: ck
                     .has(&format!("{mtp_prefix}shared_head.head.weight"))
-                    .then(|| l.mat(&format!("{mtp_prefix}shared_head.head.weight"), v, h))
+                    .then(|| l.lin(&format!("{mtp_prefix}shared_head.head.weight"), v, h))
                     .transpose()?,
                 embed: ck
                     .has(&format!("{mtp_prefix}embed_tokens.weight"))
-                    .then(|| l.mat(&format!("{mtp_prefix}embed_tokens.weight"), v, h))
+                    .then(|| l.lin(&format!("{mtp_prefix}embed_tokens.weight"), v, h))
                     .transpose()?,
             })
         } else {

@@ -174,6 +174,61 @@ impl Checkpoint {
         Ok(v)
     }
 
+    /// Reads slice `index` along the leading dimension of tensor `name` (e.g. one expert of a
+    /// fused `[E, R, C]` tensor) as f32, decoding only that slice's bytes. FP8 block scales and
+    /// the finiteness check apply as in [`Checkpoint::f32`].
+    pub fn f32_slice(
+        &self,
+        name: &str,
+        want: &[usize],
+        index: usize,
+    ) -> Result<Vec<f32>, LoadError> {
+        let shard = &self.shards[*self.index.get(name).ok_or_else(|| self.missing(name))?];
+        let info = &shard.header.tensors[name];
+        if info.shape != want || want.is_empty() || index >= want[0] {
+            return Err(LoadError::Shape {
+                path: shard.path.clone(),
+                tensor: name.to_string(),
+                got: info.shape.clone(),
+                want: want.to_vec(),
+            });
+        }
+        let per: usize = want[1..].iter().product();
+        let bytes = shard.bytes(name).expect("indexed tensor exists");
+        let es = info.dtype.size();
+        let part = &bytes[index * per * es..(index + 1) * per * es];
+        let mut v = dtype::to_f32(info.dtype, part).ok_or_else(|| LoadError::Tensor {
+            path: shard.path.clone(),
+            tensor: name.to_string(),
+            reason: format!("dtype {} is not a floating-point type", info.dtype.name()),
+        })?;
+        if matches!(info.dtype, DType::F8E4M3 | DType::F8E5M2) {
+            // Scales of this slice only: apply to a [1, R, C] view.
+            let (br, bc) = self.fp8_block.unwrap_or((128, 128));
+            let (r, c) = (want[want.len() - 2], want[want.len() - 1]);
+            let (rb, cb) = (r.div_ceil(br), c.div_ceil(bc));
+            let mut sw = want[..want.len() - 2].to_vec();
+            sw.extend([rb, cb]);
+            let scales = self.f32_slice(&format!("{name}_scale_inv"), &sw, index)?;
+            let lead = per / (r * c);
+            for m in 0..lead {
+                for y in 0..r {
+                    for z in 0..c {
+                        v[(m * r + y) * c + z] *= scales[(m * rb + y / br) * cb + z / bc];
+                    }
+                }
+            }
+        }
+        if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+            return Err(LoadError::NonFinite {
+                path: shard.path.clone(),
+                tensor: name.to_string(),
+                index: index * per + i,
+            });
+        }
+        Ok(v)
+    }
+
     /// Like [`Checkpoint::f32`] but `None` when the tensor is absent.
     pub fn f32_opt(&self, name: &str, want: &[usize]) -> Result<Option<Vec<f32>>, LoadError> {
         if self.has(name) {

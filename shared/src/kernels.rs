@@ -6,6 +6,8 @@
 
 use rayon::prelude::*;
 
+use crate::quant::{active_isa, QMatrix};
+
 /// A row-major `[rows, cols]` f32 weight (PyTorch `nn.Linear.weight` layout: `[out, in]`).
 #[derive(Clone, PartialEq)]
 pub struct Matrix {
@@ -148,16 +150,77 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
+/// A linear layer's weight `[out, in]`: f32, or quantized ([`QMatrix`]) and multiplied by the
+/// kernel the CPU supports best.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Linear {
+    F32(Matrix),
+    Quant(QMatrix),
+}
+
+impl Linear {
+    pub fn rows(&self) -> usize {
+        match self {
+            Self::F32(m) => m.rows,
+            Self::Quant(q) => q.rows,
+        }
+    }
+    pub fn cols(&self) -> usize {
+        match self {
+            Self::F32(m) => m.cols,
+            Self::Quant(q) => q.cols,
+        }
+    }
+    /// `x`: `[n, cols]` -> `[n, rows]`.
+    pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
+        match self {
+            Self::F32(m) => m.matmul(x, n),
+            Self::Quant(q) => q.matmul(x, n, active_isa()),
+        }
+    }
+    /// Row `r` as f32 (embedding lookup).
+    pub fn row_f32(&self, r: usize) -> Vec<f32> {
+        match self {
+            Self::F32(m) => m.row(r).to_vec(),
+            Self::Quant(q) => q.dequantize_row(r),
+        }
+    }
+    /// The whole weight as f32.
+    pub fn to_f32(&self) -> Matrix {
+        match self {
+            Self::F32(m) => m.clone(),
+            Self::Quant(q) => q.dequantize(),
+        }
+    }
+    /// Bytes held in memory.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::F32(m) => 4 * m.data.len(),
+            Self::Quant(q) => q.data.len() + 4 * (q.scales.len() + q.mins.len()),
+        }
+    }
+    /// Number of weights.
+    pub fn params(&self) -> usize {
+        self.rows() * self.cols()
+    }
+}
+
+impl From<Matrix> for Linear {
+    fn from(m: Matrix) -> Self {
+        Self::F32(m)
+    }
+}
+
 /// A SwiGLU feed-forward block: `down(silu(gate x) * up x)`. Dense MLPs, shared experts and
 /// routed experts are all this.
 #[derive(Debug, Clone)]
 pub struct SwiGlu {
     /// `[inter, hidden]`
-    pub gate: Matrix,
+    pub gate: Linear,
     /// `[inter, hidden]`
-    pub up: Matrix,
+    pub up: Linear,
     /// `[hidden, inter]`
-    pub down: Matrix,
+    pub down: Linear,
 }
 
 impl SwiGlu {
@@ -171,7 +234,12 @@ impl SwiGlu {
 
     /// Parameters in this block.
     pub fn params(&self) -> usize {
-        self.gate.data.len() + self.up.data.len() + self.down.data.len()
+        self.gate.params() + self.up.params() + self.down.params()
+    }
+
+    /// Bytes held in memory.
+    pub fn bytes(&self) -> usize {
+        self.gate.bytes() + self.up.bytes() + self.down.bytes()
     }
 }
 

@@ -77,6 +77,16 @@ impl Isa {
     }
 }
 
+/// The path every kernel uses: [`Isa::detect`], unless `CHARM_ISA=scalar` forces the reference
+/// path (for comparisons). Read once.
+pub fn active_isa() -> Isa {
+    static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| match std::env::var("CHARM_ISA").as_deref() {
+        Ok("scalar") => Isa::Scalar,
+        _ => Isa::detect(),
+    })
+}
+
 /// Why a matrix cannot be quantized as asked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QuantError {

@@ -85,7 +85,7 @@ impl RamExperts {
             .iter()
             .flatten()
             .flatten()
-            .map(|e| e.params() * 4)
+            .map(|e| e.bytes())
             .sum()
     }
 }
@@ -172,9 +172,9 @@ mod tests {
             )
         };
         SwiGlu {
-            gate: m(i, h, seed),
-            up: m(i, h, seed + 1.0),
-            down: m(h, i, seed + 2.0),
+            gate: m(i, h, seed).into(),
+            up: m(i, h, seed + 1.0).into(),
+            down: m(h, i, seed + 2.0).into(),
         }
     }
 
