@@ -10,12 +10,14 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use charm_coordinator::cache::KvCache;
+use charm_coordinator::convert::convert;
 use charm_coordinator::generate::generate;
 use charm_coordinator::info::{Accounting, Part};
 use charm_coordinator::sampling::{Sampler, SamplingParams};
 use charm_coordinator::{ForwardOptions, MlaMode, Model};
 use charm_shared::checkpoint::Checkpoint;
 use charm_shared::config::{AttentionSpec, ModelSpec};
+use charm_shared::container::{Policy, StoreFormat};
 use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Parser, Debug)]
@@ -83,6 +85,28 @@ enum Cmd {
         model: PathBuf,
         #[arg(long)]
         json: bool,
+    },
+    /// Converts a Hugging Face checkpoint into a charm container (resumable).
+    Convert {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        /// Routed experts.
+        #[arg(long, default_value = "int4")]
+        experts: String,
+        /// Attention, shared experts, dense MLPs.
+        #[arg(long, default_value = "int8")]
+        dense: String,
+        /// Embedding and output head (per-row scales).
+        #[arg(long, default_value = "int8")]
+        embedding: String,
+        /// The MTP layer (at int4 its draft acceptance collapses).
+        #[arg(long, default_value = "int8")]
+        mtp: String,
+        /// Weights per scale in grouped formats.
+        #[arg(long, default_value_t = 64)]
+        group: usize,
     },
     /// Runs the bundled example model end to end.
     Demo,
@@ -325,6 +349,66 @@ fn cmd_info(model: &Path, json: bool) -> Result<()> {
     Ok(())
 }
 
+fn store_format(flag: &str, v: &str, allowed: &[&str]) -> Result<StoreFormat> {
+    match StoreFormat::parse(v) {
+        Some(f) if allowed.contains(&v) => Ok(f),
+        _ => bail!("--{flag} {v}: expected one of {}", allowed.join(", ")),
+    }
+}
+
+fn cmd_convert(
+    model: &Path,
+    out: &Path,
+    experts: &str,
+    dense: &str,
+    embedding: &str,
+    mtp: &str,
+    group: usize,
+) -> Result<()> {
+    let q = ["int8", "int4", "int2", "bf16"];
+    let policy = Policy {
+        experts: store_format("experts", experts, &q)?,
+        dense: store_format("dense", dense, &q)?,
+        embedding: store_format("embedding", embedding, &q)?,
+        mtp: store_format("mtp", mtp, &q)?,
+        group,
+    };
+    if group == 0 || !group.is_multiple_of(8) {
+        bail!("--group {group}: must be a positive multiple of 8");
+    }
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta} {msg}")
+            .expect("valid template"),
+    );
+    let abort_after = std::env::var("CHARM_CONVERT_ABORT_AFTER_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let t = std::time::Instant::now();
+    let r = convert(
+        model,
+        out,
+        &policy,
+        abort_after,
+        &mut |done, total, what| {
+            bar.set_length(total);
+            bar.set_position(done);
+            bar.set_message(what.to_string());
+        },
+    )?;
+    bar.finish_and_clear();
+    eprintln!(
+        "converted {} -> {}: {} in {:.1}s ({} units written, {} reused from an earlier run)",
+        model.display(),
+        out.display(),
+        human(r.output_bytes),
+        t.elapsed().as_secs_f64(),
+        r.units_written,
+        r.units_reused
+    );
+    Ok(())
+}
+
 fn cmd_demo() -> Result<()> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/oracle/glm5-tiny");
     println!("charm demo: GLM-5.2 architecture (MLA + DSA sparse attention + 16-expert MoE + MTP), tiny random weights");
@@ -385,6 +469,15 @@ fn main() -> ExitCode {
             mla,
         ),
         Cmd::Info { model, json } => cmd_info(&model, json),
+        Cmd::Convert {
+            model,
+            out,
+            experts,
+            dense,
+            embedding,
+            mtp,
+            group,
+        } => cmd_convert(&model, &out, &experts, &dense, &embedding, &mtp, group),
         Cmd::Demo => cmd_demo(),
     };
     match r {

@@ -4,6 +4,7 @@
 //! - [`model`]: weights of the dense skeleton, loaded from a checkpoint; routed experts are
 //!   handed to an [`charm_worker::ExpertExecutor`].
 //! - [`forward`]: the forward pass (MLA / GQA attention, DSA selection, MoE), the MTP head, traces.
+//! - [`convert`]: Hugging Face checkpoint -> charm container, resumable.
 //! - [`cache`]: the per-sequence KV cache (compressed latents for MLA).
 //! - [`rope`]: rotary embeddings.
 //! - [`sampling`]: greedy and seeded stochastic sampling.
@@ -11,6 +12,7 @@
 //! - [`info`]: parameter and byte accounting for `charm info`.
 
 pub mod cache;
+pub mod convert;
 pub mod forward;
 pub mod generate;
 pub mod info;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use charm_shared::checkpoint::Checkpoint;
 use charm_shared::config::{AttentionSpec, IndexerKind, MlpKind, ModelSpec};
+use charm_shared::container::Container;
 use charm_shared::kernels::{Linear, Matrix, SwiGlu};
 use charm_shared::LoadError;
 use charm_worker::{ExpertExecutor, RamExperts};
@@ -165,6 +166,9 @@ impl WeightSource for Checkpoint {
     }
 }
 
+/// One expert's `(gate [I, H], up [I, H], down [H, I])` weights as f32.
+pub type ExpertF32 = (Vec<f32>, Vec<f32>, Vec<f32>);
+
 /// Reads expert `x` of the layer whose expert prefix is `p` (`model.layers.{l}.mlp.experts.`)
 /// as f32 `(gate [I, H], up [I, H], down [H, I])`, whichever layout the checkpoint uses. Only this
 /// expert's bytes are decoded.
@@ -175,7 +179,7 @@ pub fn read_expert(
     e: usize,
     h: usize,
     i: usize,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), LoadError> {
+) -> Result<ExpertF32, LoadError> {
     let fused = format!("{p}gate_up_proj");
     if ck.has(&fused) {
         let gu = ck.f32_slice(&fused, &[e, 2 * i, h], x)?;
@@ -190,6 +194,44 @@ pub fn read_expert(
             ck.f32(&format!("{p}{x}.up_proj.weight"), &[i, h])?,
             ck.f32(&format!("{p}{x}.down_proj.weight"), &[h, i])?,
         ))
+    }
+}
+
+impl WeightSource for Container {
+    fn has(&self, name: &str) -> bool {
+        Container::has(self, name)
+    }
+    fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>, LoadError> {
+        match self.linear(name, &[n])? {
+            Linear::F32(m) => Ok(m.data),
+            Linear::Quant(q) => Ok(q.dequantize().data),
+        }
+    }
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+        Ok(self.linear(name, &[rows, cols])?.to_f32())
+    }
+    fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
+        Container::linear(self, name, &[rows, cols])
+    }
+    fn experts(&self, layer: usize, spec: &ModelSpec) -> Result<Vec<SwiGlu>, LoadError> {
+        let r = spec.router.as_ref().expect("MoE layer has a router");
+        let (h, i) = (spec.hidden_size, spec.moe_intermediate_size);
+        (0..r.n_experts)
+            .map(|e| {
+                let (gate, up, down) = self.expert(layer, e)?;
+                for (w, rows, cols) in [(&gate, i, h), (&up, i, h), (&down, h, i)] {
+                    if (w.rows(), w.cols()) != (rows, cols) {
+                        return Err(LoadError::Shape {
+                            path: self.dir.clone(),
+                            tensor: format!("layer {layer} expert {e}"),
+                            got: vec![w.rows(), w.cols()],
+                            want: vec![rows, cols],
+                        });
+                    }
+                }
+                Ok(SwiGlu { gate, up, down })
+            })
+            .collect()
     }
 }
 
@@ -365,8 +407,23 @@ impl Loader<'_> {
 
 impl Model {
     /// Loads `dir` (config.json + safetensors shards) with every routed expert in RAM.
+    /// A charm container (`charm.json` present) loads with its stored formats.
     pub fn load(dir: &Path) -> Result<Self, LoadError> {
         let spec = ModelSpec::from_dir(dir)?;
+        if Container::is_container(dir) {
+            let c = Container::open(dir)?;
+            if c.manifest.model_type != spec.arch.model_type() {
+                return Err(LoadError::Config {
+                    path: dir.join("config.json"),
+                    reason: format!(
+                        "config.json says {} but the container was made from {}",
+                        spec.arch.model_type(),
+                        c.manifest.model_type
+                    ),
+                });
+            }
+            return Self::from_source(spec, &c);
+        }
         let ck = Checkpoint::open(dir)?;
         Self::from_checkpoint(spec, &ck)
     }

@@ -175,17 +175,29 @@ impl Checkpoint {
     }
 
     /// Reads slice `index` along the leading dimension of tensor `name` (e.g. one expert of a
-    /// fused `[E, R, C]` tensor) as f32, decoding only that slice's bytes. FP8 block scales and
-    /// the finiteness check apply as in [`Checkpoint::f32`].
+    /// fused `[E, R, C]` tensor) as f32, decoding only that slice's bytes.
     pub fn f32_slice(
         &self,
         name: &str,
         want: &[usize],
         index: usize,
     ) -> Result<Vec<f32>, LoadError> {
+        self.f32_rows(name, want, index, 1)
+    }
+
+    /// Reads `count` slices from `start` along the leading dimension of tensor `name` (rows of a
+    /// matrix, experts of a fused tensor) as f32, decoding only those bytes. FP8 block scales and
+    /// the finiteness check apply as in [`Checkpoint::f32`].
+    pub fn f32_rows(
+        &self,
+        name: &str,
+        want: &[usize],
+        start: usize,
+        count: usize,
+    ) -> Result<Vec<f32>, LoadError> {
         let shard = &self.shards[*self.index.get(name).ok_or_else(|| self.missing(name))?];
         let info = &shard.header.tensors[name];
-        if info.shape != want || want.is_empty() || index >= want[0] {
+        if info.shape != want || want.is_empty() || start + count > want[0] {
             return Err(LoadError::Shape {
                 path: shard.path.clone(),
                 tensor: name.to_string(),
@@ -196,34 +208,39 @@ impl Checkpoint {
         let per: usize = want[1..].iter().product();
         let bytes = shard.bytes(name).expect("indexed tensor exists");
         let es = info.dtype.size();
-        let part = &bytes[index * per * es..(index + 1) * per * es];
+        let part = &bytes[start * per * es..(start + count) * per * es];
         let mut v = dtype::to_f32(info.dtype, part).ok_or_else(|| LoadError::Tensor {
             path: shard.path.clone(),
             tensor: name.to_string(),
             reason: format!("dtype {} is not a floating-point type", info.dtype.name()),
         })?;
         if matches!(info.dtype, DType::F8E4M3 | DType::F8E5M2) {
-            // Scales of this slice only: apply to a [1, R, C] view.
+            let scale_name = format!("{name}_scale_inv");
+            if !self.has(&scale_name) || want.len() < 2 {
+                return Err(LoadError::Tensor {
+                    path: shard.path.clone(),
+                    tensor: name.to_string(),
+                    reason: format!("FP8 weight without its block scales `{scale_name}`"),
+                });
+            }
             let (br, bc) = self.fp8_block.unwrap_or((128, 128));
             let (r, c) = (want[want.len() - 2], want[want.len() - 1]);
             let (rb, cb) = (r.div_ceil(br), c.div_ceil(bc));
             let mut sw = want[..want.len() - 2].to_vec();
             sw.extend([rb, cb]);
-            let scales = self.f32_slice(&format!("{name}_scale_inv"), &sw, index)?;
-            let lead = per / (r * c);
-            for m in 0..lead {
-                for y in 0..r {
-                    for z in 0..c {
-                        v[(m * r + y) * c + z] *= scales[(m * rb + y / br) * cb + z / bc];
-                    }
-                }
+            let scales = self.f32(&scale_name, &sw)?;
+            let base = start * per;
+            for (k, x) in v.iter_mut().enumerate() {
+                let g = base + k;
+                let (m, y, z) = (g / (r * c), (g / c) % r, g % c);
+                *x *= scales[(m * rb + y / br) * cb + z / bc];
             }
         }
         if let Some(i) = v.iter().position(|x| !x.is_finite()) {
             return Err(LoadError::NonFinite {
                 path: shard.path.clone(),
                 tensor: name.to_string(),
-                index: index * per + i,
+                index: start * per + i,
             });
         }
         Ok(v)

@@ -5,6 +5,7 @@
 //!   architecture's `config.json`.
 //! - [`safetensors`]: header parser (untrusted bytes), memory-mapped files, a writer.
 //! - [`checkpoint`]: a Hugging Face model directory (shards, index, FP8 block scales).
+//! - [`container`]: the converted charm container (manifest, dense file, expert records).
 //! - [`dtype`]: storage dtypes and exact conversion to f32.
 //! - [`kernels`]: f32 matmul, norms, activations, the SwiGLU block.
 //! - [`quant`]: int8 / int4 / int2 / bf16 weight formats and their run-time-dispatched kernels.
@@ -14,6 +15,7 @@
 pub mod arch;
 pub mod checkpoint;
 pub mod config;
+pub mod container;
 pub mod dtype;
 pub mod error;
 pub mod kernels;

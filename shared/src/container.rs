@@ -1,0 +1,419 @@
+//! The charm container: a converted model directory, self-describing and built for streaming.
+//! The byte layout is documented in `docs/container.md`.
+//!
+//! - `charm.json`: the manifest (format name and version, every tensor's storage format named
+//!   explicitly, where its bytes are, a CRC-32 per tensor and per routed expert).
+//! - `dense.bin`: every tensor except routed experts, each part 64-byte aligned.
+//! - `experts-LLL.bin`: the routed experts of decoder layer `LLL`, one record per expert. A record
+//!   holds the expert's gate, up and down weights with their scales, contiguous, and is padded to a
+//!   multiple of 4096 bytes, so one aligned read fetches one expert.
+//! - `config.json`: the source model's config, unchanged.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::LoadError;
+use crate::kernels::{Linear, Matrix};
+use crate::quant::{QMatrix, QuantKind};
+
+/// Format name in the manifest.
+pub const FORMAT: &str = "charm-container";
+/// Current format version; readers refuse others.
+pub const VERSION: u32 = 1;
+/// Manifest file name.
+pub const MANIFEST: &str = "charm.json";
+/// Alignment of each expert record (and record size granularity).
+pub const RECORD_ALIGN: usize = 4096;
+/// Alignment of each tensor part in `dense.bin`.
+pub const PART_ALIGN: usize = 64;
+
+/// A tensor's storage format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreFormat {
+    F32,
+    Bf16,
+    Int8,
+    Int4,
+    Int2,
+}
+
+impl StoreFormat {
+    pub fn quant(self) -> Option<QuantKind> {
+        match self {
+            Self::F32 => None,
+            Self::Bf16 => Some(QuantKind::Bf16),
+            Self::Int8 => Some(QuantKind::Int8),
+            Self::Int4 => Some(QuantKind::Int4),
+            Self::Int2 => Some(QuantKind::Int2),
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "f32" => Self::F32,
+            "bf16" => Self::Bf16,
+            "int8" => Self::Int8,
+            "int4" => Self::Int4,
+            "int2" => Self::Int2,
+            _ => return None,
+        })
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::Int8 => "int8",
+            Self::Int4 => "int4",
+            Self::Int2 => "int2",
+        }
+    }
+}
+
+/// Where one tensor's bytes are: `data`, and for grouped formats `scales` (and `mins` for int2),
+/// as `[offset, length]` byte ranges (in `dense.bin`, or relative to an expert record's start).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Part {
+    pub format: StoreFormat,
+    pub shape: Vec<usize>,
+    /// Weights per scale along a row; `cols` for per-row scales; absent for f32 and bf16.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<usize>,
+    pub data: [u64; 2],
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scales: Option<[u64; 2]>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mins: Option<[u64; 2]>,
+}
+
+impl Part {
+    /// Byte length of each region for a `[rows, cols]` (or `[n]`) tensor in `format`.
+    pub fn sizes(format: StoreFormat, shape: &[usize], group: usize) -> (u64, u64, u64) {
+        let n: usize = shape.iter().product();
+        let cols = *shape.last().unwrap_or(&1);
+        let rows = n / cols.max(1);
+        let groups = (rows * cols.checked_div(group).unwrap_or(0)) as u64;
+        match format {
+            StoreFormat::F32 => (4 * n as u64, 0, 0),
+            StoreFormat::Bf16 => (2 * n as u64, 0, 0),
+            StoreFormat::Int8 => (n as u64, 4 * groups, 0),
+            StoreFormat::Int4 => (n as u64 / 2, 4 * groups, 0),
+            StoreFormat::Int2 => (n as u64 / 4, 4 * groups, 4 * groups),
+        }
+    }
+}
+
+/// A tensor in `dense.bin`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DenseTensor {
+    #[serde(flatten)]
+    pub part: Part,
+    /// CRC-32 over data, scales and mins, in that order.
+    pub crc32: u32,
+}
+
+/// The routed experts of one decoder layer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExpertLayer {
+    pub layer: usize,
+    pub file: String,
+    pub count: usize,
+    /// Bytes per record, a multiple of [`RECORD_ALIGN`].
+    pub record_bytes: u64,
+    pub gate: Part,
+    pub up: Part,
+    pub down: Part,
+    /// CRC-32 of each record's first `payload_bytes` bytes.
+    pub crc32: Vec<u32>,
+    pub payload_bytes: u64,
+}
+
+/// The storage policy a container was made with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Policy {
+    pub experts: StoreFormat,
+    pub dense: StoreFormat,
+    pub embedding: StoreFormat,
+    pub mtp: StoreFormat,
+    /// Requested group size (a tensor whose width it does not divide uses the largest multiple of
+    /// 8 below it that does; each tensor's `group` is recorded).
+    pub group: usize,
+}
+
+/// `charm.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    pub model_type: String,
+    pub policy: Policy,
+    pub dense_file: String,
+    pub tensors: BTreeMap<String, DenseTensor>,
+    pub experts: Vec<ExpertLayer>,
+}
+
+/// The group actually used for a row of `cols` weights when `requested` is asked for: the largest
+/// multiple of 8 that is `<= requested` and divides `cols`; `None` if there is none.
+pub fn effective_group(cols: usize, requested: usize) -> Option<usize> {
+    let mut g = requested.min(cols) / 8 * 8;
+    while g >= 8 {
+        if cols.is_multiple_of(g) {
+            return Some(g);
+        }
+        g -= 8;
+    }
+    None
+}
+
+/// The bytes of a stored tensor's three regions: data, scales, mins.
+pub type Regions = (Vec<u8>, Vec<u8>, Vec<u8>);
+
+/// Serializes a quantized matrix into its three regions.
+pub fn encode(q: &QMatrix) -> Regions {
+    let f = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    (q.data.clone(), f(&q.scales), f(&q.mins))
+}
+
+fn floats(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// An opened container.
+#[derive(Debug)]
+pub struct Container {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+    dense: memmap2::Mmap,
+    experts: BTreeMap<usize, (usize, memmap2::Mmap)>,
+}
+
+fn map(path: &Path) -> Result<memmap2::Mmap, LoadError> {
+    let f = std::fs::File::open(path).map_err(|e| LoadError::io(path, e))?;
+    // SAFETY: read-only mapping of a file charm does not modify while it is open.
+    unsafe { memmap2::Mmap::map(&f) }.map_err(|e| LoadError::io(path, e))
+}
+
+fn range(
+    r: [u64; 2],
+    len: usize,
+    path: &Path,
+    what: &str,
+) -> Result<std::ops::Range<usize>, LoadError> {
+    let (o, l) = (r[0], r[1]);
+    match o.checked_add(l) {
+        Some(end) if end <= len as u64 => Ok(o as usize..end as usize),
+        _ => Err(LoadError::Tensor {
+            path: path.to_path_buf(),
+            tensor: what.to_string(),
+            reason: format!("byte range [{o}, +{l}] lies outside the {len}-byte file"),
+        }),
+    }
+}
+
+impl Container {
+    /// Whether `dir` holds a container.
+    pub fn is_container(dir: &Path) -> bool {
+        dir.join(MANIFEST).is_file()
+    }
+
+    /// Opens and validates the manifest and maps the data files (no weight bytes are read).
+    pub fn open(dir: &Path) -> Result<Self, LoadError> {
+        let mp = dir.join(MANIFEST);
+        let text = std::fs::read_to_string(&mp).map_err(|e| LoadError::io(&mp, e))?;
+        let manifest: Manifest = serde_json::from_str(&text)
+            .map_err(|e| LoadError::config(&mp, format!("invalid manifest: {e}")))?;
+        if manifest.format != FORMAT {
+            return Err(LoadError::config(
+                &mp,
+                format!("format `{}` is not `{FORMAT}`", manifest.format),
+            ));
+        }
+        if manifest.version != VERSION {
+            return Err(LoadError::config(
+                &mp,
+                format!("container version {} is not supported (this charm reads version {VERSION}); reconvert the model", manifest.version),
+            ));
+        }
+        let safe = |f: &str| !f.contains('/') && !f.contains('\\') && !f.starts_with('.');
+        if !safe(&manifest.dense_file) || manifest.experts.iter().any(|e| !safe(&e.file)) {
+            return Err(LoadError::config(
+                &mp,
+                "a data file name points outside the directory",
+            ));
+        }
+        let dense = map(&dir.join(&manifest.dense_file))?;
+        let mut experts = BTreeMap::new();
+        for (i, l) in manifest.experts.iter().enumerate() {
+            let p = dir.join(&l.file);
+            let m = map(&p)?;
+            if l.record_bytes % RECORD_ALIGN as u64 != 0
+                || (m.len() as u64) < l.record_bytes * l.count as u64
+                || l.crc32.len() != l.count
+                || l.payload_bytes > l.record_bytes
+            {
+                return Err(LoadError::Tensor {
+                    path: p,
+                    tensor: format!("experts of layer {}", l.layer),
+                    reason: "record layout disagrees with the file".into(),
+                });
+            }
+            experts.insert(l.layer, (i, m));
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            manifest,
+            dense,
+            experts,
+        })
+    }
+
+    fn dense_path(&self) -> PathBuf {
+        self.dir.join(&self.manifest.dense_file)
+    }
+
+    fn tensor(&self, name: &str) -> Result<&DenseTensor, LoadError> {
+        self.manifest
+            .tensors
+            .get(name)
+            .ok_or_else(|| LoadError::MissingTensor {
+                dir: self.dir.clone(),
+                tensor: name.to_string(),
+            })
+    }
+
+    /// Decodes a part whose regions lie in `bytes` (after checking they do).
+    fn decode(part: &Part, bytes: &[u8], path: &Path, name: &str) -> Result<Linear, LoadError> {
+        let bad = |reason: String| LoadError::Tensor {
+            path: path.to_path_buf(),
+            tensor: name.to_string(),
+            reason,
+        };
+        let (rows, cols) = match part.shape.as_slice() {
+            [r, c] => (*r, *c),
+            [n] => (1, *n),
+            s => return Err(bad(format!("unsupported shape {s:?}"))),
+        };
+        let group = part.group.unwrap_or(cols);
+        let (dl, sl, ml) = Part::sizes(part.format, &part.shape, group);
+        if part.data[1] != dl
+            || part.scales.map_or(0, |s| s[1]) != sl
+            || part.mins.map_or(0, |m| m[1]) != ml
+        {
+            return Err(bad("region sizes disagree with shape and format".into()));
+        }
+        let data = &bytes[range(part.data, bytes.len(), path, name)?];
+        if part.format == StoreFormat::F32 {
+            let v = floats(data);
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                return Err(LoadError::NonFinite {
+                    path: path.to_path_buf(),
+                    tensor: name.to_string(),
+                    index: i,
+                });
+            }
+            return Ok(Linear::F32(Matrix::new(rows, cols, v)));
+        }
+        let kind = part.format.quant().expect("quantized format");
+        if kind != QuantKind::Bf16
+            && (group == 0 || !group.is_multiple_of(8) || !cols.is_multiple_of(group))
+        {
+            return Err(bad(format!("group {group} does not tile {cols} columns")));
+        }
+        let scales = match part.scales {
+            Some(s) => floats(&bytes[range(s, bytes.len(), path, name)?]),
+            None => Vec::new(),
+        };
+        let mins = match part.mins {
+            Some(m) => floats(&bytes[range(m, bytes.len(), path, name)?]),
+            None => Vec::new(),
+        };
+        if let Some(i) = scales.iter().chain(&mins).position(|x| !x.is_finite()) {
+            return Err(bad(format!("non-finite scale at {i}")));
+        }
+        Ok(Linear::Quant(QMatrix {
+            rows,
+            cols,
+            kind,
+            group: if kind == QuantKind::Bf16 { cols } else { group },
+            data: data.to_vec(),
+            scales,
+            mins,
+        }))
+    }
+
+    /// Whether tensor `name` exists.
+    pub fn has(&self, name: &str) -> bool {
+        self.manifest.tensors.contains_key(name)
+    }
+
+    /// Tensor `name` in its stored format, its CRC-32 verified and its shape checked.
+    pub fn linear(&self, name: &str, want: &[usize]) -> Result<Linear, LoadError> {
+        let t = self.tensor(name)?;
+        let path = self.dense_path();
+        if t.part.shape != want {
+            return Err(LoadError::Shape {
+                path,
+                tensor: name.to_string(),
+                got: t.part.shape.clone(),
+                want: want.to_vec(),
+            });
+        }
+        let mut h = crc32fast::Hasher::new();
+        for r in [Some(t.part.data), t.part.scales, t.part.mins]
+            .into_iter()
+            .flatten()
+        {
+            h.update(&self.dense[range(r, self.dense.len(), &path, name)?]);
+        }
+        if h.finalize() != t.crc32 {
+            return Err(LoadError::Tensor {
+                path,
+                tensor: name.to_string(),
+                reason: "CRC-32 mismatch: the file is damaged".into(),
+            });
+        }
+        Self::decode(&t.part, &self.dense, &path, name)
+    }
+
+    /// Expert `e` of decoder layer `layer` as (gate, up, down), its record's CRC-32 verified.
+    pub fn expert(&self, layer: usize, e: usize) -> Result<(Linear, Linear, Linear), LoadError> {
+        let (i, m) = self
+            .experts
+            .get(&layer)
+            .ok_or_else(|| LoadError::MissingTensor {
+                dir: self.dir.clone(),
+                tensor: format!("experts of layer {layer}"),
+            })?;
+        let l = &self.manifest.experts[*i];
+        let path = self.dir.join(&l.file);
+        let name = format!("layer {layer} expert {e}");
+        if e >= l.count {
+            return Err(LoadError::MissingTensor {
+                dir: self.dir.clone(),
+                tensor: name,
+            });
+        }
+        let start = e * l.record_bytes as usize;
+        let rec = &m[start..start + l.record_bytes as usize];
+        if crc32fast::hash(&rec[..l.payload_bytes as usize]) != l.crc32[e] {
+            return Err(LoadError::Tensor {
+                path,
+                tensor: name,
+                reason: "CRC-32 mismatch: the expert record is damaged".into(),
+            });
+        }
+        Ok((
+            Self::decode(&l.gate, rec, &path, &name)?,
+            Self::decode(&l.up, rec, &path, &name)?,
+            Self::decode(&l.down, rec, &path, &name)?,
+        ))
+    }
+
+    /// The expert layers held.
+    pub fn expert_layers(&self) -> impl Iterator<Item = &ExpertLayer> {
+        self.manifest.experts.iter()
+    }
+}
