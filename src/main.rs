@@ -37,6 +37,19 @@ enum Mla {
     Absorbed,
 }
 
+#[derive(Copy, Clone, Debug, ValueEnum)]
+enum Act {
+    F32,
+    Int8,
+}
+
+fn set_act(a: Act) {
+    charm_shared::quant::set_activations(match a {
+        Act::F32 => charm_shared::quant::Activations::F32,
+        Act::Int8 => charm_shared::quant::Activations::Int8,
+    });
+}
+
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// One teacher-forced pass without cache; writes tensor `logits` [S, vocab] f32.
@@ -51,6 +64,8 @@ enum Cmd {
         /// MLA evaluation: naive expansion or weight absorption.
         #[arg(long, value_enum, default_value = "naive")]
         mla: Mla,
+        #[arg(long, value_enum, default_value = "f32")]
+        activations: Act,
     },
     /// Decodes through the KV cache.
     Generate {
@@ -78,6 +93,10 @@ enum Cmd {
         json: bool,
         #[arg(long, value_enum, default_value = "absorbed")]
         mla: Mla,
+        /// Activations against quantized weights: f32 (exact product of the stored weights) or
+        /// int8 (integer dot products: faster, adds activation rounding; see docs/quality.md).
+        #[arg(long, value_enum, default_value = "f32")]
+        activations: Act,
     },
     /// Architecture, parameter counts (dense vs routed experts), bytes per dtype, active bytes per token.
     Info {
@@ -436,13 +455,30 @@ fn cmd_demo() -> Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let r = match cli.cmd {
+    // Run on a rayon worker: kernels called from inside the pool split work without a futex
+    // hand-off per call (which costs more than a small matmul).
+    let r = rayon::scope(|_| run(cli));
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
         Cmd::Logits {
             model,
             ids,
             out,
             mla,
-        } => cmd_logits(&model, &ids, &out, mla),
+            activations,
+        } => {
+            set_act(activations);
+            cmd_logits(&model, &ids, &out, mla)
+        }
         Cmd::Generate {
             model,
             ids,
@@ -454,20 +490,24 @@ fn main() -> ExitCode {
             stop_at_eos,
             json,
             mla,
-        } => cmd_generate(
-            &model,
-            &ids,
-            max_tokens,
-            SamplingParams {
-                temperature,
-                top_k,
-                top_p,
-                seed,
-            },
-            stop_at_eos,
-            json,
-            mla,
-        ),
+            activations,
+        } => {
+            set_act(activations);
+            cmd_generate(
+                &model,
+                &ids,
+                max_tokens,
+                SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    seed,
+                },
+                stop_at_eos,
+                json,
+                mla,
+            )
+        }
         Cmd::Info { model, json } => cmd_info(&model, json),
         Cmd::Convert {
             model,
@@ -479,12 +519,5 @@ fn main() -> ExitCode {
             group,
         } => cmd_convert(&model, &out, &experts, &dense, &embedding, &mtp, group),
         Cmd::Demo => cmd_demo(),
-    };
-    match r {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
     }
 }

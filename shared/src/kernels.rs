@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use crate::quant::{active_isa, QMatrix};
+use crate::quant::{activations, active_isa, QMatrix};
 
 /// A row-major `[rows, cols]` f32 weight (PyTorch `nn.Linear.weight` layout: `[out, in]`).
 #[derive(Clone, PartialEq)]
@@ -175,7 +175,7 @@ impl Linear {
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
         match self {
             Self::F32(m) => m.matmul(x, n),
-            Self::Quant(q) => q.matmul(x, n, active_isa()),
+            Self::Quant(q) => q.matmul_with(x, n, active_isa(), activations()),
         }
     }
     /// Row `r` as f32 (embedding lookup).

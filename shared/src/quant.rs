@@ -87,6 +87,33 @@ pub fn active_isa() -> Isa {
     })
 }
 
+/// How activations meet quantized weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activations {
+    /// f32 activations times decoded weights: the exact product of the stored weights.
+    #[default]
+    F32,
+    /// Activations quantized to int8 per weight group (scale `amax / 127`, round to nearest), then
+    /// integer dot products for int8 and int4 weights whose group is a multiple of 32 (faster;
+    /// adds the activation rounding, measured in `docs/quality.md`). Other formats keep f32.
+    Int8,
+}
+
+static ACTIVATIONS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Sets the process-wide activation mode used by [`crate::kernels::Linear::matmul`].
+pub fn set_activations(a: Activations) {
+    ACTIVATIONS.store(a as u8, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The process-wide activation mode.
+pub fn activations() -> Activations {
+    match ACTIVATIONS.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => Activations::Int8,
+        _ => Activations::F32,
+    }
+}
+
 /// Why a matrix cannot be quantized as asked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QuantError {
@@ -245,9 +272,22 @@ impl QMatrix {
         )
     }
 
+    /// Whether [`Activations::Int8`] applies to this matrix.
+    pub fn integer_path(&self) -> bool {
+        matches!(self.kind, QuantKind::Int8 | QuantKind::Int4) && self.group.is_multiple_of(32)
+    }
+
     /// `y[t, o] = sum_i x[t, i] * W[o, i]` for `n` tokens on `isa`; `x` is `[n, cols]`.
     pub fn matmul(&self, x: &[f32], n: usize, isa: Isa) -> Vec<f32> {
+        self.matmul_with(x, n, isa, Activations::F32)
+    }
+
+    /// [`QMatrix::matmul`] with an explicit activation mode.
+    pub fn matmul_with(&self, x: &[f32], n: usize, isa: Isa, act: Activations) -> Vec<f32> {
         assert_eq!(x.len(), n * self.cols, "matmul input is not [n, cols]");
+        if act == Activations::Int8 && self.integer_path() {
+            return self.matmul_int8(x, n, isa);
+        }
         let ng = self.groups();
         // Per-token group sums of x, for the affine int2 offset term.
         let xsum: Vec<f32> = if self.kind == QuantKind::Int2 {
@@ -257,10 +297,19 @@ impl QMatrix {
         };
         let mut yt = vec![0.0f32; n * self.rows]; // [rows, n]
         let rb = self.row_bytes();
-        yt.par_chunks_mut(n)
-            .enumerate()
-            .with_min_len(8)
-            .for_each(|(r, out)| {
+        let cols = self.cols;
+        // Rows in blocks of about 1/8 of a thread's share per rayon task.
+        let per = self.rows.div_ceil(8 * rayon::current_num_threads()).max(16);
+        yt.par_chunks_mut(n * per).enumerate().for_each(|(b, out)| {
+            // Several tokens: decode each row's codes once, then one pass per token over them. The
+            // arithmetic is the same as decoding on the fly, so results do not depend on `n`.
+            let mut codes = if n > 1 {
+                vec![0.0f32; cols]
+            } else {
+                Vec::new()
+            };
+            for (k, out) in out.chunks_mut(n).enumerate() {
+                let r = b * per + k;
                 let row = &self.data[r * rb..(r + 1) * rb];
                 let sc = if self.scales.is_empty() {
                     &[][..]
@@ -272,16 +321,42 @@ impl QMatrix {
                 } else {
                     &self.mins[r * ng..(r + 1) * ng]
                 };
-                for (t, v) in out.iter_mut().enumerate() {
-                    let xt = &x[t * self.cols..(t + 1) * self.cols];
-                    let xs = if xsum.is_empty() {
+                let xs_of = |t: usize| {
+                    if xsum.is_empty() {
                         &[][..]
                     } else {
                         &xsum[t * ng..(t + 1) * ng]
-                    };
-                    *v = row_dot(self.kind, self.group, row, sc, mn, xt, xs, isa);
+                    }
+                };
+                if n == 1 {
+                    out[0] = row_dot(
+                        self.kind,
+                        self.group,
+                        Codes::Packed(row),
+                        sc,
+                        mn,
+                        x,
+                        xs_of(0),
+                        isa,
+                    );
+                } else {
+                    decode_row(self.kind, row, &mut codes, isa);
+                    for (t, v) in out.iter_mut().enumerate() {
+                        let xt = &x[t * cols..(t + 1) * cols];
+                        *v = row_dot(
+                            self.kind,
+                            self.group,
+                            Codes::Decoded(&codes),
+                            sc,
+                            mn,
+                            xt,
+                            xs_of(t),
+                            isa,
+                        );
+                    }
                 }
-            });
+            }
+        });
         let mut y = vec![0.0f32; n * self.rows];
         for r in 0..self.rows {
             for t in 0..n {
@@ -289,6 +364,94 @@ impl QMatrix {
             }
         }
         y
+    }
+}
+
+impl QMatrix {
+    /// The integer path: activations quantized per group, exact i32 dot products per group, then
+    /// `acc = fma(scale_w[g] * scale_x[g], isum[g], acc)` in group order (the same on every ISA).
+    fn matmul_int8(&self, x: &[f32], n: usize, isa: Isa) -> Vec<f32> {
+        let (cols, group, ng) = (self.cols, self.group, self.groups());
+        let int4 = self.kind == QuantKind::Int4;
+        let qx: Vec<QuantizedActs> = (0..n)
+            .map(|t| QuantizedActs::new(&x[t * cols..(t + 1) * cols], group, int4))
+            .collect();
+        let rb = self.row_bytes();
+        let mut yt = vec![0.0f32; n * self.rows];
+        let per = self.rows.div_ceil(8 * rayon::current_num_threads()).max(16);
+        yt.par_chunks_mut(n * per).enumerate().for_each(|(b, out)| {
+            for (k, out) in out.chunks_mut(n).enumerate() {
+                let r = b * per + k;
+                let row = &self.data[r * rb..(r + 1) * rb];
+                let sc = &self.scales[r * ng..(r + 1) * ng];
+                for (t, v) in out.iter_mut().enumerate() {
+                    *v = row_dot_i8(self.kind, group, row, sc, &qx[t], isa);
+                }
+            }
+        });
+        let mut y = vec![0.0f32; n * self.rows];
+        for r in 0..self.rows {
+            for t in 0..n {
+                y[t * self.rows + r] = yt[r * n + t];
+            }
+        }
+        y
+    }
+}
+
+/// One token's activations quantized to int8 per group. For int4 weights each 32-block is stored
+/// in nibble order (the 16 even elements, then the 16 odd ones) to meet the packed bytes directly.
+struct QuantizedActs {
+    q: Vec<i8>,
+    scale: Vec<f32>,
+}
+
+impl QuantizedActs {
+    fn new(x: &[f32], group: usize, nibble_order: bool) -> Self {
+        let mut q = vec![0i8; x.len()];
+        let mut scale = Vec::with_capacity(x.len() / group);
+        for (g, xs) in x.chunks(group).enumerate() {
+            let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            scale.push(d);
+            for (b, blk) in xs.chunks(32).enumerate() {
+                for (i, v) in blk.iter().enumerate() {
+                    let c = (v * inv).round().clamp(-127.0, 127.0) as i8;
+                    let j = if nibble_order {
+                        if i % 2 == 0 {
+                            i / 2
+                        } else {
+                            16 + i / 2
+                        }
+                    } else {
+                        i
+                    };
+                    q[g * group + b * 32 + j] = c;
+                }
+            }
+        }
+        Self { q, scale }
+    }
+}
+
+/// One row against int8 activations: per group an exact i32 dot product of the packed weights
+/// (int8, or int4 nibbles stored as `q + 8`) with the activations in matching order, then
+/// `acc += (scale_w[g] * scale_x[g]) * isum` in group order (unfused, on every ISA).
+#[inline]
+fn row_dot_i8(
+    kind: QuantKind,
+    group: usize,
+    row: &[u8],
+    sc: &[f32],
+    a: &QuantizedActs,
+    isa: Isa,
+) -> f32 {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only constructed after checking avx2.
+        Isa::Avx2 => unsafe { avx2::row_dot_i8(kind, group, row, sc, &a.q, &a.scale) },
+        _ => scalar::row_dot_i8(kind, group, row, sc, &a.q, &a.scale),
     }
 }
 
@@ -315,13 +478,20 @@ fn lane_sum_scalar(x: &[f32]) -> f32 {
     tree(&l)
 }
 
+/// Where a row's integer codes come from: its packed bytes, or already decoded to f32.
+#[derive(Clone, Copy)]
+enum Codes<'a> {
+    Packed(&'a [u8]),
+    Decoded(&'a [f32]),
+}
+
 /// One row times one token, dispatched on `isa`.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 fn row_dot(
     kind: QuantKind,
     group: usize,
-    row: &[u8],
+    codes: Codes<'_>,
     sc: &[f32],
     mn: &[f32],
     x: &[f32],
@@ -331,14 +501,28 @@ fn row_dot(
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` is only constructed by `detect()` after checking avx2 and fma.
-        Isa::Avx2 => unsafe { avx2::row_dot(kind, group, row, sc, mn, x, xs) },
-        _ => scalar::row_dot(kind, group, row, sc, mn, x, xs),
+        Isa::Avx2 => unsafe { avx2::row_dot(kind, group, codes, sc, mn, x, xs) },
+        _ => scalar::row_dot(kind, group, codes, sc, mn, x, xs),
+    }
+}
+
+/// Decodes a packed row's codes (integer levels, or bf16 values) into f32.
+fn decode_row(kind: QuantKind, row: &[u8], out: &mut [f32], isa: Isa) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { avx2::decode_row(kind, row, out) },
+        _ => {
+            for i in (0..out.len()).step_by(8) {
+                out[i..i + 8].copy_from_slice(&scalar::codes8(kind, row, i));
+            }
+        }
     }
 }
 
 /// The reference kernels.
 pub mod scalar {
-    use super::{tree, QuantKind};
+    use super::{tree, Codes, QuantKind};
 
     /// Decodes 8 weights starting at element `i` of a packed row into integer codes as f32.
     #[inline]
@@ -358,33 +542,78 @@ pub mod scalar {
         c
     }
 
-    /// `sum_g (scale[g] * sum_{i in g} q_i x_i + min[g] * xsum[g])`, or the plain dot for bf16.
-    pub fn row_dot(
+    /// Reference twin of the integer path (see [`super::row_dot_i8`]).
+    pub(super) fn row_dot_i8(
         kind: QuantKind,
         group: usize,
         row: &[u8],
+        sc: &[f32],
+        aq: &[i8],
+        ascale: &[f32],
+    ) -> f32 {
+        let gb = group * kind.bits() / 8;
+        let mut acc = 0.0f32;
+        for g in 0..aq.len() / group {
+            let (w, a) = (&row[g * gb..(g + 1) * gb], &aq[g * group..(g + 1) * group]);
+            let isum: i32 = match kind {
+                QuantKind::Int8 => w
+                    .iter()
+                    .zip(a)
+                    .map(|(&w, &a)| (w as i8) as i32 * a as i32)
+                    .sum(),
+                _ => {
+                    let mut s = 0i32;
+                    for (wb, ab) in w.chunks_exact(16).zip(a.chunks_exact(32)) {
+                        for j in 0..16 {
+                            s += ((wb[j] & 15) as i32 - 8) * ab[j] as i32
+                                + ((wb[j] >> 4) as i32 - 8) * ab[16 + j] as i32;
+                        }
+                    }
+                    s
+                }
+            };
+            acc += (sc[g] * ascale[g]) * isum as f32;
+        }
+        acc
+    }
+
+    /// `sum_g (scale[g] * sum_{i in g} q_i x_i + min[g] * xsum[g])`, or the plain dot for bf16.
+    ///
+    /// Order: per group, 8 lane partials over the group (fused multiply-adds); each lane then
+    /// accumulates `scale[g] * partial` (bf16: the partial itself); the 8 accumulators are summed
+    /// in the fixed tree; int2's `min[g] * xsum[g]` terms are summed separately, in group order,
+    /// and added last.
+    pub(super) fn row_dot(
+        kind: QuantKind,
+        group: usize,
+        codes: Codes<'_>,
         sc: &[f32],
         mn: &[f32],
         x: &[f32],
         xs: &[f32],
     ) -> f32 {
-        let mut acc = 0.0f32;
+        let mut acc = [0.0f32; 8];
+        let mut offs = 0.0f32;
         for g in 0..x.len() / group {
             let mut l = [0.0f32; 8];
             for i in (g * group..(g + 1) * group).step_by(8) {
-                let c = codes8(kind, row, i);
+                let c = match codes {
+                    Codes::Packed(row) => codes8(kind, row, i),
+                    Codes::Decoded(d) => d[i..i + 8].try_into().expect("8 codes"),
+                };
                 for k in 0..8 {
-                    l[k] += c[k] * x[i + k];
+                    l[k] = c[k].mul_add(x[i + k], l[k]);
                 }
             }
-            let p = tree(&l);
-            acc += match kind {
-                QuantKind::Bf16 => p,
-                QuantKind::Int2 => sc[g] * p + mn[g] * xs[g],
-                _ => sc[g] * p,
-            };
+            let s = if kind == QuantKind::Bf16 { 1.0 } else { sc[g] };
+            for k in 0..8 {
+                acc[k] = s.mul_add(l[k], acc[k]);
+            }
+            if kind == QuantKind::Int2 {
+                offs = mn[g].mul_add(xs[g], offs);
+            }
         }
-        acc
+        tree(&acc) + offs
     }
 }
 
@@ -392,7 +621,7 @@ pub mod scalar {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::QuantKind;
+    use super::{Codes, QuantKind};
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -439,34 +668,114 @@ mod avx2 {
         }
     }
 
-    /// AVX2 twin of [`super::scalar::row_dot`] (same lanes and tree; fused multiply-add).
+    /// i8 x i8 products of 32 pairs, summed in i32 lanes (maddubs on |w| and sign-adjusted a).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn dot32(w: __m256i, a: __m256i) -> __m256i {
+        let aw = _mm256_sign_epi8(w, w);
+        let sa = _mm256_sign_epi8(a, w);
+        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), _mm256_set1_epi16(1))
+    }
+
+    /// AVX2 twin of [`super::scalar::row_dot_i8`] (integer sums are exact, the float steps are the
+    /// same, so the results are identical).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn row_dot_i8(
+        kind: QuantKind,
+        group: usize,
+        row: &[u8],
+        sc: &[f32],
+        aq: &[i8],
+        ascale: &[f32],
+    ) -> f32 {
+        let gb = group * kind.bits() / 8;
+        let m = _mm_set1_epi8(15);
+        let eight = _mm256_set1_epi8(8);
+        let mut acc = 0.0f32;
+        for g in 0..aq.len() / group {
+            let (w, a) = (&row[g * gb..(g + 1) * gb], &aq[g * group..(g + 1) * group]);
+            let mut s = _mm256_setzero_si256();
+            match kind {
+                QuantKind::Int8 => {
+                    for (wb, ab) in w.chunks_exact(32).zip(a.chunks_exact(32)) {
+                        // SAFETY: both chunks hold 32 bytes.
+                        let (wv, av) = unsafe {
+                            (
+                                _mm256_loadu_si256(wb.as_ptr() as *const __m256i),
+                                _mm256_loadu_si256(ab.as_ptr() as *const __m256i),
+                            )
+                        };
+                        s = _mm256_add_epi32(s, dot32(wv, av));
+                    }
+                }
+                _ => {
+                    for (wb, ab) in w.chunks_exact(16).zip(a.chunks_exact(32)) {
+                        // SAFETY: `wb` holds 16 bytes, `ab` 32.
+                        let (v, av) = unsafe {
+                            (
+                                _mm_loadu_si128(wb.as_ptr() as *const __m128i),
+                                _mm256_loadu_si256(ab.as_ptr() as *const __m256i),
+                            )
+                        };
+                        let lo = _mm_and_si128(v, m);
+                        let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
+                        let wv = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight);
+                        s = _mm256_add_epi32(s, dot32(wv, av));
+                    }
+                }
+            }
+            let h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            let h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0b01_00_11_10));
+            let h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0b10_11_00_01));
+            acc += (sc[g] * ascale[g]) * _mm_cvtsi128_si32(h) as f32;
+        }
+        acc
+    }
+
+    /// Decodes a packed row into f32 codes.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn decode_row(kind: QuantKind, row: &[u8], out: &mut [f32]) {
+        for i in (0..out.len()).step_by(8) {
+            let o = &mut out[i..i + 8];
+            // SAFETY: `o` holds 8 floats.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), codes8(kind, row, i)) };
+        }
+    }
+
+    /// AVX2 twin of [`super::scalar::row_dot`]: the same lanes, order and fused multiply-adds, so
+    /// the results are bit-identical.
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn row_dot(
         kind: QuantKind,
         group: usize,
-        row: &[u8],
+        codes: Codes<'_>,
         sc: &[f32],
         mn: &[f32],
         x: &[f32],
         xs: &[f32],
     ) -> f32 {
-        let mut acc = 0.0f32;
+        let mut acc = _mm256_setzero_ps();
+        let mut offs = 0.0f32;
         for g in 0..x.len() / group {
             let mut l = _mm256_setzero_ps();
             for i in (g * group..(g + 1) * group).step_by(8) {
                 let xv = &x[i..i + 8];
                 // SAFETY: `xv` holds 8 floats.
                 let xv = unsafe { _mm256_loadu_ps(xv.as_ptr()) };
-                l = _mm256_fmadd_ps(codes8(kind, row, i), xv, l);
+                let c = match codes {
+                    Codes::Packed(row) => codes8(kind, row, i),
+                    // SAFETY: `d` holds the row's `cols` codes and `i + 8 <= cols`.
+                    Codes::Decoded(d) => unsafe { _mm256_loadu_ps(d[i..i + 8].as_ptr()) },
+                };
+                l = _mm256_fmadd_ps(c, xv, l);
             }
-            let p = hsum_tree(l);
-            acc += match kind {
-                QuantKind::Bf16 => p,
-                QuantKind::Int2 => sc[g] * p + mn[g] * xs[g],
-                _ => sc[g] * p,
-            };
+            let s = if kind == QuantKind::Bf16 { 1.0 } else { sc[g] };
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(s), l, acc);
+            if kind == QuantKind::Int2 {
+                offs = mn[g].mul_add(xs[g], offs);
+            }
         }
-        acc
+        hsum_tree(acc) + offs
     }
 }
 
@@ -534,7 +843,7 @@ mod tests {
     }
 
     #[test]
-    fn simd_matches_scalar_twin() {
+    fn simd_is_bit_identical_to_scalar_twin() {
         for kind in KINDS {
             for (r, c, g, n) in SHAPES {
                 let q = QMatrix::quantize(&Matrix::new(r, c, data(3 + r as u64, r * c)), kind, g)
@@ -543,12 +852,10 @@ mod tests {
                 let s = q.matmul(&x, n, Isa::Scalar);
                 for isa in Isa::available() {
                     let v = q.matmul(&x, n, isa);
-                    for (a, b) in v.iter().zip(&s) {
-                        assert!(
-                            (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                            "{kind:?} {isa:?}: {a} vs {b}"
-                        );
-                    }
+                    assert_eq!(
+                        v, s,
+                        "{kind:?} {r}x{c} g{g} {isa:?}: SIMD differs from its scalar twin"
+                    );
                 }
             }
         }
@@ -575,6 +882,45 @@ mod tests {
                         one,
                         all[t * r..(t + 1) * r].to_vec(),
                         "{kind:?} {isa:?} token {t}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn int8_activation_path_is_bit_identical_across_isas_and_batches() {
+        for kind in [QuantKind::Int8, QuantKind::Int4] {
+            for (r, c, g) in [(7, 64, 64), (33, 192, 32), (65, 256, 64)] {
+                let q = QMatrix::quantize(&Matrix::new(r, c, data(r as u64 + 40, r * c)), kind, g)
+                    .unwrap();
+                assert!(q.integer_path());
+                let n = 5;
+                let x = data(41, n * c);
+                let s = q.matmul_with(&x, n, Isa::Scalar, Activations::Int8);
+                for isa in Isa::available() {
+                    let v = q.matmul_with(&x, n, isa, Activations::Int8);
+                    assert_eq!(v, s, "{kind:?} {r}x{c} {isa:?}");
+                    for t in 0..n {
+                        assert_eq!(
+                            q.matmul_with(&x[t * c..(t + 1) * c], 1, isa, Activations::Int8),
+                            v[t * r..(t + 1) * r].to_vec()
+                        );
+                    }
+                }
+                // Close to the f32-activation product: the only extra error is activation rounding.
+                let f = q.matmul(&x, n, Isa::Scalar);
+                let d = q.dequantize();
+                for (i, (a, b)) in s.iter().zip(&f).enumerate() {
+                    let (t, o) = (i / r, i % r);
+                    let bound: f32 = (0..c).map(|j| d.row(o)[j].abs()).sum::<f32>()
+                        * x[t * c..(t + 1) * c]
+                            .iter()
+                            .fold(0.0f32, |m, v| m.max(v.abs()))
+                        / 254.0;
+                    assert!(
+                        (a - b).abs() <= bound + 1e-5,
+                        "{kind:?}: {a} vs {b} (bound {bound})"
                     );
                 }
             }

@@ -1,0 +1,183 @@
+//! Weight-streaming throughput of the matmul kernels at GLM-5.2's real shapes, per format, ISA
+//! path, token count and thread count, printed beside this machine's memory read bandwidth
+//! measured in the same run.
+//!
+//! `cargo bench --bench kernels` (criterion's report) and, for the summary table with ratios to the
+//! memory bandwidth, `cargo bench --bench kernels -- --summary`.
+
+use std::time::{Duration, Instant};
+
+use charm_shared::kernels::Matrix;
+use charm_shared::quant::{Activations, Isa, QMatrix, QuantKind};
+use criterion::{black_box, BenchmarkId, Criterion, Throughput};
+
+/// GLM-5.2 shapes `[out, in]`.
+const SHAPES: [(&str, usize, usize); 4] = [
+    ("expert gate/up 2048x6144", 2048, 6144),
+    ("expert down 6144x2048", 6144, 2048),
+    ("o_proj 6144x16384", 6144, 16384),
+    ("q_a 2048x6144", 2048, 6144),
+];
+
+fn data(n: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(2654435761) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+fn weight_bytes(q: &QMatrix) -> u64 {
+    (q.data.len() + 4 * (q.scales.len() + q.mins.len())) as u64
+}
+
+/// Memory read bandwidth over a buffer far larger than the caches, read by `threads` threads.
+fn read_bandwidth(threads: usize) -> f64 {
+    let n = 256 << 20; // 1 GiB of f32
+    let buf = vec![1.0f32; n];
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let s: f32 = pool.install(|| {
+            use rayon::prelude::*;
+            buf.par_chunks(1 << 20)
+                .map(|c| {
+                    let mut l = [0.0f32; 16];
+                    for ch in c.chunks_exact(16) {
+                        for k in 0..16 {
+                            l[k] += ch[k];
+                        }
+                    }
+                    l.iter().sum::<f32>()
+                })
+                .sum()
+        });
+        black_box(s);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (4 * n) as f64 / best / 1e9
+}
+
+fn time_it(f: impl Fn()) -> f64 {
+    f();
+    let mut runs = Vec::new();
+    let start = Instant::now();
+    while runs.len() < 5 || start.elapsed() < Duration::from_millis(300) {
+        let t = Instant::now();
+        f();
+        runs.push(t.elapsed().as_secs_f64());
+    }
+    runs.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    runs[runs.len() / 2]
+}
+
+/// The table: every shape, format, ISA path, activation mode and token count, on 1 and 2 threads.
+/// `quick` keeps the first shape and int4/int8 only.
+fn summary(quick: bool) {
+    let kinds = [
+        QuantKind::Int4,
+        QuantKind::Int8,
+        QuantKind::Int2,
+        QuantKind::Bf16,
+    ];
+    let kinds = if quick { &kinds[..2] } else { &kinds[..] };
+    let shapes = if quick { &SHAPES[..1] } else { &SHAPES[..] };
+    for threads in [1, 2] {
+        let bw = read_bandwidth(threads);
+        println!(
+            "\n{threads} thread(s): memory read bandwidth {bw:.1} GB/s (1 GiB buffer, best of 5)"
+        );
+        println!(
+            "{:<28} {:<6} {:<7} {:<5} {:>6} {:>10} {:>8}",
+            "shape", "format", "isa", "acts", "tokens", "GB/s", "of bw"
+        );
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        for &(name, r, c) in shapes {
+            let m = Matrix::new(r, c, data(r * c, 7));
+            for &kind in kinds {
+                let group = if kind == QuantKind::Bf16 { c } else { 64 };
+                let q = QMatrix::quantize(&m, kind, group).unwrap();
+                // Copies totalling over 1 GiB, used in turn, so weights come from DRAM and not
+                // from the (large) last-level cache, as a model's weights do.
+                let copies: Vec<QMatrix> = (0..((1u64 << 30) / weight_bytes(&q) + 1).min(512))
+                    .map(|_| q.clone())
+                    .collect();
+                let turn = std::sync::atomic::AtomicUsize::new(0);
+                for isa in Isa::available() {
+                    for act in [Activations::F32, Activations::Int8] {
+                        if act == Activations::Int8 && !q.integer_path() {
+                            continue;
+                        }
+                        for n in [1usize, 8] {
+                            let x = data(n * c, 3);
+                            let s = pool.install(|| {
+                                time_it(|| {
+                                    let i = turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                    drop(black_box(
+                                        copies[i % copies.len()].matmul_with(&x, n, isa, act),
+                                    ))
+                                })
+                            });
+                            let gbs = weight_bytes(&q) as f64 / s / 1e9;
+                            let a = if act == Activations::F32 {
+                                "f32"
+                            } else {
+                                "int8"
+                            };
+                            println!(
+                                "{name:<28} {:<6} {:<7} {a:<5} {n:>6} {gbs:>10.2} {:>7.0}%",
+                                kind.name(),
+                                format!("{isa:?}"),
+                                100.0 * gbs / bw
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn criterion_benches(c: &mut Criterion) {
+    let isa = Isa::detect();
+    for (name, r, cols) in SHAPES {
+        let m = Matrix::new(r, cols, data(r * cols, 7));
+        let mut g = c.benchmark_group(name);
+        g.sample_size(20);
+        for kind in [QuantKind::Int4, QuantKind::Int8, QuantKind::Bf16] {
+            let group = if kind == QuantKind::Bf16 { cols } else { 64 };
+            let q = QMatrix::quantize(&m, kind, group).unwrap();
+            g.throughput(Throughput::Bytes(weight_bytes(&q)));
+            for n in [1usize, 8] {
+                let x = data(n * cols, 3);
+                g.bench_with_input(
+                    BenchmarkId::new(format!("{}-{isa:?}", kind.name()), n),
+                    &n,
+                    |b, &n| b.iter(|| q.matmul(&x, n, isa)),
+                );
+            }
+        }
+        g.finish();
+    }
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--summary") {
+        summary(std::env::args().any(|a| a == "--quick"));
+        return;
+    }
+    let mut c = Criterion::default().configure_from_args();
+    criterion_benches(&mut c);
+    c.final_summary();
+}
