@@ -127,6 +127,18 @@ enum Cmd {
         #[arg(long, default_value_t = 64)]
         group: usize,
     },
+    /// Top-1 agreement and KL divergence of a model's teacher-forced logits against a reference
+    /// file holding `tf_input_ids` and `tf_logits` (the oracle fixtures' and the demo model's).
+    Quality {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long)]
+        reference: PathBuf,
+        #[arg(long, value_enum, default_value = "f32")]
+        activations: Act,
+        #[arg(long)]
+        json: bool,
+    },
     /// Runs the bundled example model end to end.
     Demo,
 }
@@ -428,6 +440,65 @@ fn cmd_convert(
     Ok(())
 }
 
+fn cmd_quality(model: &Path, reference: &Path, json: bool) -> Result<()> {
+    let r = charm_shared::safetensors::SafetensorsFile::open(reference)?;
+    let ids_info = r
+        .header
+        .tensors
+        .get("tf_input_ids")
+        .context("reference has no `tf_input_ids`")?;
+    let ids: Vec<u32> = match ids_info.dtype.size() {
+        8 => r
+            .bytes("tf_input_ids")
+            .expect("present")
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().expect("8")) as u32)
+            .collect(),
+        4 => r
+            .bytes("tf_input_ids")
+            .expect("present")
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().expect("4")) as u32)
+            .collect(),
+        _ => bail!("tf_input_ids must be i64 or i32"),
+    };
+    let li = r
+        .header
+        .tensors
+        .get("tf_logits")
+        .context("reference has no `tf_logits`")?;
+    let want = charm_shared::dtype::to_f32(li.dtype, r.bytes("tf_logits").expect("present"))
+        .context("tf_logits is not a float tensor")?;
+    let m = load(model)?;
+    if want.len() != ids.len() * m.spec.vocab_size {
+        bail!(
+            "tf_logits holds {} values, expected {} x {}",
+            want.len(),
+            ids.len(),
+            m.spec.vocab_size
+        );
+    }
+    let mut cache = KvCache::new(&m.spec);
+    let normed = m.forward(&ids, &mut cache, ForwardOptions::default(), None)?;
+    let got = m.logits(&normed, ids.len())?;
+    let a = charm_coordinator::quality::compare(&got, &want, m.spec.vocab_size);
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"positions": a.positions, "top1": a.top1, "mean_kl": a.mean_kl, "max_kl": a.max_kl})
+        );
+    } else {
+        println!(
+            "{} positions: top-1 agreement {:.1}%, mean KL {:.3e} nats, max KL {:.3e}",
+            a.positions,
+            100.0 * a.top1,
+            a.mean_kl,
+            a.max_kl
+        );
+    }
+    Ok(())
+}
+
 fn cmd_demo() -> Result<()> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/oracle/glm5-tiny");
     println!("charm demo: GLM-5.2 architecture (MLA + DSA sparse attention + 16-expert MoE + MTP), tiny random weights");
@@ -518,6 +589,15 @@ fn run(cli: Cli) -> Result<()> {
             mtp,
             group,
         } => cmd_convert(&model, &out, &experts, &dense, &embedding, &mtp, group),
+        Cmd::Quality {
+            model,
+            reference,
+            activations,
+            json,
+        } => {
+            set_act(activations);
+            cmd_quality(&model, &reference, json)
+        }
         Cmd::Demo => cmd_demo(),
     }
 }

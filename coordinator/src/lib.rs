@@ -6,6 +6,7 @@
 //! - [`forward`]: the forward pass (MLA / GQA attention, DSA selection, MoE), the MTP head, traces.
 //! - [`convert`]: Hugging Face checkpoint -> charm container, resumable.
 //! - [`cache`]: the per-sequence KV cache (compressed latents for MLA).
+//! - [`quality`]: top-1 agreement and KL divergence against reference logits.
 //! - [`rope`]: rotary embeddings.
 //! - [`sampling`]: greedy and seeded stochastic sampling.
 //! - [`generate`]: prefill + decode loop with timings.
@@ -17,6 +18,7 @@ pub mod forward;
 pub mod generate;
 pub mod info;
 pub mod model;
+pub mod quality;
 pub mod rope;
 pub mod sampling;
 

@@ -8,11 +8,18 @@
 //!   `w = scale[g] * q`, symmetric (`q` in -7..=7).
 //! - `Int2`: four weights per byte (index `4j + k` in bits `2k..2k+2`), `w = scale[g] * q + min[g]`,
 //!   affine (`q` in 0..=3).
-//! - `Bf16`: the top 16 bits of an f32, exact for bf16 checkpoints.
+//! - `Bf16`: the top 16 bits of an f32 (round to nearest even), exact for bf16 checkpoints.
 //!
-//! Every kernel reduces a row in a fixed order (per group: 8 lanes over the group, a fixed lane tree,
-//! then `scale * partial` added group by group), so one row's result is bit-identical whatever the
-//! batch size or thread count. The scalar path is the reference twin of each SIMD path.
+//! Quantization: symmetric `scale = amax / qmax` (127 or 7, in f32), `q = round(w / scale)`;
+//! int2 `scale = (max - min) / 3` and `q = round((w - min) / scale)` (`w - min` in f32). Quotients
+//! are taken in f64 so the rounding is exact (bf16 weights often sit exactly halfway between two
+//! levels, where an f32 quotient would round the tie either way); ties go away from zero.
+//!
+//! Every kernel reduces a row in a fixed order (per group: 8 lanes of fused multiply-adds over the
+//! group; each lane accumulates `scale * partial`; a fixed tree over the 8 lanes at the end), so one
+//! row's result is bit-identical whatever the batch size or thread count, and each SIMD path is
+//! bit-identical to its scalar twin. [`Activations::Int8`] adds an integer path (exact i32 group
+//! sums, then the same float steps on every ISA).
 
 use rayon::prelude::*;
 
@@ -197,10 +204,16 @@ impl QMatrix {
                         let qmax = if kind == QuantKind::Int8 { 127.0 } else { 7.0 };
                         let amax = w.iter().fold(0.0f32, |a, v| a.max(v.abs()));
                         let scale = amax / qmax;
-                        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
                         q.scales.push(scale);
                         for v in w {
-                            let c = (v * inv).round().clamp(-qmax, qmax) as i32;
+                            let c = if scale > 0.0 {
+                                (*v as f64 / scale as f64)
+                                    .round()
+                                    .clamp(-qmax as f64, qmax as f64)
+                                    as i32
+                            } else {
+                                0
+                            };
                             codes.push(if kind == QuantKind::Int8 {
                                 c as i8 as u8
                             } else {
@@ -212,11 +225,14 @@ impl QMatrix {
                         let lo = w.iter().copied().fold(f32::INFINITY, f32::min);
                         let hi = w.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                         let scale = (hi - lo) / 3.0;
-                        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
                         q.scales.push(scale);
                         q.mins.push(lo);
                         for v in w {
-                            codes.push(((v - lo) * inv).round().clamp(0.0, 3.0) as u8);
+                            codes.push(if scale > 0.0 {
+                                ((v - lo) as f64 / scale as f64).round().clamp(0.0, 3.0) as u8
+                            } else {
+                                0
+                            });
                         }
                     }
                     QuantKind::Bf16 => unreachable!(),
