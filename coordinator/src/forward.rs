@@ -32,6 +32,9 @@ pub enum ForwardError {
     /// The routed-expert executor failed.
     #[error(transparent)]
     Expert(#[from] ExpertError),
+    /// A DSA model without indexer weights asked for more context than dense attention matches.
+    #[error("this checkpoint has no DSA indexer weights: attention equals the model's only up to index_topk = {limit} tokens, and {requested} were asked for")]
+    NoIndexer { limit: usize, requested: usize },
     /// The model has no MTP layer.
     #[error("this model has no MTP layer")]
     NoMtp,
@@ -94,6 +97,14 @@ impl Model {
         let h = spec.hidden_size;
         let n = tokens.len();
         let pos0 = cache.len();
+        if let Some(limit) = self.dense_attention_limit {
+            if pos0 + n > limit {
+                return Err(ForwardError::NoIndexer {
+                    limit,
+                    requested: pos0 + n,
+                });
+            }
+        }
         let mut x = self.embed_tokens(&self.embed, tokens, pos0)?;
         let mut sel: Option<Selection> = None;
         for (li, layer) in self.layers.iter().enumerate() {

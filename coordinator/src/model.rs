@@ -117,6 +117,42 @@ pub struct Model {
     pub lm_head: Option<Linear>,
     pub mtp: Option<MtpWeights>,
     pub experts: Arc<dyn ExpertExecutor>,
+    /// Set when a DSA model was loaded without its indexer weights: attention is then dense,
+    /// which is exact only up to this many tokens (`index_topk`); longer contexts are refused.
+    pub dense_attention_limit: Option<usize>,
+}
+
+/// A directory made by colibrì's converter (see [`charm_shared::colibri`]).
+#[derive(Debug)]
+pub struct ColibriSource(pub Checkpoint);
+
+impl WeightSource for ColibriSource {
+    fn has(&self, name: &str) -> bool {
+        self.0.has(name)
+    }
+    fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>, LoadError> {
+        self.0.f32(name, &[n])
+    }
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+        Ok(self.linear(name, rows, cols)?.to_f32())
+    }
+    fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
+        charm_shared::colibri::linear(&self.0, name, rows, cols)
+    }
+    fn experts(&self, layer: usize, spec: &ModelSpec) -> Result<Vec<SwiGlu>, LoadError> {
+        let r = spec.router.as_ref().expect("MoE layer has a router");
+        let (h, i) = (spec.hidden_size, spec.moe_intermediate_size);
+        let p = format!("model.layers.{layer}.mlp.experts.");
+        (0..r.n_experts)
+            .map(|e| {
+                Ok(SwiGlu {
+                    gate: self.linear(&format!("{p}{e}.gate_proj.weight"), i, h)?,
+                    up: self.linear(&format!("{p}{e}.up_proj.weight"), i, h)?,
+                    down: self.linear(&format!("{p}{e}.down_proj.weight"), h, i)?,
+                })
+            })
+            .collect()
+    }
 }
 
 /// Where weights come from: a Hugging Face checkpoint (f32 after dequantization) or a charm
@@ -394,7 +430,12 @@ impl Loader<'_> {
             input_norm: self.vec(&format!("{p}input_layernorm.weight"), h)?,
             post_norm: self.vec(&format!("{p}post_attention_layernorm.weight"), h)?,
             attn: self.attn(&p)?,
-            indexer: if indexer_kind == Some(IndexerKind::Full) {
+            // A checkpoint without indexer weights (colibrì's conversions drop them) runs dense
+            // attention, which equals DSA while a query sees at most `index_topk` keys; the
+            // forward pass refuses longer contexts (`Model::dense_attention_limit`).
+            indexer: if indexer_kind == Some(IndexerKind::Full)
+                && self.src.has(&format!("{p}self_attn.indexer.wk.weight"))
+            {
                 Some(self.indexer(&p)?)
             } else {
                 None
@@ -423,6 +464,9 @@ impl Model {
                 });
             }
             return Self::from_source(spec, &c);
+        }
+        if charm_shared::colibri::is_colibri(dir) {
+            return Self::from_source(spec, &ColibriSource(Checkpoint::open(dir)?));
         }
         let ck = Checkpoint::open(dir)?;
         Self::from_checkpoint(spec, &ck)
@@ -483,7 +527,14 @@ impl Model {
             None
         };
         let norm = l.vec("model.norm.weight", h)?;
+        let dense_attention_limit = spec.dsa.as_ref().and_then(|d| {
+            layers
+                .iter()
+                .any(|l| l.indexer_kind == Some(IndexerKind::Full) && l.indexer.is_none())
+                .then_some(d.topk)
+        });
         Ok(Self {
+            dense_attention_limit,
             experts: Arc::new(RamExperts {
                 hidden: h,
                 layers: experts,

@@ -4,6 +4,7 @@
 //! - [`config`]: the architecture-independent [`config::ModelSpec`]; [`arch`] builds it from each
 //!   architecture's `config.json`.
 //! - [`safetensors`]: header parser (untrusted bytes), memory-mapped files, a writer.
+//! - [`colibri`]: directories made by colibrì's converter (`out-*.safetensors`, `.qs` scales).
 //! - [`checkpoint`]: a Hugging Face model directory (shards, index, FP8 block scales).
 //! - [`container`]: the converted charm container (manifest, dense file, expert records).
 //! - [`dtype`]: storage dtypes and exact conversion to f32.
@@ -14,6 +15,7 @@
 
 pub mod arch;
 pub mod checkpoint;
+pub mod colibri;
 pub mod config;
 pub mod container;
 pub mod dtype;
