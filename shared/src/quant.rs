@@ -60,6 +60,9 @@ pub enum Isa {
     Scalar,
     /// AVX2 + FMA (x86_64).
     Avx2,
+    /// AVX-512 BW + VNNI on top of AVX2 (x86_64): the int8-activation integer path uses
+    /// `vpdpbusd` on 64-weight groups; everything else runs the AVX2 kernels.
+    Avx512Vnni,
 }
 
 impl Isa {
@@ -68,6 +71,12 @@ impl Isa {
         #[cfg(target_arch = "x86_64")]
         {
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                if is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vnni")
+                {
+                    return Self::Avx512Vnni;
+                }
                 return Self::Avx2;
             }
         }
@@ -77,8 +86,10 @@ impl Isa {
     /// Every path this CPU can run (scalar first).
     pub fn available() -> Vec<Self> {
         let mut v = vec![Self::Scalar];
-        if Self::detect() == Self::Avx2 {
-            v.push(Self::Avx2);
+        match Self::detect() {
+            Self::Avx2 => v.push(Self::Avx2),
+            Self::Avx512Vnni => v.extend([Self::Avx2, Self::Avx512Vnni]),
+            Self::Scalar => {}
         }
         v
     }
@@ -90,6 +101,7 @@ pub fn active_isa() -> Isa {
     static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
     *ISA.get_or_init(|| match std::env::var("CHARM_ISA").as_deref() {
         Ok("scalar") => Isa::Scalar,
+        Ok("avx2") if Isa::available().contains(&Isa::Avx2) => Isa::Avx2,
         _ => Isa::detect(),
     })
 }
@@ -420,6 +432,8 @@ impl QMatrix {
 struct QuantizedActs {
     q: Vec<i8>,
     scale: Vec<f32>,
+    /// Per group, the sum of the int8 activations (the VNNI path's offset correction).
+    sum: Vec<i32>,
 }
 
 impl QuantizedActs {
@@ -447,7 +461,11 @@ impl QuantizedActs {
                 }
             }
         }
-        Self { q, scale }
+        let sum = q
+            .chunks(group)
+            .map(|c| c.iter().map(|&v| v as i32).sum())
+            .collect();
+        Self { q, scale, sum }
     }
 }
 
@@ -467,6 +485,14 @@ fn row_dot_i8(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` is only constructed after checking avx2.
         Isa::Avx2 => unsafe { avx2::row_dot_i8(kind, group, row, sc, &a.q, &a.scale) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx512Vnni` is only constructed after checking avx512f/bw/vnni and avx2.
+        Isa::Avx512Vnni if group % 64 == 0 => unsafe {
+            avx512::row_dot_i8(kind, group, row, sc, &a.q, &a.scale, &a.sum)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above (AVX2 is implied).
+        Isa::Avx512Vnni => unsafe { avx2::row_dot_i8(kind, group, row, sc, &a.q, &a.scale) },
         _ => scalar::row_dot_i8(kind, group, row, sc, &a.q, &a.scale),
     }
 }
@@ -517,7 +543,7 @@ fn row_dot(
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` is only constructed by `detect()` after checking avx2 and fma.
-        Isa::Avx2 => unsafe { avx2::row_dot(kind, group, codes, sc, mn, x, xs) },
+        Isa::Avx2 | Isa::Avx512Vnni => unsafe { avx2::row_dot(kind, group, codes, sc, mn, x, xs) },
         _ => scalar::row_dot(kind, group, codes, sc, mn, x, xs),
     }
 }
@@ -527,7 +553,7 @@ fn decode_row(kind: QuantKind, row: &[u8], out: &mut [f32], isa: Isa) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 => unsafe { avx2::decode_row(kind, row, out) },
+        Isa::Avx2 | Isa::Avx512Vnni => unsafe { avx2::decode_row(kind, row, out) },
         _ => {
             for i in (0..out.len()).step_by(8) {
                 out[i..i + 8].copy_from_slice(&scalar::codes8(kind, row, i));
@@ -792,6 +818,75 @@ mod avx2 {
             }
         }
         hsum_tree(acc) + offs
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::QuantKind;
+
+    /// VNNI twin of [`super::scalar::row_dot_i8`] for groups that are multiples of 64: `vpdpbusd`
+    /// multiplies unsigned bytes by signed ones, so int4 uses the stored nibbles (`q + 8`) and
+    /// subtracts `8 * sum(a)`, and int8 feeds `a + 128` and subtracts `128 * sum(w)`. Integer sums
+    /// are exact, so the result is identical to the other paths.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    pub(super) fn row_dot_i8(
+        kind: QuantKind,
+        group: usize,
+        row: &[u8],
+        sc: &[f32],
+        aq: &[i8],
+        ascale: &[f32],
+        asum: &[i32],
+    ) -> f32 {
+        let gb = group * kind.bits() / 8;
+        let m = _mm256_set1_epi8(15);
+        let bias = _mm512_set1_epi8(-128);
+        let ones = _mm512_set1_epi8(1);
+        let mut acc = 0.0f32;
+        for g in 0..aq.len() / group {
+            let (w, a) = (&row[g * gb..(g + 1) * gb], &aq[g * group..(g + 1) * group]);
+            let isum = match kind {
+                QuantKind::Int8 => {
+                    let (mut s, mut sw) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                    for (wb, ab) in w.chunks_exact(64).zip(a.chunks_exact(64)) {
+                        // SAFETY: both chunks hold 64 bytes.
+                        let (wv, av) = unsafe {
+                            (
+                                _mm512_loadu_si512(wb.as_ptr() as *const _),
+                                _mm512_loadu_si512(ab.as_ptr() as *const _),
+                            )
+                        };
+                        s = _mm512_dpbusd_epi32(s, _mm512_xor_si512(av, bias), wv);
+                        sw = _mm512_dpbusd_epi32(sw, ones, wv);
+                    }
+                    _mm512_reduce_add_epi32(s) - 128 * _mm512_reduce_add_epi32(sw)
+                }
+                _ => {
+                    let mut s = _mm512_setzero_si512();
+                    for (wb, ab) in w.chunks_exact(32).zip(a.chunks_exact(64)) {
+                        // SAFETY: `wb` holds 32 bytes, `ab` 64.
+                        let (v, av) = unsafe {
+                            (
+                                _mm256_loadu_si256(wb.as_ptr() as *const __m256i),
+                                _mm512_loadu_si512(ab.as_ptr() as *const _),
+                            )
+                        };
+                        let lo = _mm256_and_si256(v, m);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+                        let b0 = _mm256_permute2x128_si256(lo, hi, 0x20);
+                        let b1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+                        let nib = _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1);
+                        s = _mm512_dpbusd_epi32(s, nib, av);
+                    }
+                    _mm512_reduce_add_epi32(s) - 8 * asum[g]
+                }
+            };
+            acc += (sc[g] * ascale[g]) * isum as f32;
+        }
+        acc
     }
 }
 
