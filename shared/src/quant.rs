@@ -487,7 +487,7 @@ fn row_dot_i8(
         Isa::Avx2 => unsafe { avx2::row_dot_i8(kind, group, row, sc, &a.q, &a.scale) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx512Vnni` is only constructed after checking avx512f/bw/vnni and avx2.
-        Isa::Avx512Vnni if group % 64 == 0 => unsafe {
+        Isa::Avx512Vnni if group.is_multiple_of(64) => unsafe {
             avx512::row_dot_i8(kind, group, row, sc, &a.q, &a.scale, &a.sum)
         },
         #[cfg(target_arch = "x86_64")]
