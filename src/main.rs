@@ -14,6 +14,7 @@ use charm_coordinator::convert::convert;
 use charm_coordinator::generate::generate;
 use charm_coordinator::info::{Accounting, Part};
 use charm_coordinator::sampling::{Sampler, SamplingParams};
+use charm_coordinator::tokenizer::TextTokenizer;
 use charm_coordinator::{ForwardOptions, MlaMode, Model};
 use charm_shared::checkpoint::Checkpoint;
 use charm_shared::config::{AttentionSpec, ModelSpec};
@@ -72,8 +73,11 @@ enum Cmd {
         #[arg(long)]
         model: PathBuf,
         /// Comma-separated prompt token ids.
+        #[arg(long, required_unless_present = "prompt", conflicts_with = "prompt")]
+        ids: Option<String>,
+        /// Prompt text, tokenized with the model's tokenizer.json; the output is printed as text.
         #[arg(long)]
-        ids: String,
+        prompt: Option<String>,
         #[arg(long, default_value_t = 32)]
         max_tokens: usize,
         /// 0 = greedy.
@@ -139,6 +143,29 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Held-out perplexity, top-1 accuracy, MTP draft acceptance and routing skew over a text or
+    /// a token-id file (a safetensors file with tensor `ids`).
+    Evaluate {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(
+            long,
+            conflicts_with = "text_file",
+            required_unless_present = "text_file"
+        )]
+        ids_file: Option<PathBuf>,
+        #[arg(long)]
+        text_file: Option<PathBuf>,
+        /// Tokens predicted per window (each window is scored without cache from the previous).
+        #[arg(long, default_value_t = 256)]
+        window: usize,
+        #[arg(long, default_value_t = 64)]
+        max_windows: usize,
+        #[arg(long, value_enum, default_value = "f32")]
+        activations: Act,
+        #[arg(long)]
+        json: bool,
+    },
     /// Runs the bundled example model end to end.
     Demo,
 }
@@ -195,14 +222,26 @@ fn cmd_logits(model: &Path, ids: &str, out: &Path, mla: Mla) -> Result<()> {
 #[allow(clippy::too_many_arguments)]
 fn cmd_generate(
     model: &Path,
-    ids: &str,
+    ids: Option<&str>,
+    text: Option<&str>,
     max_tokens: usize,
     sp: SamplingParams,
     stop_at_eos: bool,
     json: bool,
     mla: Mla,
 ) -> Result<()> {
-    let prompt = parse_ids(ids)?;
+    let tok = match text {
+        Some(_) => Some(TextTokenizer::load(model)?),
+        None => None,
+    };
+    let prompt = match (ids, text, &tok) {
+        (Some(ids), _, _) => parse_ids(ids)?,
+        (None, Some(t), Some(tok)) => tok.encode(t)?,
+        _ => bail!("give --ids or --prompt"),
+    };
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
     if !(sp.temperature >= 0.0 && sp.temperature.is_finite()) {
         bail!("--temperature must be >= 0");
     }
@@ -226,7 +265,7 @@ fn cmd_generate(
         opts(mla),
     )?;
     if json {
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "ids": g.ids,
             "prompt_tokens": g.prompt_tokens,
             "finish_reason": g.finish_reason,
@@ -236,10 +275,22 @@ fn cmd_generate(
             "decode_seconds": g.decode_seconds,
             "decode_tok_s": g.decode_tok_s(),
         });
+        if let Some(tok) = &tok {
+            v["text"] = tok.decode(&g.ids)?.into();
+        }
         println!("{v}");
     } else {
-        let s: Vec<String> = g.ids.iter().map(|i| i.to_string()).collect();
-        println!("{}", s.join(","));
+        match &tok {
+            Some(tok) => println!("{}{}", text.unwrap_or(""), tok.decode(&g.ids)?),
+            None => println!(
+                "{}",
+                g.ids
+                    .iter()
+                    .map(|i| i.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+        }
         eprintln!(
             "prefill {} tokens in {:.3}s ({:.1} tok/s), decode {} tokens in {:.3}s ({:.1} tok/s), finish: {}",
             g.prompt_tokens, g.prefill_seconds, g.prefill_tok_s(), g.ids.len(), g.decode_seconds, g.decode_tok_s(), g.finish_reason
@@ -499,6 +550,71 @@ fn cmd_quality(model: &Path, reference: &Path, json: bool) -> Result<()> {
     Ok(())
 }
 
+fn read_ids_file(p: &Path) -> Result<Vec<u32>> {
+    let f = charm_shared::safetensors::SafetensorsFile::open(p)?;
+    let t = f
+        .header
+        .tensors
+        .get("ids")
+        .context("the ids file has no tensor `ids`")?;
+    let b = f.bytes("ids").expect("present");
+    Ok(match t.dtype {
+        charm_shared::dtype::DType::I64 => b
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().expect("8")) as u32)
+            .collect(),
+        charm_shared::dtype::DType::I32 => b
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().expect("4")) as u32)
+            .collect(),
+        charm_shared::dtype::DType::U32 => b
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().expect("4")))
+            .collect(),
+        d => bail!("ids must be I64, I32 or U32, not {}", d.name()),
+    })
+}
+
+fn cmd_evaluate(
+    model: &Path,
+    ids_file: Option<&Path>,
+    text_file: Option<&Path>,
+    window: usize,
+    max_windows: usize,
+    json: bool,
+) -> Result<()> {
+    if window < 2 {
+        bail!("--window must be at least 2");
+    }
+    let ids = match (ids_file, text_file) {
+        (Some(p), _) => read_ids_file(p)?,
+        (None, Some(t)) => TextTokenizer::load(model)?.encode(
+            &std::fs::read_to_string(t).with_context(|| format!("reading {}", t.display()))?,
+        )?,
+        _ => bail!("give --ids-file or --text-file"),
+    };
+    let m = load(model)?;
+    let e = charm_coordinator::evaluate::evaluate(&m, &ids, window, max_windows)?;
+    if e.windows == 0 {
+        bail!(
+            "{} tokens do not fill one window of {}",
+            ids.len(),
+            window + 1
+        );
+    }
+    let v = serde_json::json!({
+        "tokens": e.tokens, "windows": e.windows, "perplexity": e.perplexity, "top1_accuracy": e.top1_accuracy,
+        "mtp_accuracy": e.mtp_accuracy, "mtp_acceptance": e.mtp_acceptance,
+        "top10pct_expert_share": e.top10pct_share, "routing_entropy": e.routing_entropy,
+    });
+    if json {
+        println!("{v}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    }
+    Ok(())
+}
+
 fn cmd_demo() -> Result<()> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/oracle/glm5-tiny");
     println!("charm demo: GLM-5.2 architecture (MLA + DSA sparse attention + 16-expert MoE + MTP), tiny random weights");
@@ -553,6 +669,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Generate {
             model,
             ids,
+            prompt,
             max_tokens,
             temperature,
             top_k,
@@ -566,7 +683,8 @@ fn run(cli: Cli) -> Result<()> {
             set_act(activations);
             cmd_generate(
                 &model,
-                &ids,
+                ids.as_deref(),
+                prompt.as_deref(),
                 max_tokens,
                 SamplingParams {
                     temperature,
@@ -597,6 +715,25 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             set_act(activations);
             cmd_quality(&model, &reference, json)
+        }
+        Cmd::Evaluate {
+            model,
+            ids_file,
+            text_file,
+            window,
+            max_windows,
+            activations,
+            json,
+        } => {
+            set_act(activations);
+            cmd_evaluate(
+                &model,
+                ids_file.as_deref(),
+                text_file.as_deref(),
+                window,
+                max_windows,
+                json,
+            )
         }
         Cmd::Demo => cmd_demo(),
     }

@@ -3,17 +3,20 @@
 //! # Layout
 //! - [`model`]: weights of the dense skeleton, loaded from a checkpoint; routed experts are
 //!   handed to an [`charm_worker::ExpertExecutor`].
+//! - [`evaluate`]: held-out perplexity, MTP draft acceptance, routing skew.
 //! - [`forward`]: the forward pass (MLA / GQA attention, DSA selection, MoE), the MTP head, traces.
 //! - [`convert`]: Hugging Face checkpoint -> charm container, resumable.
 //! - [`cache`]: the per-sequence KV cache (compressed latents for MLA).
 //! - [`quality`]: top-1 agreement and KL divergence against reference logits.
 //! - [`rope`]: rotary embeddings.
 //! - [`sampling`]: greedy and seeded stochastic sampling.
+//! - [`tokenizer`]: text <-> ids via `tokenizer.json`.
 //! - [`generate`]: prefill + decode loop with timings.
 //! - [`info`]: parameter and byte accounting for `charm info`.
 
 pub mod cache;
 pub mod convert;
+pub mod evaluate;
 pub mod forward;
 pub mod generate;
 pub mod info;
@@ -21,6 +24,7 @@ pub mod model;
 pub mod quality;
 pub mod rope;
 pub mod sampling;
+pub mod tokenizer;
 
 pub use cache::KvCache;
 pub use forward::{ForwardError, ForwardOptions, MlaMode, Trace};

@@ -1,0 +1,41 @@
+//! Text in and out: the model directory's `tokenizer.json` through the `tokenizers` crate.
+
+use std::path::Path;
+
+/// A model's tokenizer.
+#[derive(Debug)]
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+}
+
+/// The tokenizer could not be loaded or used.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct TokenizerError(String);
+
+impl TextTokenizer {
+    /// Loads `dir/tokenizer.json`.
+    pub fn load(dir: &Path) -> Result<Self, TokenizerError> {
+        let p = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&p)
+            .map_err(|e| TokenizerError(format!("{}: {e}", p.display())))?;
+        Ok(Self { inner })
+    }
+
+    /// Text to ids (no special tokens added).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        Ok(self
+            .inner
+            .encode(text, false)
+            .map_err(|e| TokenizerError(e.to_string()))?
+            .get_ids()
+            .to_vec())
+    }
+
+    /// Ids to text (special tokens kept visible).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| TokenizerError(e.to_string()))
+    }
+}
