@@ -227,6 +227,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--work", default=os.path.expanduser("~/.cache/charm-train"))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reference-only", action="store_true",
+                    help="recompute reference.* and heldout.safetensors for an already trained OUT_DIR")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -237,6 +239,12 @@ def main():
     works = texts(args.work)
     train_w = [t for n, t in works if n not in HELD_OUT]
     held_w = [t for n, t in works if n in HELD_OUT]
+    if args.reference_only:
+        tok = Tokenizer.from_file(os.path.join(args.out, "tokenizer.json"))
+        eos = tok.token_to_id("<|endoftext|>")
+        held = torch.tensor([i for w in held_w for i in tok.encode(w).ids + [eos]])
+        reference(args.out, held, tok, eos)
+        return
     tok = train_tokenizer(train_w)
     eos = tok.token_to_id("<|endoftext|>")
     enc = lambda ws: [i for w in ws for i in tok.encode(w).ids + [eos]]
@@ -349,9 +357,11 @@ def reference(out, held_ids, tok, eos):
                          output_scores=True, return_dict_in_generate=True, min_new_tokens=40)
     new = gen.sequences[0, len(prompt):]
     gm = torch.stack([s[0].topk(2).values[0] - s[0].topk(2).values[1] for s in gen.scores])
-    # Held-out perplexity over windows of 256 tokens (first 64 windows).
+    # Held-out perplexity over windows of 256 tokens (first 64 windows); the ids are saved so
+    # charm scores exactly the same tokens (`charm evaluate --ids-file heldout.safetensors`).
+    save_file({"ids": held_ids[:64 * 256 + 1].to(torch.int32).contiguous()}, os.path.join(out, "heldout.safetensors"))
     nll, count = 0.0, 0
-    for s in range(0, min(len(held_ids) - 257, 64 * 256), 256):
+    for s in range(0, min(len(held_ids) - 256, 64 * 256), 256):
         w = held_ids[s:s + 257]
         lg = model(w[None, :-1], use_cache=False).logits[0]
         nll += F.cross_entropy(lg, w[1:], reduction="sum").item()
