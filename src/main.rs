@@ -616,27 +616,32 @@ fn cmd_evaluate(
 }
 
 fn cmd_demo() -> Result<()> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/oracle/glm5-tiny");
-    println!("charm demo: GLM-5.2 architecture (MLA + DSA sparse attention + 16-expert MoE + MTP), tiny random weights");
-    println!("model: {}", dir.display());
-    let m = load(&dir)?;
-    let prompt = [5u32, 17, 3, 99, 250, 7, 42, 11];
-    let g = generate(
-        &m,
-        &prompt,
-        24,
-        &mut Sampler::new(SamplingParams::default()),
-        &[],
-        ForwardOptions::default(),
-    )?;
-    println!("prompt ids: {prompt:?}");
-    println!("greedy ids: {:?}", g.ids);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let bard = root.join("models/charm-bard-moe");
+    if !bard.join("model.safetensors").is_file() {
+        bail!("{} is missing: the demo model ships in the repository", bard.display());
+    }
+    println!("charm demo: charm-bard-moe, a GLM-5.2-architecture MoE (MLA, DSA sparse attention, 32 experts top-4 + 1 shared, MTP head) trained on Shakespeare");
+    println!("mode: single box, routed experts in RAM (the loopback cluster and the OpenAI-compatible gateway are not built yet; this command will start them once they exist)");
+    let t = std::time::Instant::now();
+    let m = load(&bard)?;
+    let tok = TextTokenizer::load(&bard)?;
+    println!("loaded in {:.2}s: {} layers, {} routed experts per MoE layer", t.elapsed().as_secs_f64(), m.spec.layers.len(), m.spec.router.as_ref().map_or(0, |r| r.n_experts));
+    let prompt = "ROMEO. ";
+    let ids = tok.encode(prompt)?;
+    let sp = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 7 };
+    let g = generate(&m, &ids, 120, &mut Sampler::new(sp), &m.spec.eos_token_ids, ForwardOptions::default())?;
+    println!("--- prompt: {prompt:?} (temperature 0.8, top-p 0.95, seed 7)");
+    println!("{prompt}{}", tok.decode(&g.ids)?);
+    println!("---");
     println!(
-        "prefill {:.1} tok/s, decode {:.1} tok/s (single box, experts in RAM)",
+        "prefill {} tokens at {:.1} tok/s, decoded {} tokens at {:.1} tok/s ({})",
+        g.prompt_tokens,
         g.prefill_tok_s(),
-        g.decode_tok_s()
+        g.ids.len(),
+        g.decode_tok_s(),
+        g.finish_reason
     );
-    println!("A trained demo model, the two-worker loopback cluster and the OpenAI-compatible gateway will run here once they exist.");
     Ok(())
 }
 
