@@ -619,18 +619,38 @@ fn cmd_demo() -> Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let bard = root.join("models/charm-bard-moe");
     if !bard.join("model.safetensors").is_file() {
-        bail!("{} is missing: the demo model ships in the repository", bard.display());
+        bail!(
+            "{} is missing: the demo model ships in the repository",
+            bard.display()
+        );
     }
     println!("charm demo: charm-bard-moe, a GLM-5.2-architecture MoE (MLA, DSA sparse attention, 32 experts top-4 + 1 shared, MTP head) trained on Shakespeare");
     println!("mode: single box, routed experts in RAM (the loopback cluster and the OpenAI-compatible gateway are not built yet; this command will start them once they exist)");
     let t = std::time::Instant::now();
     let m = load(&bard)?;
     let tok = TextTokenizer::load(&bard)?;
-    println!("loaded in {:.2}s: {} layers, {} routed experts per MoE layer", t.elapsed().as_secs_f64(), m.spec.layers.len(), m.spec.router.as_ref().map_or(0, |r| r.n_experts));
+    println!(
+        "loaded in {:.2}s: {} layers, {} routed experts per MoE layer",
+        t.elapsed().as_secs_f64(),
+        m.spec.layers.len(),
+        m.spec.router.as_ref().map_or(0, |r| r.n_experts)
+    );
     let prompt = "ROMEO. ";
     let ids = tok.encode(prompt)?;
-    let sp = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 7 };
-    let g = generate(&m, &ids, 120, &mut Sampler::new(sp), &m.spec.eos_token_ids, ForwardOptions::default())?;
+    let sp = SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 7,
+    };
+    let g = generate(
+        &m,
+        &ids,
+        120,
+        &mut Sampler::new(sp),
+        &m.spec.eos_token_ids,
+        ForwardOptions::default(),
+    )?;
     println!("--- prompt: {prompt:?} (temperature 0.8, top-p 0.95, seed 7)");
     println!("{prompt}{}", tok.decode(&g.ids)?);
     println!("---");

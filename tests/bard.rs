@@ -25,12 +25,20 @@ impl Reference {
         to_f32(self.0.header.tensors[n].dtype, self.0.bytes(n).unwrap()).unwrap()
     }
     fn ids(&self, n: &str) -> Vec<u32> {
-        self.0.bytes(n).unwrap().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect()
+        self.0
+            .bytes(n)
+            .unwrap()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect()
     }
 }
 
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 #[test]
@@ -43,20 +51,28 @@ fn teacher_forced_logits_and_mtp_match_transformers() {
     let margins = r.f32("tf_margin");
     for mode in [MlaMode::Absorbed, MlaMode::Naive] {
         let mut c = KvCache::new(&m.spec);
-        let normed = m.forward(&ids, &mut c, ForwardOptions { mla: mode }, None).unwrap();
+        let normed = m
+            .forward(&ids, &mut c, ForwardOptions { mla: mode }, None)
+            .unwrap();
         let got = m.logits(&normed, ids.len()).unwrap();
         let d = max_abs(&got, &want);
         eprintln!("{mode:?}: max logit diff {d:e}");
         assert!(d < 2e-4, "{mode:?}: logits differ by {d}");
         for t in 0..ids.len() {
             if margins[t] > 1e-3 {
-                assert_eq!(argmax(&got[t * v..(t + 1) * v]), argmax(&want[t * v..(t + 1) * v]), "position {t}");
+                assert_eq!(
+                    argmax(&got[t * v..(t + 1) * v]),
+                    argmax(&want[t * v..(t + 1) * v]),
+                    "position {t}"
+                );
             }
         }
         if mode == MlaMode::Absorbed {
             let h = m.spec.hidden_size;
             let mut mc = KvCache::with_layers(&m.spec, 1);
-            let draft = m.mtp_forward(&ids[1..], &normed[..(ids.len() - 1) * h], &mut mc).unwrap();
+            let draft = m
+                .mtp_forward(&ids[1..], &normed[..(ids.len() - 1) * h], &mut mc)
+                .unwrap();
             let d = max_abs(&draft, &r.f32("mtp_logits"));
             eprintln!("mtp: max logit diff {d:e}");
             assert!(d < 2e-4, "MTP logits differ by {d}");
@@ -69,7 +85,15 @@ fn greedy_generation_matches_transformers() {
     let m = Model::load(&dir()).unwrap();
     let r = Reference::open();
     let want = r.ids("greedy_ids");
-    let g = generate(&m, &r.ids("greedy_prompt"), want.len(), &mut Sampler::new(SamplingParams::default()), &[], ForwardOptions::default()).unwrap();
+    let g = generate(
+        &m,
+        &r.ids("greedy_prompt"),
+        want.len(),
+        &mut Sampler::new(SamplingParams::default()),
+        &[],
+        ForwardOptions::default(),
+    )
+    .unwrap();
     assert_eq!(g.ids, want);
 }
 
@@ -77,14 +101,28 @@ fn greedy_generation_matches_transformers() {
 fn heldout_perplexity_matches_transformers() {
     let m = Model::load(&dir()).unwrap();
     let f = SafetensorsFile::open(&dir().join("heldout.safetensors")).unwrap();
-    let ids: Vec<u32> = f.bytes("ids").unwrap().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32).collect();
-    let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir().join("reference.json")).unwrap()).unwrap();
+    let ids: Vec<u32> = f
+        .bytes("ids")
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect();
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir().join("reference.json")).unwrap())
+            .unwrap();
     let want = reference["heldout_ppl"].as_f64().unwrap();
     let windows = reference["heldout_windows"].as_u64().unwrap() as usize;
     // A few windows keep the default suite fast; the full figure is in docs/quality.md.
     let e = evaluate(&m, &ids, 256, windows).unwrap();
     assert_eq!(e.windows, windows);
     let rel = (e.perplexity - want).abs() / want;
-    eprintln!("held-out perplexity: charm {:.5}, transformers {want:.5}", e.perplexity);
-    assert!(rel < 1e-4, "perplexity {} vs transformers {want}", e.perplexity);
+    eprintln!(
+        "held-out perplexity: charm {:.5}, transformers {want:.5}",
+        e.perplexity
+    );
+    assert!(
+        rel < 1e-4,
+        "perplexity {} vs transformers {want}",
+        e.perplexity
+    );
 }
