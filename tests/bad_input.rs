@@ -8,11 +8,8 @@ use charm_coordinator::{ForwardError, ForwardOptions, Model};
 use charm_shared::LoadError;
 use serde_json::Value;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/oracle")
-        .join(name)
-}
+mod common;
+use common::fixture;
 
 /// A scratch copy of a fixture (config.json + model.safetensors) that deletes itself.
 struct Scratch(PathBuf);

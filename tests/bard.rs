@@ -11,6 +11,9 @@ use charm_coordinator::{ForwardOptions, MlaMode, Model};
 use charm_shared::dtype::to_f32;
 use charm_shared::safetensors::SafetensorsFile;
 
+mod common;
+use common::max_abs_diff;
+
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe")
 }
@@ -34,13 +37,6 @@ impl Reference {
     }
 }
 
-fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn teacher_forced_logits_and_mtp_match_transformers() {
     let m = Model::load(&dir()).unwrap();
@@ -55,7 +51,7 @@ fn teacher_forced_logits_and_mtp_match_transformers() {
             .forward(&ids, &mut c, ForwardOptions { mla: mode }, None)
             .unwrap();
         let got = m.logits(&normed, ids.len()).unwrap();
-        let d = max_abs(&got, &want);
+        let d = max_abs_diff(&got, &want);
         eprintln!("{mode:?}: max logit diff {d:e}");
         assert!(d < 2e-4, "{mode:?}: logits differ by {d}");
         for t in 0..ids.len() {
@@ -73,7 +69,7 @@ fn teacher_forced_logits_and_mtp_match_transformers() {
             let draft = m
                 .mtp_forward(&ids[1..], &normed[..(ids.len() - 1) * h], &mut mc)
                 .unwrap();
-            let d = max_abs(&draft, &r.f32("mtp_logits"));
+            let d = max_abs_diff(&draft, &r.f32("mtp_logits"));
             eprintln!("mtp: max logit diff {d:e}");
             assert!(d < 2e-4, "MTP logits differ by {d}");
         }

@@ -2,55 +2,18 @@
 //! checkpoint layouts.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-use charm_shared::dtype::to_f32;
 use charm_shared::safetensors::SafetensorsFile;
 use serde_json::Value;
 
-const FIXTURES: [&str; 5] = [
-    "glm5-tiny",
-    "glm5-tiny-grouped",
-    "glm5-small-fp8",
-    "deepseek3-tiny",
-    "qwen3moe-tiny",
-];
+mod common;
+use common::{charm, fixture, tensor_f32 as tensor, tensor_ints as ints, FIXTURES};
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/oracle")
-        .join(name)
-}
-
-fn charm(args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_charm"))
-        .args(args)
-        .output()
-        .unwrap();
-    let (out, err) = (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    );
-    assert!(!err.contains("panicked"), "charm {args:?} panicked: {err}");
-    (o.status.success(), out, err)
-}
-
-fn tensor(file: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
-    let f = SafetensorsFile::open(file).unwrap();
-    let t = &f.header.tensors[name];
-    (
-        t.shape.clone(),
-        to_f32(t.dtype, f.bytes(name).unwrap()).unwrap(),
-    )
-}
-
-fn ints(file: &Path, name: &str) -> Vec<i64> {
-    let f = SafetensorsFile::open(file).unwrap();
-    f.bytes(name)
-        .unwrap()
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-        .collect()
+/// A fresh, existing scratch directory.
+fn scratch(tag: &str) -> PathBuf {
+    let d = common::scratch(tag);
+    std::fs::create_dir_all(&d).unwrap();
+    d
 }
 
 fn csv(v: &[i64]) -> String {
@@ -58,13 +21,6 @@ fn csv(v: &[i64]) -> String {
         .map(|x| x.to_string())
         .collect::<Vec<_>>()
         .join(",")
-}
-
-fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("charm-cli-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 #[test]

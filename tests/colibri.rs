@@ -3,7 +3,7 @@
 //! int4 per row, int4 in groups, int2 per row, round-half-even as numpy's `rint`), then compared
 //! with the same rounded values run through the f32 path.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use charm_coordinator::cache::KvCache;
 use charm_coordinator::quality::compare;
@@ -11,9 +11,8 @@ use charm_coordinator::{ForwardError, ForwardOptions, Model};
 use charm_shared::checkpoint::Checkpoint;
 use serde_json::{json, Value};
 
-fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/oracle/glm5-tiny")
-}
+mod common;
+use common::{fixture, write_safetensors};
 
 #[derive(Clone, Copy, Debug)]
 enum Fmt {
@@ -74,20 +73,6 @@ fn pack(w: &[f32], rows: usize, cols: usize, f: Fmt) -> (Vec<u8>, Vec<f32>, Vec<
     (codes, scales, deq)
 }
 
-fn write_safetensors(path: &Path, tensors: &[(String, &str, Vec<usize>, Vec<u8>)]) {
-    let mut header = serde_json::Map::new();
-    let mut data = Vec::new();
-    for (name, dtype, shape, bytes) in tensors {
-        header.insert(name.clone(), json!({"dtype": dtype, "shape": shape, "data_offsets": [data.len(), data.len() + bytes.len()]}));
-        data.extend_from_slice(bytes);
-    }
-    let h = serde_json::to_vec(&Value::Object(header)).unwrap();
-    let mut out = (h.len() as u64).to_le_bytes().to_vec();
-    out.extend(h);
-    out.extend(data);
-    std::fs::write(path, out).unwrap();
-}
-
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -95,7 +80,7 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 /// Writes glm5-tiny in colibrì's layout (optionally with the indexer, as its `--indexer` mode
 /// adds) and, beside it, an f32 checkpoint holding exactly the values the codes decode to.
 fn make(dir: &Path, sim: &Path, with_indexer: bool) {
-    let ck = Checkpoint::open(&fixture()).unwrap();
+    let ck = Checkpoint::open(&fixture("glm5-tiny")).unwrap();
     let (mut out, mut reference) = (Vec::new(), Vec::new());
     for name in ck.names() {
         let (info, _) = ck.info(name).unwrap();
@@ -166,9 +151,10 @@ fn make(dir: &Path, sim: &Path, with_indexer: bool) {
     }
     for (d, tensors) in [(dir, &out), (sim, &reference)] {
         std::fs::create_dir_all(d).unwrap();
-        let mut cfg: Value =
-            serde_json::from_str(&std::fs::read_to_string(fixture().join("config.json")).unwrap())
-                .unwrap();
+        let mut cfg: Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture("glm5-tiny").join("config.json")).unwrap(),
+        )
+        .unwrap();
         cfg["num_nextn_predict_layers"] = json!(0);
         std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
         let (a, b) = tensors.split_at(tensors.len() / 2);
@@ -185,7 +171,7 @@ fn make(dir: &Path, sim: &Path, with_indexer: bool) {
     }
 }
 
-fn logits(m: &Model, ids: &[u32]) -> Result<Vec<f32>, ForwardError> {
+fn try_logits(m: &Model, ids: &[u32]) -> Result<Vec<f32>, ForwardError> {
     let mut c = KvCache::new(&m.spec);
     let n = m.forward(ids, &mut c, ForwardOptions::default(), None)?;
     m.logits(&n, ids.len())
@@ -209,8 +195,8 @@ fn colibri_layout_loads_and_decodes_exactly() {
         let v = m.spec.vocab_size;
         let n = if with_indexer { ids.len() } else { 8 }; // glm5-tiny: index_topk 8
         let a = compare(
-            &logits(&m, &ids[..n]).unwrap(),
-            &logits(&s, &ids[..n]).unwrap(),
+            &try_logits(&m, &ids[..n]).unwrap(),
+            &try_logits(&s, &ids[..n]).unwrap(),
             v,
         );
         assert!(
@@ -219,7 +205,7 @@ fn colibri_layout_loads_and_decodes_exactly() {
         );
         if !with_indexer {
             assert_eq!(m.dense_attention_limit, Some(8));
-            match logits(&m, &ids[..9]) {
+            match try_logits(&m, &ids[..9]) {
                 Err(ForwardError::NoIndexer {
                     limit: 8,
                     requested: 9,

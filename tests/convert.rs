@@ -2,74 +2,16 @@
 //! reference exactly; a conversion killed mid-write and rerun is byte-identical to an
 //! uninterrupted one; damaged containers are refused.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use charm_coordinator::cache::KvCache;
 use charm_coordinator::generate::generate;
 use charm_coordinator::sampling::{Sampler, SamplingParams};
 use charm_coordinator::{ForwardOptions, Model};
-use charm_shared::dtype::to_f32;
-use charm_shared::safetensors::SafetensorsFile;
 
-const FIXTURES: [&str; 5] = [
-    "glm5-tiny",
-    "glm5-tiny-grouped",
-    "glm5-small-fp8",
-    "deepseek3-tiny",
-    "qwen3moe-tiny",
-];
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/oracle")
-        .join(name)
-}
-
-fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("charm-conv-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
-fn convert(src: &Path, out: &Path, extra: &[&str], abort_after: Option<u64>) -> (bool, String) {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_charm"));
-    c.args([
-        "convert",
-        "--model",
-        src.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ])
-    .args(extra);
-    if let Some(n) = abort_after {
-        c.env("CHARM_CONVERT_ABORT_AFTER_BYTES", n.to_string());
-    }
-    let o = c.output().unwrap();
-    let err = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert!(!err.contains("panicked"), "{err}");
-    (o.status.success(), err)
-}
-
-fn oracle(name: &str) -> SafetensorsFile {
-    SafetensorsFile::open(&fixture(name).join("oracle.safetensors")).unwrap()
-}
-
-fn ids(o: &SafetensorsFile, n: &str) -> Vec<u32> {
-    o.bytes(n)
-        .unwrap()
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-        .collect()
-}
-
-fn logits(m: &Model, ids: &[u32]) -> Vec<f32> {
-    let mut c = KvCache::new(&m.spec);
-    let n = m
-        .forward(ids, &mut c, ForwardOptions::default(), None)
-        .unwrap();
-    m.logits(&n, ids.len()).unwrap()
-}
+mod common;
+use common::{convert, fixture, logits, max_abs_diff, oracle_f32, oracle_ids, scratch, FIXTURES};
 
 /// With every weight stored as bf16, a container of a bf16 checkpoint holds exactly the
 /// checkpoint's values: logits match the reference as tightly as the direct path and greedy
@@ -100,24 +42,14 @@ fn bf16_containers_reproduce_the_reference() {
         );
         assert!(ok, "{f}: {err}");
         let m = Model::load(&out).unwrap();
-        let o = oracle(f);
-        let t = ids(&o, "tf_input_ids");
+        let t = oracle_ids(f, "tf_input_ids");
         let got = logits(&m, &t);
-        let want = to_f32(
-            charm_shared::dtype::DType::F32,
-            o.bytes("tf_logits").unwrap(),
-        )
-        .unwrap();
-        let d = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let d = max_abs_diff(&got, &oracle_f32(f, "tf_logits"));
         assert!(d < 5e-5, "{f}: bf16 container logits differ by {d}");
-        let want_ids = ids(&o, "greedy_ids");
+        let want_ids = oracle_ids(f, "greedy_ids");
         let g = generate(
             &m,
-            &ids(&o, "greedy_prompt"),
+            &oracle_ids(f, "greedy_prompt"),
             want_ids.len(),
             &mut Sampler::new(SamplingParams::default()),
             &[],
@@ -287,7 +219,7 @@ fn one_pass_and_token_by_token_logits_are_bit_identical() {
         let out = scratch(&format!("inv-{f}"));
         assert!(convert(&fixture(f), &out, &[], None).0);
         let m = Model::load(&out).unwrap();
-        let t = ids(&oracle(f), "tf_input_ids");
+        let t = oracle_ids(f, "tf_input_ids");
         let one = logits(&m, &t);
         let mut c = KvCache::new(&m.spec);
         let mut step = Vec::new();

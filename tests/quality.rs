@@ -8,13 +8,12 @@
 //! 2. Regression guards: top-1 agreement and mean KL against the f32 oracle logits, per format mix,
 //!    at the levels measured in docs/quality.md.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
-use charm_coordinator::cache::KvCache;
 use charm_coordinator::model::{read_expert, WeightSource};
 use charm_coordinator::quality::compare;
-use charm_coordinator::{ForwardOptions, Model};
+use charm_coordinator::Model;
 use charm_shared::checkpoint::Checkpoint;
 use charm_shared::config::ModelSpec;
 use charm_shared::container::{Manifest, Part, StoreFormat};
@@ -23,11 +22,8 @@ use charm_shared::kernels::{Linear, Matrix, SwiGlu};
 use charm_shared::safetensors::SafetensorsFile;
 use charm_shared::LoadError;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/oracle")
-        .join(name)
-}
+mod common;
+use common::{fixture, logits, FIXTURES};
 
 /// bf16 round-to-nearest-even, found by comparing the two neighbouring bf16 values in f64.
 fn bf16(x: f32) -> f32 {
@@ -144,14 +140,6 @@ impl WeightSource for Simulated<'_> {
     }
 }
 
-fn logits(m: &Model, ids: &[u32]) -> Vec<f32> {
-    let mut c = KvCache::new(&m.spec);
-    let n = m
-        .forward(ids, &mut c, ForwardOptions::default(), None)
-        .unwrap();
-    m.logits(&n, ids.len()).unwrap()
-}
-
 /// (name, experts, dense, embedding): the format mixes of docs/quality.md.
 const MIXES: [(&str, &str, &str, &str); 5] = [
     ("bf16", "bf16", "bf16", "bf16"),
@@ -160,15 +148,8 @@ const MIXES: [(&str, &str, &str, &str); 5] = [
     ("int4-dense", "int4", "int4", "int8"),
     ("int2-experts", "int2", "int8", "int8"),
 ];
-const FIXTURES: [&str; 5] = [
-    "glm5-tiny",
-    "glm5-tiny-grouped",
-    "glm5-small-fp8",
-    "deepseek3-tiny",
-    "qwen3moe-tiny",
-];
 
-fn convert(f: &str, mix: (&str, &str, &str, &str)) -> PathBuf {
+fn convert_mix(f: &str, mix: (&str, &str, &str, &str)) -> PathBuf {
     let out = std::env::temp_dir().join(format!(
         "charm-quality-{f}-{}-{}",
         mix.0,
@@ -229,7 +210,7 @@ fn quantized_containers_compute_their_declared_rounding_and_hold_their_quality()
     let mut worst: Vec<(String, f64, f64)> = Vec::new();
     for mix in MIXES {
         for f in FIXTURES {
-            let out = convert(f, mix);
+            let out = convert_mix(f, mix);
             let m = Model::load(&out).unwrap();
             let (ids, want) = oracle(f);
             let got = logits(&m, &ids);
