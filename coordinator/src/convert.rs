@@ -97,7 +97,8 @@ impl Cursor {
         [o, len]
     }
     fn part(&mut self, format: StoreFormat, shape: Vec<usize>, group: usize) -> Part {
-        let (d, s, m) = Part::sizes(format, &shape, group);
+        let (d, s, m) =
+            Part::sizes(format, &shape, group).expect("checkpoint shapes were validated at open");
         let grouped = !matches!(format, StoreFormat::F32 | StoreFormat::Bf16);
         Part {
             format,
@@ -113,6 +114,9 @@ impl Cursor {
 /// Format and group for a `[rows, cols]` weight asked to be `want`: grouped formats fall back to
 /// bf16 (never lower precision) when no group tiles the row.
 fn choose(want: StoreFormat, cols: usize, group: usize) -> (StoreFormat, usize) {
+    if !cols.is_multiple_of(8) {
+        return (StoreFormat::F32, cols); // widths the kernels cannot walk 8 at a time stay exact
+    }
     match want {
         StoreFormat::F32 | StoreFormat::Bf16 => (want, cols),
         _ => match effective_group(cols, group) {

@@ -89,18 +89,24 @@ pub struct Part {
 
 impl Part {
     /// Byte length of each region for a `[rows, cols]` (or `[n]`) tensor in `format`.
-    pub fn sizes(format: StoreFormat, shape: &[usize], group: usize) -> (u64, u64, u64) {
-        let n: usize = shape.iter().product();
-        let cols = *shape.last().unwrap_or(&1);
-        let rows = n / cols.max(1);
-        let groups = (rows * cols.checked_div(group).unwrap_or(0)) as u64;
-        match format {
-            StoreFormat::F32 => (4 * n as u64, 0, 0),
-            StoreFormat::Bf16 => (2 * n as u64, 0, 0),
-            StoreFormat::Int8 => (n as u64, 4 * groups, 0),
-            StoreFormat::Int4 => (n as u64 / 2, 4 * groups, 0),
-            StoreFormat::Int2 => (n as u64 / 4, 4 * groups, 4 * groups),
+    /// `None` when the shape is too large to address (a damaged manifest).
+    pub fn sizes(format: StoreFormat, shape: &[usize], group: usize) -> Option<(u64, u64, u64)> {
+        let n = shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d as u64))?;
+        if n > (1u64 << 48) {
+            return None;
         }
+        let cols = *shape.last().unwrap_or(&1) as u64;
+        let rows = n.checked_div(cols).unwrap_or(0);
+        let groups = rows * cols.checked_div(group as u64).unwrap_or(0);
+        Some(match format {
+            StoreFormat::F32 => (4 * n, 0, 0),
+            StoreFormat::Bf16 => (2 * n, 0, 0),
+            StoreFormat::Int8 => (n, 4 * groups, 0),
+            StoreFormat::Int4 => (n / 2, 4 * groups, 0),
+            StoreFormat::Int2 => (n / 4, 4 * groups, 4 * groups),
+        })
     }
 }
 
@@ -297,7 +303,8 @@ impl Container {
             s => return Err(bad(format!("unsupported shape {s:?}"))),
         };
         let group = part.group.unwrap_or(cols);
-        let (dl, sl, ml) = Part::sizes(part.format, &part.shape, group);
+        let (dl, sl, ml) = Part::sizes(part.format, &part.shape, group)
+            .ok_or_else(|| bad(format!("shape {:?} is too large", part.shape)))?;
         if part.data[1] != dl
             || part.scales.map_or(0, |s| s[1]) != sl
             || part.mins.map_or(0, |m| m[1]) != ml
@@ -317,6 +324,14 @@ impl Container {
             return Ok(Linear::F32(Matrix::new(rows, cols, v)));
         }
         let kind = part.format.quant().expect("quantized format");
+        if kind == QuantKind::Bf16 && !cols.is_multiple_of(8) {
+            // The SIMD kernels walk rows 8 values at a time: odd widths run as exact f32.
+            let v = data
+                .chunks_exact(2)
+                .map(|c| crate::dtype::bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .collect();
+            return Ok(Linear::F32(Matrix::new(rows, cols, v)));
+        }
         if kind != QuantKind::Bf16
             && (group == 0 || !group.is_multiple_of(8) || !cols.is_multiple_of(group))
         {
