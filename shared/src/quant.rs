@@ -432,7 +432,8 @@ impl QMatrix {
 struct QuantizedActs {
     q: Vec<i8>,
     scale: Vec<f32>,
-    /// Per group, the sum of the int8 activations (the VNNI path's offset correction).
+    /// Per group and lane (`[groups, 8]`): the sum of the int8 activations that lane `m` meets
+    /// (bytes `4m..4m+4` of each 32-byte block), the VNNI path's offset correction.
     sum: Vec<i32>,
 }
 
@@ -461,10 +462,10 @@ impl QuantizedActs {
                 }
             }
         }
-        let sum = q
-            .chunks(group)
-            .map(|c| c.iter().map(|&v| v as i32).sum())
-            .collect();
+        let mut sum = vec![0i32; 8 * (x.len() / group)];
+        for (k, &v) in q.iter().enumerate() {
+            sum[(k / group) * 8 + (k % 32) / 4] += v as i32;
+        }
         Self { q, scale, sum }
     }
 }
@@ -584,7 +585,10 @@ pub mod scalar {
         c
     }
 
-    /// Reference twin of the integer path (see [`super::row_dot_i8`]).
+    /// Reference twin of the integer path (see [`super::row_dot_i8`]): per group, exact i32 sums
+    /// in 8 lanes (lane `m` takes bytes `4m..4m+4` of each 32-byte block, as `vpmaddubsw` +
+    /// `vpmaddwd` do); each lane accumulates `fma(scale_w[g] * scale_x[g], isum, acc)`; the fixed
+    /// tree over the 8 lanes at the end.
     pub(super) fn row_dot_i8(
         kind: QuantKind,
         group: usize,
@@ -594,29 +598,28 @@ pub mod scalar {
         ascale: &[f32],
     ) -> f32 {
         let gb = group * kind.bits() / 8;
-        let mut acc = 0.0f32;
+        let mut acc = [0.0f32; 8];
         for g in 0..aq.len() / group {
             let (w, a) = (&row[g * gb..(g + 1) * gb], &aq[g * group..(g + 1) * group]);
-            let isum: i32 = match kind {
-                QuantKind::Int8 => w
-                    .iter()
-                    .zip(a)
-                    .map(|(&w, &a)| (w as i8) as i32 * a as i32)
-                    .sum(),
-                _ => {
-                    let mut s = 0i32;
-                    for (wb, ab) in w.chunks_exact(16).zip(a.chunks_exact(32)) {
-                        for j in 0..16 {
-                            s += ((wb[j] & 15) as i32 - 8) * ab[j] as i32
-                                + ((wb[j] >> 4) as i32 - 8) * ab[16 + j] as i32;
+            let mut lane = [0i32; 8];
+            for (c, ab) in a.chunks_exact(32).enumerate() {
+                for (j, &x) in ab.iter().enumerate() {
+                    let wv = match kind {
+                        QuantKind::Int8 => (w[c * 32 + j] as i8) as i32,
+                        _ => {
+                            let b = w[c * 16 + j % 16];
+                            (if j < 16 { b & 15 } else { b >> 4 }) as i32 - 8
                         }
-                    }
-                    s
+                    };
+                    lane[j / 4] += wv * x as i32;
                 }
-            };
-            acc += (sc[g] * ascale[g]) * isum as f32;
+            }
+            let s = sc[g] * ascale[g];
+            for m in 0..8 {
+                acc[m] = s.mul_add(lane[m] as f32, acc[m]);
+            }
         }
-        acc
+        tree(&acc)
     }
 
     /// `sum_g (scale[g] * sum_{i in g} q_i x_i + min[g] * xsum[g])`, or the plain dot for bf16.
@@ -667,7 +670,7 @@ mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn hsum_tree(v: __m256) -> f32 {
+    pub(super) fn hsum_tree(v: __m256) -> f32 {
         // lanes (0+4, 1+5, 2+6, 3+7), then ((a+b) + (c+d)): the scalar tree's order.
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let mut a = [0.0f32; 4];
@@ -719,8 +722,8 @@ mod avx2 {
         _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), _mm256_set1_epi16(1))
     }
 
-    /// AVX2 twin of [`super::scalar::row_dot_i8`] (integer sums are exact, the float steps are the
-    /// same, so the results are identical).
+    /// AVX2 twin of [`super::scalar::row_dot_i8`]: the same lanes, integer sums and fused float
+    /// steps, so the results are identical.
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn row_dot_i8(
         kind: QuantKind,
@@ -733,7 +736,7 @@ mod avx2 {
         let gb = group * kind.bits() / 8;
         let m = _mm_set1_epi8(15);
         let eight = _mm256_set1_epi8(8);
-        let mut acc = 0.0f32;
+        let mut acc = _mm256_setzero_ps();
         for g in 0..aq.len() / group {
             let (w, a) = (&row[g * gb..(g + 1) * gb], &aq[g * group..(g + 1) * group]);
             let mut s = _mm256_setzero_si256();
@@ -766,12 +769,13 @@ mod avx2 {
                     }
                 }
             }
-            let h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-            let h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0b01_00_11_10));
-            let h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0b10_11_00_01));
-            acc += (sc[g] * ascale[g]) * _mm_cvtsi128_si32(h) as f32;
+            acc = _mm256_fmadd_ps(
+                _mm256_set1_ps(sc[g] * ascale[g]),
+                _mm256_cvtepi32_ps(s),
+                acc,
+            );
         }
-        acc
+        hsum_tree(acc)
     }
 
     /// Decodes a packed row into f32 codes.
@@ -827,10 +831,12 @@ mod avx512 {
 
     use super::QuantKind;
 
-    /// VNNI twin of [`super::scalar::row_dot_i8`] for groups that are multiples of 64: `vpdpbusd`
-    /// multiplies unsigned bytes by signed ones, so int4 uses the stored nibbles (`q + 8`) and
-    /// subtracts `8 * sum(a)`, and int8 feeds `a + 128` and subtracts `128 * sum(w)`. Integer sums
-    /// are exact, so the result is identical to the other paths.
+    /// VNNI twin of [`super::scalar::row_dot_i8`] for groups that are multiples of 64. `vpdpbusd`
+    /// multiplies unsigned bytes by signed ones: int4 feeds the stored nibbles (`q + 8`) and
+    /// subtracts `8 *` the activations' per-lane sums; int8 feeds `a + 128` and subtracts `128 *`
+    /// the weights' per-lane sums. Its 16 lanes cover two 32-byte blocks, so lanes `m` and `m + 8`
+    /// are added to give the 8 lanes of the other paths: integer sums are exact, the float steps
+    /// are the same, and so are the results.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
     pub(super) fn row_dot_i8(
         kind: QuantKind,
@@ -839,13 +845,16 @@ mod avx512 {
         sc: &[f32],
         aq: &[i8],
         ascale: &[f32],
-        asum: &[i32],
+        lane_sums: &[i32],
     ) -> f32 {
         let gb = group * kind.bits() / 8;
         let m = _mm256_set1_epi8(15);
         let bias = _mm512_set1_epi8(-128);
         let ones = _mm512_set1_epi8(1);
-        let mut acc = 0.0f32;
+        let mut acc = _mm256_setzero_ps();
+        let fold = |v: __m512i| {
+            _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1))
+        };
         for g in 0..aq.len() / group {
             let (w, a) = (&row[g * gb..(g + 1) * gb], &aq[g * group..(g + 1) * group]);
             let isum = match kind {
@@ -862,7 +871,7 @@ mod avx512 {
                         s = _mm512_dpbusd_epi32(s, _mm512_xor_si512(av, bias), wv);
                         sw = _mm512_dpbusd_epi32(sw, ones, wv);
                     }
-                    _mm512_reduce_add_epi32(s) - 128 * _mm512_reduce_add_epi32(sw)
+                    _mm256_sub_epi32(fold(s), _mm256_slli_epi32(fold(sw), 7))
                 }
                 _ => {
                     let mut s = _mm512_setzero_si512();
@@ -881,12 +890,19 @@ mod avx512 {
                         let nib = _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1);
                         s = _mm512_dpbusd_epi32(s, nib, av);
                     }
-                    _mm512_reduce_add_epi32(s) - 8 * asum[g]
+                    let ls = &lane_sums[g * 8..g * 8 + 8];
+                    // SAFETY: `ls` holds 8 i32.
+                    let lv = unsafe { _mm256_loadu_si256(ls.as_ptr() as *const __m256i) };
+                    _mm256_sub_epi32(fold(s), _mm256_slli_epi32(lv, 3))
                 }
             };
-            acc += (sc[g] * ascale[g]) * isum as f32;
+            acc = _mm256_fmadd_ps(
+                _mm256_set1_ps(sc[g] * ascale[g]),
+                _mm256_cvtepi32_ps(isum),
+                acc,
+            );
         }
-        acc
+        super::avx2::hsum_tree(acc)
     }
 }
 
