@@ -227,6 +227,10 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--work", default=os.path.expanduser("~/.cache/charm-train"))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--legacy-mtp-input", action="store_true",
+                    help="feed the MTP head norm(final-normed state), as the first training stage of the committed checkpoint did")
+    ap.add_argument("--refit-mtp", type=int, default=0, metavar="STEPS",
+                    help="load OUT_DIR, freeze the main model and train only the MTP head for STEPS steps on the final-normed state")
     ap.add_argument("--reference-only", action="store_true",
                     help="recompute reference.* and heldout.safetensors for an already trained OUT_DIR")
     args = ap.parse_args()
@@ -244,6 +248,9 @@ def main():
         eos = tok.token_to_id("<|endoftext|>")
         held = torch.tensor([i for w in held_w for i in tok.encode(w).ids + [eos]])
         reference(args.out, held, tok, eos)
+        return
+    if args.refit_mtp:
+        refit_mtp(args, works, held_w)
         return
     tok = train_tokenizer(train_w)
     eos = tok.token_to_id("<|endoftext|>")
@@ -272,7 +279,11 @@ def main():
         taps.reset()
         out = model(x, output_hidden_states=True, use_cache=False)
         lm = F.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1))
-        normed = model.model.norm(out.hidden_states[-1])
+        # transformers' last hidden state is already final-normed; `--legacy-mtp-input` reproduces
+        # the first stage of the committed checkpoint, which normed it a second time.
+        normed = out.hidden_states[-1]
+        if args.legacy_mtp_input:
+            normed = model.model.norm(normed)
         mtp_logits = mtp(model, x, normed)  # slot j predicts x[j+2]
         mtp_loss = F.cross_entropy(mtp_logits[:, :-1].reshape(-1, VOCAB), x[:, 2:].reshape(-1))
         kl = indexer_kl(taps)
@@ -295,10 +306,79 @@ def main():
     save(args, cfg, model, mtp, tok, log, held_ids, eos)
 
 
-def save(args, cfg, model, mtp, tok, log, held_ids, eos):
+def load_trained(out):
+    """The saved checkpoint back as (cfg, model, mtp), float32."""
+    from safetensors.torch import load_file
+    cfg = GlmMoeDsaConfig.from_pretrained(out)
+    cfg._attn_implementation = "eager"
+    model = GlmMoeDsaForCausalLM(cfg).float()
+    sd = {k: v.float() for k, v in load_file(os.path.join(out, "model.safetensors")).items()}
+    L = cfg.num_hidden_layers
+    missing, unexpected = model.load_state_dict({k: v for k, v in sd.items() if not k.startswith(f"model.layers.{L}.")}, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    cfg.num_nextn_predict_layers = 0
+    mtp = Mtp(cfg).float()
+    p = f"model.layers.{L}."
+    mtp.layer.load_state_dict({k[len(p):]: v for k, v in sd.items() if k.startswith(p) and not k[len(p):].startswith(("enorm", "hnorm", "eh_proj", "shared_head"))})
+    with torch.no_grad():
+        mtp.enorm.copy_(sd[p + "enorm.weight"]); mtp.hnorm.copy_(sd[p + "hnorm.weight"])
+        mtp.eh_proj.weight.copy_(sd[p + "eh_proj.weight"]); mtp.head_norm.copy_(sd[p + "shared_head.norm.weight"])
+    return cfg, model, mtp
+
+
+def refit_mtp(args, works, held_w):
+    """Trains only the MTP head (main model frozen) on the final-normed state."""
     out = args.out
-    model.eval(); mtp.eval()
+    tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    train_w = [t for n, t in works if n not in HELD_OUT]
+    train_ids = torch.tensor([i for w in train_w for i in tok.encode(w).ids + [eos]])
+    held = torch.tensor([i for w in held_w for i in tok.encode(w).ids + [eos]])
+    cfg, model, mtp = load_trained(out)
+    model.eval()
+    for p_ in model.parameters():
+        p_.requires_grad_(False)
+    mtp.train()
     set_topk(model, mtp, cfg.index_topk)
+    taps = Taps(list(mtp.modules()))
+    opt = torch.optim.AdamW(mtp.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    log = json.load(open(os.path.join(out, "training_log.json")))
+    refit_log = []
+    t0 = time.time()
+    for step in range(args.refit_mtp):
+        lr = 1e-3 * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / args.refit_mtp))
+        for pg in opt.param_groups:
+            pg["lr"] = lr
+        starts = torch.randint(0, len(train_ids) - CTX - 2, (args.batch,), generator=g)
+        x = torch.stack([train_ids[s:s + CTX] for s in starts])
+        taps.reset()
+        with torch.no_grad():
+            normed = model(x, output_hidden_states=True, use_cache=False).hidden_states[-1]
+        logits = mtp(model, x, normed)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), x[:, 2:].reshape(-1))
+        kl = indexer_kl(taps)
+        opt.zero_grad(set_to_none=True)
+        (loss + kl).backward()
+        torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            for r, load in taps.loads.items():
+                r.e_score_correction_bias += 1e-3 * torch.sign(load.mean() - load)
+        if step % 25 == 0 or step == args.refit_mtp - 1:
+            rec = {"refit_step": step, "mtp": loss.item(), "indexer_kl": float(kl.detach()) if torch.is_tensor(kl) else kl, "seconds": time.time() - t0}
+            refit_log.append(rec)
+            print(json.dumps(rec), flush=True)
+    for h in taps.hooks:
+        h.remove()
+    log["refit_mtp"] = {"steps": args.refit_mtp, "log": refit_log}
+    json.dump(log, open(os.path.join(out, "training_log.json"), "w"), indent=1)
+    cfg.num_nextn_predict_layers = 1
+    write_checkpoint(out, cfg, model, mtp)
+    reference(out, held, tok, eos)
+
+
+def write_checkpoint(out, cfg, model, mtp):
     sd = {k: v for k, v in model.state_dict().items() if "rotary" not in k}
     L = cfg.num_hidden_layers
     p = f"model.layers.{L}."
@@ -310,6 +390,13 @@ def save(args, cfg, model, mtp, tok, log, held_ids, eos):
     sd[p + "shared_head.norm.weight"] = mtp.head_norm.data
     stored = {k: (v.float() if k.endswith(KEEP_F32) else v.to(torch.bfloat16)).contiguous() for k, v in sd.items()}
     save_file(stored, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+
+
+def save(args, cfg, model, mtp, tok, log, held_ids, eos):
+    out = args.out
+    model.eval(); mtp.eval()
+    set_topk(model, mtp, cfg.index_topk)
+    write_checkpoint(out, cfg, model, mtp)
     cfg.num_nextn_predict_layers = 1
     cfg.save_pretrained(out)
     tok.save(os.path.join(out, "tokenizer.json"))
@@ -346,7 +433,7 @@ def reference(out, held_ids, tok, eos):
     tf = held_ids[1000:1128]
     o = model(tf[None], output_hidden_states=True, use_cache=False)
     logits = o.logits[0]
-    normed = model.model.norm(o.hidden_states[-1])
+    normed = o.hidden_states[-1]  # already final-normed
     mtp_logits = mtp(model, tf[None], normed)[0]
     top2 = logits.topk(2, -1).values
     # Greedy continuation of a prompt through transformers' KV cache.
