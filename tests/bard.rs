@@ -37,6 +37,14 @@ impl Reference {
     }
 }
 
+/// The held-out token ids transformers' perplexity was measured on.
+fn heldout_ids() -> Vec<u32> {
+    common::tensor_ints(&dir().join("heldout.safetensors"), "ids")
+        .into_iter()
+        .map(|x| x as u32)
+        .collect()
+}
+
 #[test]
 fn teacher_forced_logits_and_mtp_match_transformers() {
     let m = Model::load(&dir()).unwrap();
@@ -96,13 +104,7 @@ fn greedy_generation_matches_transformers() {
 #[test]
 fn heldout_perplexity_matches_transformers() {
     let m = Model::load(&dir()).unwrap();
-    let f = SafetensorsFile::open(&dir().join("heldout.safetensors")).unwrap();
-    let ids: Vec<u32> = f
-        .bytes("ids")
-        .unwrap()
-        .chunks_exact(4)
-        .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
-        .collect();
+    let ids = heldout_ids();
     let reference: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir().join("reference.json")).unwrap())
             .unwrap();
@@ -129,13 +131,7 @@ fn heldout_perplexity_matches_transformers() {
 /// (normalised entropy of expert popularity).
 #[test]
 fn quantized_demo_model_holds_its_quality_on_heldout_text() {
-    let f = SafetensorsFile::open(&dir().join("heldout.safetensors")).unwrap();
-    let ids: Vec<u32> = f
-        .bytes("ids")
-        .unwrap()
-        .chunks_exact(4)
-        .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
-        .collect();
+    let ids = heldout_ids();
     let bf16 = evaluate(&Model::load(&dir()).unwrap(), &ids, 256, 8).unwrap();
     let out = common::scratch("bard-int4");
     let (ok, err) = common::convert(&dir(), &out, &[], None);
