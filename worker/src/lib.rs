@@ -7,6 +7,7 @@
 //! - [`RamExperts`]: every expert resident in RAM as f32.
 
 use charm_shared::kernels::SwiGlu;
+use rayon::prelude::*;
 
 /// Why an expert call failed.
 #[derive(Debug, thiserror::Error)]
@@ -103,6 +104,9 @@ pub fn run_grouped<'e>(
     let mut outs = vec![0.0f32; n * k * hidden];
     let mut order: Vec<usize> = (0..n * k).collect();
     order.sort_by_key(|&s| (batch.ids[s], s));
+    // Runs of slots per expert; the experts then run in parallel (each on its tokens, with the
+    // same arithmetic as alone, so the result does not depend on the scheduling).
+    let mut runs: Vec<(u32, &[usize])> = Vec::new();
     let mut i = 0;
     while i < order.len() {
         let id = batch.ids[order[i]];
@@ -110,18 +114,29 @@ pub fn run_grouped<'e>(
         while j < order.len() && batch.ids[order[j]] == id {
             j += 1;
         }
-        let slots = &order[i..j];
-        let e = expert(id)?;
-        let mut xs = Vec::with_capacity(slots.len() * hidden);
-        for &s in slots {
-            let t = s / k;
-            xs.extend_from_slice(&batch.x[t * hidden..(t + 1) * hidden]);
-        }
-        let y = e.forward(&xs, slots.len()); // [slots, hidden]
+        runs.push((id, &order[i..j]));
+        i = j;
+    }
+    let experts: Vec<&SwiGlu> = runs
+        .iter()
+        .map(|(id, _)| expert(*id))
+        .collect::<Result<_, _>>()?;
+    let ys: Vec<Vec<f32>> = runs
+        .par_iter()
+        .zip(experts.par_iter())
+        .map(|((_, slots), e)| {
+            let mut xs = Vec::with_capacity(slots.len() * hidden);
+            for &s in slots.iter() {
+                let t = s / k;
+                xs.extend_from_slice(&batch.x[t * hidden..(t + 1) * hidden]);
+            }
+            e.forward(&xs, slots.len()) // [slots, hidden]
+        })
+        .collect();
+    for ((_, slots), y) in runs.iter().zip(&ys) {
         for (r, &s) in slots.iter().enumerate() {
             outs[s * hidden..(s + 1) * hidden].copy_from_slice(&y[r * hidden..(r + 1) * hidden]);
         }
-        i = j;
     }
     let mut out = vec![0.0f32; n * hidden];
     for t in 0..n {
