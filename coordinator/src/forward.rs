@@ -7,6 +7,7 @@ use charm_shared::config::{AttentionSpec, GqaSpec, IndexerKind, MlaSpec};
 use charm_shared::kernels::{dot, layer_norm, rms_norm, softmax, Linear};
 use charm_shared::routing::{route, top_k};
 use charm_worker::{ExpertBatch, ExpertError};
+use rayon::prelude::*;
 
 use crate::cache::{KvCache, LayerCache};
 use crate::model::{
@@ -386,20 +387,22 @@ impl Model {
             w.kv_b.matmul(&lat, total)
         });
         let stride = nope + vd;
-        let mut scores = Vec::with_capacity(total);
-        let mut keys: Vec<usize> = Vec::with_capacity(total);
-        for t in 0..n {
-            let p = pos0 + t;
-            keys.clear();
-            match sel {
-                Some(s) => keys.extend(s[t].iter().map(|&j| j as usize)),
-                None => keys.extend(0..=p),
-            }
-            for hh in 0..nh {
+        let cache = &*cache;
+        // Every (query, head) pair is independent: run them in parallel, each with the same
+        // arithmetic as alone.
+        out.par_chunks_mut(vd)
+            .enumerate()
+            .with_min_len(4)
+            .for_each(|(idx, o)| {
+                let (t, hh) = (idx / nh, idx % nh);
+                let p = pos0 + t;
+                let keys: Vec<usize> = match sel {
+                    Some(s) => s[t].iter().map(|&j| j as usize).collect(),
+                    None => (0..=p).collect(),
+                };
                 let qh = &q[t * nh * qkd + hh * qkd..t * nh * qkd + (hh + 1) * qkd];
                 let (q_nope, q_rope) = qh.split_at(nope);
-                let o = &mut out[(t * nh + hh) * vd..(t * nh + hh + 1) * vd];
-                scores.clear();
+                let mut scores = Vec::with_capacity(keys.len());
                 match &expanded {
                     Some(kv) => {
                         for &j in &keys {
@@ -442,8 +445,7 @@ impl Model {
                         }
                     }
                 }
-            }
-        }
+            });
         w.o.matmul(&out, n)
     }
 }
