@@ -68,13 +68,10 @@ proptest! {
         let p = &names[file % names.len()];
         let mut b = std::fs::read(p).unwrap();
         let i = pos.index(b.len());
-        let changed = b[i] != byte;
         b[i] = byte;
         std::fs::write(p, &b).unwrap();
         let r = std::panic::catch_unwind(|| Model::load(&d).map(|_| ()));
         std::fs::remove_dir_all(&d).unwrap();
         prop_assert!(r.is_ok(), "loading panicked after a byte change in {}", p.display());
-        // a changed byte inside a checksummed region must be caught (padding is not covered)
-        let _ = changed;
     }
 }

@@ -107,6 +107,8 @@ impl Model {
             }
         }
         let mut x = self.embed_tokens(&self.embed, tokens, pos0)?;
+        // cos/sin of the new positions, shared by every layer
+        let rope = self.rope_tables(pos0, n);
         let mut sel: Option<Selection> = None;
         for (li, layer) in self.layers.iter().enumerate() {
             self.layer_forward(
@@ -116,6 +118,7 @@ impl Model {
                 pos0,
                 &mut cache.layers[li],
                 &mut sel,
+                &rope,
                 opts,
                 trace.as_deref_mut(),
             )?;
@@ -127,6 +130,13 @@ impl Model {
         rms_norm(&mut x, &self.norm, spec.rms_norm_eps);
         debug_assert_eq!(x.len(), n * h);
         Ok(x)
+    }
+
+    /// RoPE tables for positions `pos0 .. pos0 + n`.
+    fn rope_tables(&self, pos0: usize, n: usize) -> Vec<RopeAt> {
+        (0..n)
+            .map(|t| RopeAt::new(&self.spec.rope, pos0 + t))
+            .collect()
     }
 
     /// `[n, hidden]` final-normed states -> `[n, vocab]` logits.
@@ -191,6 +201,7 @@ impl Model {
         }
         let mut x = mtp.eh_proj.matmul(&cat, n); // [n, hidden]
         let mut sel = None;
+        let rope = self.rope_tables(pos0, n);
         self.layer_forward(
             &mtp.layer,
             &mut x,
@@ -198,6 +209,7 @@ impl Model {
             pos0,
             &mut cache.layers[0],
             &mut sel,
+            &rope,
             ForwardOptions::default(),
             None,
         )?;
@@ -221,6 +233,7 @@ impl Model {
         pos0: usize,
         cache: &mut LayerCache,
         sel: &mut Option<Selection>,
+        rope: &[RopeAt],
         opts: ForwardOptions,
         mut trace: Option<&mut Trace>,
     ) -> Result<(), ForwardError> {
@@ -229,7 +242,6 @@ impl Model {
         // --- attention ---
         let mut a = x.to_vec(); // [n, hidden]
         rms_norm(&mut a, &layer.input_norm, spec.rms_norm_eps);
-        let rope: Vec<RopeAt> = (0..n).map(|t| RopeAt::new(&spec.rope, pos0 + t)).collect();
         let attn_out = match (&layer.attn, &spec.attention) {
             (AttnWeights::Mla(w), AttentionSpec::Mla(m)) => self.mla(
                 w,
@@ -238,7 +250,7 @@ impl Model {
                 &a,
                 n,
                 pos0,
-                &rope,
+                rope,
                 cache,
                 sel,
                 opts,
@@ -252,7 +264,7 @@ impl Model {
                 &a,
                 n,
                 pos0,
-                &rope,
+                rope,
                 cache,
             ),
             _ => unreachable!("weights are loaded from the spec"),

@@ -31,16 +31,32 @@ impl RopeAt {
     pub fn apply(&self, x: &mut [f32], interleaved: bool) {
         let h = self.cos.len();
         debug_assert_eq!(x.len(), 2 * h);
-        let mut out = vec![0.0f32; 2 * h];
-        for i in 0..h {
-            let (a, b) = if interleaved {
-                (x[2 * i], x[2 * i + 1])
-            } else {
-                (x[i], x[i + h])
-            };
-            out[i] = a * self.cos[i] - b * self.sin[i];
-            out[i + h] = b * self.cos[i] + a * self.sin[i];
+        let rotate = |i: usize, a: f32, b: f32| {
+            (
+                a * self.cos[i] - b * self.sin[i],
+                b * self.cos[i] + a * self.sin[i],
+            )
+        };
+        if !interleaved {
+            // half-split pairs rotate in place
+            for i in 0..h {
+                (x[i], x[i + h]) = rotate(i, x[i], x[i + h]);
+            }
+            return;
         }
-        x.copy_from_slice(&out);
+        // Interleaved input, half-split output: through a buffer (on the stack for the head sizes
+        // real models use; this runs per head, per token, per layer).
+        let mut stack = [0.0f32; 256];
+        let mut heap = Vec::new();
+        let out: &mut [f32] = if 2 * h <= stack.len() {
+            &mut stack[..2 * h]
+        } else {
+            heap.resize(2 * h, 0.0);
+            &mut heap
+        };
+        for i in 0..h {
+            (out[i], out[i + h]) = rotate(i, x[2 * i], x[2 * i + 1]);
+        }
+        x.copy_from_slice(out);
     }
 }

@@ -145,33 +145,7 @@ impl Checkpoint {
     /// Reads tensor `name` as f32, checking its shape against `want` and that every value is
     /// finite. FP8 tensors are multiplied by their `<name>_scale_inv` block scales.
     pub fn f32(&self, name: &str, want: &[usize]) -> Result<Vec<f32>, LoadError> {
-        let shard = &self.shards[*self.index.get(name).ok_or_else(|| self.missing(name))?];
-        let info = &shard.header.tensors[name];
-        if info.shape != want {
-            return Err(LoadError::Shape {
-                path: shard.path.clone(),
-                tensor: name.to_string(),
-                got: info.shape.clone(),
-                want: want.to_vec(),
-            });
-        }
-        let bytes = shard.bytes(name).expect("indexed tensor exists");
-        let mut v = dtype::to_f32(info.dtype, bytes).ok_or_else(|| LoadError::Tensor {
-            path: shard.path.clone(),
-            tensor: name.to_string(),
-            reason: format!("dtype {} is not a floating-point type", info.dtype.name()),
-        })?;
-        if matches!(info.dtype, DType::F8E4M3 | DType::F8E5M2) {
-            self.apply_fp8_scales(name, &info.shape, &mut v, &shard.path)?;
-        }
-        if let Some(index) = v.iter().position(|x| !x.is_finite()) {
-            return Err(LoadError::NonFinite {
-                path: shard.path.clone(),
-                tensor: name.to_string(),
-                index,
-            });
-        }
-        Ok(v)
+        self.f32_rows(name, want, 0, want.first().copied().unwrap_or(1))
     }
 
     /// Reads slice `index` along the leading dimension of tensor `name` (e.g. one expert of a
@@ -197,7 +171,8 @@ impl Checkpoint {
     ) -> Result<Vec<f32>, LoadError> {
         let shard = &self.shards[*self.index.get(name).ok_or_else(|| self.missing(name))?];
         let info = &shard.header.tensors[name];
-        if info.shape != want || want.is_empty() || start + count > want[0] {
+        let lead = want.first().copied().unwrap_or(1);
+        if info.shape != want || start.checked_add(count).is_none_or(|e| e > lead) {
             return Err(LoadError::Shape {
                 path: shard.path.clone(),
                 tensor: name.to_string(),
@@ -205,7 +180,7 @@ impl Checkpoint {
                 want: want.to_vec(),
             });
         }
-        let per: usize = want[1..].iter().product();
+        let per: usize = want.iter().skip(1).product();
         let bytes = shard.bytes(name).expect("indexed tensor exists");
         let es = info.dtype.size();
         let part = &bytes[start * per * es..(start + count) * per * es];
@@ -253,51 +228,6 @@ impl Checkpoint {
         } else {
             Ok(None)
         }
-    }
-
-    fn apply_fp8_scales(
-        &self,
-        name: &str,
-        shape: &[usize],
-        v: &mut [f32],
-        path: &Path,
-    ) -> Result<(), LoadError> {
-        let scale_name = format!("{name}_scale_inv");
-        let bad = |reason: String| LoadError::Tensor {
-            path: path.to_path_buf(),
-            tensor: name.to_string(),
-            reason,
-        };
-        if !self.has(&scale_name) {
-            return Err(bad(format!(
-                "FP8 weight without its block scales `{scale_name}`"
-            )));
-        }
-        let (br, bc) = self.fp8_block.unwrap_or((128, 128));
-        // Leading dims (e.g. fused experts [E, R, C]) are independent matrices.
-        let (rows, cols) = match shape {
-            [r, c] => (*r, *c),
-            [.., r, c] => (*r, *c),
-            _ => {
-                return Err(bad(format!(
-                    "FP8 tensor of rank {} has no block layout",
-                    shape.len()
-                )))
-            }
-        };
-        let lead: usize = shape[..shape.len() - 2].iter().product();
-        let (rb, cb) = (rows.div_ceil(br), cols.div_ceil(bc));
-        let mut want = shape[..shape.len() - 2].to_vec();
-        want.extend([rb, cb]);
-        let scales = self.f32(&scale_name, &want)?;
-        for m in 0..lead {
-            for r in 0..rows {
-                for c in 0..cols {
-                    v[(m * rows + r) * cols + c] *= scales[(m * rb + r / br) * cb + c / bc];
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Total bytes stored per dtype (for `charm info`).

@@ -62,28 +62,49 @@ impl Matrix {
             return y;
         }
         // Parallel over output rows; each (token, row) dot product is the same code either way.
-        let chunk = 16usize;
         let cols = self.cols;
-        let rows = self.rows;
-        let mut yt = vec![0.0f32; n * rows]; // [rows, n] while computing
-        yt.par_chunks_mut(chunk * n)
-            .enumerate()
-            .for_each(|(ci, out)| {
-                let r0 = ci * chunk;
-                for (k, o) in out.chunks_mut(n).enumerate() {
-                    let w = &self.data[(r0 + k) * cols..(r0 + k + 1) * cols];
-                    for (t, v) in o.iter_mut().enumerate() {
-                        *v = dot(w, &x[t * cols..(t + 1) * cols]);
-                    }
+        par_rows(
+            self.rows,
+            n,
+            || (),
+            |_, r, out| {
+                let w = self.row(r);
+                for (t, v) in out.iter_mut().enumerate() {
+                    *v = dot(w, &x[t * cols..(t + 1) * cols]);
                 }
-            });
-        for r in 0..rows {
-            for t in 0..n {
-                y[t * rows + r] = yt[r * n + t];
-            }
-        }
-        y
+            },
+        )
     }
+}
+
+/// Runs `row(state, r, out)` for every output row `r < rows` in parallel, `out` being that row's
+/// `n` results (one per token), and returns them token-major as `[n, rows]`. Rows go in blocks of
+/// about 1/8 of a thread's share; `init` makes one scratch state per block. Every element is
+/// computed by the same call whatever the split, so results do not depend on the thread count.
+pub fn par_rows<S>(
+    rows: usize,
+    n: usize,
+    init: impl Fn() -> S + Sync,
+    row: impl Fn(&mut S, usize, &mut [f32]) + Sync,
+) -> Vec<f32> {
+    let per = rows.div_ceil(8 * rayon::current_num_threads()).max(16);
+    let mut yt = vec![0.0f32; n * rows]; // [rows, n] while computing
+    yt.par_chunks_mut(n * per).enumerate().for_each(|(b, out)| {
+        let mut state = init();
+        for (k, o) in out.chunks_mut(n).enumerate() {
+            row(&mut state, b * per + k, o);
+        }
+    });
+    if n == 1 {
+        return yt;
+    }
+    let mut y = vec![0.0f32; n * rows];
+    for r in 0..rows {
+        for t in 0..n {
+            y[t * rows + r] = yt[r * n + t];
+        }
+    }
+    y
 }
 
 /// Dot product with a fixed reduction order.

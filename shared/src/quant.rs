@@ -21,9 +21,7 @@
 //! bit-identical to its scalar twin. [`Activations::Int8`] adds an integer path (exact i32 group
 //! sums, then the same float steps on every ISA).
 
-use rayon::prelude::*;
-
-use crate::kernels::Matrix;
+use crate::kernels::{par_rows, Matrix};
 
 /// A weight storage format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -323,75 +321,64 @@ impl QMatrix {
         } else {
             Vec::new()
         };
-        let mut yt = vec![0.0f32; n * self.rows]; // [rows, n]
         let rb = self.row_bytes();
         let cols = self.cols;
-        // Rows in blocks of about 1/8 of a thread's share per rayon task.
-        let per = self.rows.div_ceil(8 * rayon::current_num_threads()).max(16);
-        yt.par_chunks_mut(n * per).enumerate().for_each(|(b, out)| {
-            // Several tokens: decode each row's codes once, then one pass per token over them. The
-            // arithmetic is the same as decoding on the fly, so results do not depend on `n`.
-            let mut codes = if n > 1 {
+        // Several tokens: decode each row's codes once, then one pass per token over them. The
+        // arithmetic is the same as decoding on the fly, so results do not depend on `n`.
+        let scratch = || {
+            if n > 1 {
                 vec![0.0f32; cols]
             } else {
                 Vec::new()
+            }
+        };
+        par_rows(self.rows, n, scratch, |codes, r, out| {
+            let row = &self.data[r * rb..(r + 1) * rb];
+            let sc = if self.scales.is_empty() {
+                &[][..]
+            } else {
+                &self.scales[r * ng..(r + 1) * ng]
             };
-            for (k, out) in out.chunks_mut(n).enumerate() {
-                let r = b * per + k;
-                let row = &self.data[r * rb..(r + 1) * rb];
-                let sc = if self.scales.is_empty() {
+            let mn = if self.mins.is_empty() {
+                &[][..]
+            } else {
+                &self.mins[r * ng..(r + 1) * ng]
+            };
+            let xs_of = |t: usize| {
+                if xsum.is_empty() {
                     &[][..]
                 } else {
-                    &self.scales[r * ng..(r + 1) * ng]
-                };
-                let mn = if self.mins.is_empty() {
-                    &[][..]
-                } else {
-                    &self.mins[r * ng..(r + 1) * ng]
-                };
-                let xs_of = |t: usize| {
-                    if xsum.is_empty() {
-                        &[][..]
-                    } else {
-                        &xsum[t * ng..(t + 1) * ng]
-                    }
-                };
-                if n == 1 {
-                    out[0] = row_dot(
+                    &xsum[t * ng..(t + 1) * ng]
+                }
+            };
+            if n == 1 {
+                out[0] = row_dot(
+                    self.kind,
+                    self.group,
+                    Codes::Packed(row),
+                    sc,
+                    mn,
+                    x,
+                    xs_of(0),
+                    isa,
+                );
+            } else {
+                decode_row(self.kind, row, codes, isa);
+                for (t, v) in out.iter_mut().enumerate() {
+                    let xt = &x[t * cols..(t + 1) * cols];
+                    *v = row_dot(
                         self.kind,
                         self.group,
-                        Codes::Packed(row),
+                        Codes::Decoded(codes),
                         sc,
                         mn,
-                        x,
-                        xs_of(0),
+                        xt,
+                        xs_of(t),
                         isa,
                     );
-                } else {
-                    decode_row(self.kind, row, &mut codes, isa);
-                    for (t, v) in out.iter_mut().enumerate() {
-                        let xt = &x[t * cols..(t + 1) * cols];
-                        *v = row_dot(
-                            self.kind,
-                            self.group,
-                            Codes::Decoded(&codes),
-                            sc,
-                            mn,
-                            xt,
-                            xs_of(t),
-                            isa,
-                        );
-                    }
                 }
             }
-        });
-        let mut y = vec![0.0f32; n * self.rows];
-        for r in 0..self.rows {
-            for t in 0..n {
-                y[t * self.rows + r] = yt[r * n + t];
-            }
-        }
-        y
+        })
     }
 }
 
@@ -405,25 +392,18 @@ impl QMatrix {
             .map(|t| QuantizedActs::new(&x[t * cols..(t + 1) * cols], group, int4))
             .collect();
         let rb = self.row_bytes();
-        let mut yt = vec![0.0f32; n * self.rows];
-        let per = self.rows.div_ceil(8 * rayon::current_num_threads()).max(16);
-        yt.par_chunks_mut(n * per).enumerate().for_each(|(b, out)| {
-            for (k, out) in out.chunks_mut(n).enumerate() {
-                let r = b * per + k;
+        par_rows(
+            self.rows,
+            n,
+            || (),
+            |_, r, out| {
                 let row = &self.data[r * rb..(r + 1) * rb];
                 let sc = &self.scales[r * ng..(r + 1) * ng];
                 for (t, v) in out.iter_mut().enumerate() {
                     *v = row_dot_i8(self.kind, group, row, sc, &qx[t], isa);
                 }
-            }
-        });
-        let mut y = vec![0.0f32; n * self.rows];
-        for r in 0..self.rows {
-            for t in 0..n {
-                y[t * self.rows + r] = yt[r * n + t];
-            }
-        }
-        y
+            },
+        )
     }
 }
 
