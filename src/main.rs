@@ -20,6 +20,9 @@ use charm_shared::checkpoint::Checkpoint;
 use charm_shared::config::{AttentionSpec, ModelSpec};
 use charm_shared::container::{Policy, StoreFormat};
 use clap::{Parser, Subcommand, ValueEnum};
+use single_box::StoreArgs;
+
+mod single_box;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -67,6 +70,8 @@ enum Cmd {
         mla: Mla,
         #[arg(long, value_enum, default_value = "f32")]
         activations: Act,
+        #[command(flatten)]
+        store: StoreArgs,
     },
     /// Decodes through the KV cache.
     Generate {
@@ -101,6 +106,8 @@ enum Cmd {
         /// int8 (integer dot products: faster, adds activation rounding; see docs/quality.md).
         #[arg(long, value_enum, default_value = "f32")]
         activations: Act,
+        #[command(flatten)]
+        store: StoreArgs,
     },
     /// Architecture, parameter counts (dense vs routed experts), bytes per dtype, active bytes per token.
     Info {
@@ -142,6 +149,8 @@ enum Cmd {
         activations: Act,
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        store: StoreArgs,
     },
     /// Held-out perplexity, top-1 accuracy, MTP draft acceptance and routing skew over a text or
     /// a token-id file (a safetensors file with tensor `ids`).
@@ -165,9 +174,83 @@ enum Cmd {
         activations: Act,
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        store: StoreArgs,
     },
     /// Runs the bundled example model end to end.
     Demo,
+    /// Single-box memory plan of a charm container, from metadata only: resident bytes, expert
+    /// cache, expected disk traffic per token, predicted bottleneck. Exit 1 when it does not fit.
+    Plan {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Readiness checks (files, headers, checksums with --deep, RAM, O_DIRECT, read speed).
+    /// Exit 0 when runnable (warnings allowed), 1 when not, 2 on bad usage.
+    Doctor {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long)]
+        json: bool,
+        /// Verify every checksum (reads the whole model) and measure the disk longer.
+        #[arg(long)]
+        deep: bool,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Writes a deterministic synthetic container with GLM-5.2's layer shapes (random weights,
+    /// Zipf-skewed expert popularity), for measuring streaming on models larger than RAM.
+    Synth {
+        #[arg(long)]
+        out: PathBuf,
+        /// glm-5.2 (hidden 6144, 256 experts of width 2048, top-8) or tiny (test-sized).
+        #[arg(long, default_value = "glm-5.2")]
+        preset: String,
+        /// MoE layers.
+        #[arg(long, default_value_t = 4)]
+        layers: usize,
+        /// Dense layers before them.
+        #[arg(long, default_value_t = 1)]
+        dense_layers: usize,
+        /// Vocabulary size (default: the preset's, 154880 for glm-5.2).
+        #[arg(long)]
+        vocab: Option<usize>,
+        /// Skew of expert popularity (0: uniform; larger: a smaller hot set).
+        #[arg(long, default_value_t = 1.0)]
+        skew: f64,
+        #[arg(long, default_value = "int4")]
+        experts: String,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// Disk read bandwidth for random aligned reads of expert-record size, O_DIRECT.
+    Iobench {
+        /// Read the expert files of this container.
+        #[arg(long, conflicts_with = "dir")]
+        model: Option<PathBuf>,
+        /// Or make a scratch file here (removed afterwards).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Block size in MiB (a GLM-5.2 int4 expert is about 19 MB).
+        #[arg(long, default_value_t = 18.0)]
+        block_mib: f64,
+        /// Scratch file size in GiB.
+        #[arg(long, default_value_t = 4.0)]
+        file_gib: f64,
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        #[arg(long, default_value_t = 4)]
+        threads: usize,
+        /// Buffered reads instead of O_DIRECT.
+        #[arg(long)]
+        no_direct: bool,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn parse_ids(s: &str) -> Result<Vec<u32>> {
@@ -199,9 +282,9 @@ fn load(dir: &Path) -> Result<Model> {
     Model::load(dir).with_context(|| format!("loading {}", dir.display()))
 }
 
-fn cmd_logits(model: &Path, ids: &str, out: &Path, mla: Mla) -> Result<()> {
+fn cmd_logits(model: &Path, ids: &str, out: &Path, mla: Mla, store: &StoreArgs) -> Result<()> {
     let ids = parse_ids(ids)?;
-    let m = load(model)?;
+    let (m, _) = single_box::load(model, store, ids.len())?;
     let mut cache = KvCache::new(&m.spec);
     let normed = m.forward(&ids, &mut cache, opts(mla), None)?;
     let logits = m.logits(&normed, ids.len())?;
@@ -210,6 +293,7 @@ fn cmd_logits(model: &Path, ids: &str, out: &Path, mla: Mla) -> Result<()> {
         &[("logits", vec![ids.len(), m.spec.vocab_size], &logits)],
     )
     .with_context(|| format!("writing {}", out.display()))?;
+    single_box::finish(&m);
     eprintln!(
         "wrote logits [{}, {}] to {}",
         ids.len(),
@@ -229,6 +313,7 @@ fn cmd_generate(
     stop_at_eos: bool,
     json: bool,
     mla: Mla,
+    store: &StoreArgs,
 ) -> Result<()> {
     let tok = match text {
         Some(_) => Some(TextTokenizer::load(model)?),
@@ -249,8 +334,9 @@ fn cmd_generate(
         bail!("--top-p must be in (0, 1]");
     }
     let t = std::time::Instant::now();
-    let m = load(model)?;
+    let (m, plan) = single_box::load(model, store, prompt.len() + max_tokens)?;
     let load_s = t.elapsed().as_secs_f64();
+    let before = m.experts.stats();
     let stops = if stop_at_eos {
         m.spec.eos_token_ids.clone()
     } else {
@@ -264,6 +350,11 @@ fn cmd_generate(
         &stops,
         opts(mla),
     )?;
+    single_box::finish(&m);
+    let run = m
+        .experts
+        .stats()
+        .map(|s| before.as_ref().map_or(s.clone(), |b| s.since(b)));
     if json {
         let mut v = serde_json::json!({
             "ids": g.ids,
@@ -278,6 +369,7 @@ fn cmd_generate(
         if let Some(tok) = &tok {
             v["text"] = tok.decode(&g.ids)?.into();
         }
+        v["stats"] = single_box::run_stats(run.as_ref(), plan.as_ref());
         println!("{v}");
     } else {
         match &tok {
@@ -295,20 +387,12 @@ fn cmd_generate(
             "prefill {} tokens in {:.3}s ({:.1} tok/s), decode {} tokens in {:.3}s ({:.1} tok/s), finish: {}",
             g.prompt_tokens, g.prefill_seconds, g.prefill_tok_s(), g.ids.len(), g.decode_seconds, g.decode_tok_s(), g.finish_reason
         );
+        eprintln!("{}", single_box::render_stats(run.as_ref()));
     }
     Ok(())
 }
 
-fn human(b: u64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < units.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{v:.2} {}", units[u])
-}
+use charm_coordinator::plan::human;
 
 fn cmd_info(model: &Path, json: bool) -> Result<()> {
     let spec =
@@ -491,7 +575,7 @@ fn cmd_convert(
     Ok(())
 }
 
-fn cmd_quality(model: &Path, reference: &Path, json: bool) -> Result<()> {
+fn cmd_quality(model: &Path, reference: &Path, json: bool, store: &StoreArgs) -> Result<()> {
     let r = charm_shared::safetensors::SafetensorsFile::open(reference)?;
     let ids_info = r
         .header
@@ -520,7 +604,7 @@ fn cmd_quality(model: &Path, reference: &Path, json: bool) -> Result<()> {
         .context("reference has no `tf_logits`")?;
     let want = charm_shared::dtype::to_f32(li.dtype, r.bytes("tf_logits").expect("present"))
         .context("tf_logits is not a float tensor")?;
-    let m = load(model)?;
+    let (m, _) = single_box::load(model, store, ids.len())?;
     if want.len() != ids.len() * m.spec.vocab_size {
         bail!(
             "tf_logits holds {} values, expected {} x {}",
@@ -532,6 +616,7 @@ fn cmd_quality(model: &Path, reference: &Path, json: bool) -> Result<()> {
     let mut cache = KvCache::new(&m.spec);
     let normed = m.forward(&ids, &mut cache, ForwardOptions::default(), None)?;
     let got = m.logits(&normed, ids.len())?;
+    single_box::finish(&m);
     let a = charm_coordinator::quality::compare(&got, &want, m.spec.vocab_size);
     if json {
         println!(
@@ -582,6 +667,7 @@ fn cmd_evaluate(
     window: usize,
     max_windows: usize,
     json: bool,
+    store: &StoreArgs,
 ) -> Result<()> {
     if window < 2 {
         bail!("--window must be at least 2");
@@ -593,8 +679,9 @@ fn cmd_evaluate(
         )?,
         _ => bail!("give --ids-file or --text-file"),
     };
-    let m = load(model)?;
+    let (m, _) = single_box::load(model, store, window + 1)?;
     let e = charm_coordinator::evaluate::evaluate(&m, &ids, window, max_windows)?;
+    single_box::finish(&m);
     if e.windows == 0 {
         bail!(
             "{} tokens do not fill one window of {}",
@@ -666,6 +753,13 @@ fn cmd_demo() -> Result<()> {
 }
 
 fn main() -> ExitCode {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tuning; called before any other thread exists.
+    // A fixed mmap threshold keeps large buffers (expert weights) out of the heap arenas, so
+    // memory freed on eviction goes back to the system instead of fragmenting the heap.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
     let cli = Cli::parse();
     // Run on a rayon worker: kernels called from inside the pool split work without a futex
     // hand-off per call (which costs more than a small matmul).
@@ -687,9 +781,10 @@ fn run(cli: Cli) -> Result<()> {
             out,
             mla,
             activations,
+            store,
         } => {
             set_act(activations);
-            cmd_logits(&model, &ids, &out, mla)
+            cmd_logits(&model, &ids, &out, mla, &store)
         }
         Cmd::Generate {
             model,
@@ -704,6 +799,7 @@ fn run(cli: Cli) -> Result<()> {
             json,
             mla,
             activations,
+            store,
         } => {
             set_act(activations);
             cmd_generate(
@@ -720,6 +816,7 @@ fn run(cli: Cli) -> Result<()> {
                 stop_at_eos,
                 json,
                 mla,
+                &store,
             )
         }
         Cmd::Info { model, json } => cmd_info(&model, json),
@@ -737,9 +834,10 @@ fn run(cli: Cli) -> Result<()> {
             reference,
             activations,
             json,
+            store,
         } => {
             set_act(activations);
-            cmd_quality(&model, &reference, json)
+            cmd_quality(&model, &reference, json, &store)
         }
         Cmd::Evaluate {
             model,
@@ -749,6 +847,7 @@ fn run(cli: Cli) -> Result<()> {
             max_windows,
             activations,
             json,
+            store,
         } => {
             set_act(activations);
             cmd_evaluate(
@@ -758,8 +857,71 @@ fn run(cli: Cli) -> Result<()> {
                 window,
                 max_windows,
                 json,
+                &store,
             )
         }
         Cmd::Demo => cmd_demo(),
+        Cmd::Plan { model, json, store } => {
+            if !single_box::cmd_plan(&model, &store, json)? {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+        Cmd::Doctor {
+            model,
+            json,
+            deep,
+            store,
+        } => {
+            if !single_box::cmd_doctor(&model, &store, json, deep)? {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+        Cmd::Synth {
+            out,
+            preset,
+            layers,
+            dense_layers,
+            vocab,
+            skew,
+            experts,
+            seed,
+        } => {
+            if !(skew >= 0.0 && skew.is_finite()) {
+                bail!("--skew must be >= 0");
+            }
+            single_box::cmd_synth(
+                &out,
+                &charm_coordinator::synth::SynthOptions {
+                    preset,
+                    moe_layers: layers,
+                    dense_layers,
+                    vocab,
+                    skew,
+                    experts: single_box::parse_experts_format(&experts)?,
+                    seed,
+                },
+            )
+        }
+        Cmd::Iobench {
+            model,
+            dir,
+            block_mib,
+            file_gib,
+            seconds,
+            threads,
+            no_direct,
+            json,
+        } => single_box::cmd_iobench(
+            model.as_deref(),
+            dir.as_deref(),
+            block_mib,
+            file_gib,
+            seconds,
+            threads,
+            !no_direct,
+            json,
+        ),
     }
 }

@@ -49,7 +49,7 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ConvertError + '_ {
 
 /// What a tensor is, which decides its storage format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Role {
+pub(crate) enum Role {
     /// Norms, router weights and bias, indexer head weights, biases: always f32.
     KeepF32,
     Dense,
@@ -57,7 +57,7 @@ enum Role {
     Mtp,
 }
 
-fn role(name: &str, n_layers: usize) -> Role {
+pub(crate) fn role(name: &str, n_layers: usize) -> Role {
     let keep = name.ends_with("norm.weight")
         || name.ends_with("norm.bias")
         || name.ends_with("mlp.gate.weight")
@@ -88,15 +88,15 @@ fn role(name: &str, n_layers: usize) -> Role {
 }
 
 /// Lays parts out one after another, each aligned.
-struct Cursor(u64);
+pub(crate) struct Cursor(pub(crate) u64);
 
 impl Cursor {
-    fn take(&mut self, len: u64) -> [u64; 2] {
+    pub(crate) fn take(&mut self, len: u64) -> [u64; 2] {
         let o = self.0.div_ceil(PART_ALIGN as u64) * PART_ALIGN as u64;
         self.0 = o + len;
         [o, len]
     }
-    fn part(&mut self, format: StoreFormat, shape: Vec<usize>, group: usize) -> Part {
+    pub(crate) fn part(&mut self, format: StoreFormat, shape: Vec<usize>, group: usize) -> Part {
         let (d, s, m) =
             Part::sizes(format, &shape, group).expect("checkpoint shapes were validated at open");
         let grouped = !matches!(format, StoreFormat::F32 | StoreFormat::Bf16);
@@ -113,7 +113,7 @@ impl Cursor {
 
 /// Format and group for a `[rows, cols]` weight asked to be `want`: grouped formats fall back to
 /// bf16 (never lower precision) when no group tiles the row.
-fn choose(want: StoreFormat, cols: usize, group: usize) -> (StoreFormat, usize) {
+pub(crate) fn choose(want: StoreFormat, cols: usize, group: usize) -> (StoreFormat, usize) {
     if !cols.is_multiple_of(8) {
         return (StoreFormat::F32, cols); // widths the kernels cannot walk 8 at a time stay exact
     }

@@ -113,6 +113,9 @@ impl Model {
         for (li, layer) in self.layers.iter().enumerate() {
             self.layer_forward(
                 layer,
+                self.layers[li + 1..]
+                    .iter()
+                    .find(|l| matches!(l.ffn, FfnWeights::Moe { .. })),
                 &mut x,
                 n,
                 pos0,
@@ -129,6 +132,7 @@ impl Model {
         }
         rms_norm(&mut x, &self.norm, spec.rms_norm_eps);
         debug_assert_eq!(x.len(), n * h);
+        self.experts.step_end();
         Ok(x)
     }
 
@@ -204,6 +208,7 @@ impl Model {
         let rope = self.rope_tables(pos0, n);
         self.layer_forward(
             &mtp.layer,
+            None,
             &mut x,
             n,
             pos0,
@@ -228,6 +233,7 @@ impl Model {
     fn layer_forward(
         &self,
         layer: &LayerWeights,
+        next_moe: Option<&LayerWeights>,
         x: &mut [f32],
         n: usize,
         pos0: usize,
@@ -300,14 +306,39 @@ impl Model {
                 if let Some(tr) = trace {
                     tr.router.push(picks);
                 }
-                let mut y = self.experts.run(ExpertBatch {
-                    layer: layer.index,
-                    x: &f,
-                    n_tokens: n,
-                    ids: &ids,
-                    weights: &weights,
-                    top_k: k,
-                })?;
+                // Router lookahead: the next MoE layer's router on this layer's state predicts
+                // its experts, so a streaming store can start reading them now.
+                let ahead = match next_moe.map(|l| &l.ffn) {
+                    Some(FfnWeights::Moe {
+                        router: nr,
+                        correction_bias: nb,
+                        ..
+                    }) if self.experts.wants_lookahead() => {
+                        let nl = nr.matmul(&f, n);
+                        let mut p = Vec::with_capacity(n * k);
+                        for t in 0..n {
+                            let r = route(
+                                &nl[t * rs.n_experts..(t + 1) * rs.n_experts],
+                                nb.as_deref(),
+                                rs,
+                            );
+                            p.extend_from_slice(&r.ids);
+                        }
+                        next_moe.map(|l| (l.index, p))
+                    }
+                    _ => None,
+                };
+                let mut y = self.experts.run_ahead(
+                    ExpertBatch {
+                        layer: layer.index,
+                        x: &f,
+                        n_tokens: n,
+                        ids: &ids,
+                        weights: &weights,
+                        top_k: k,
+                    },
+                    ahead.as_ref().map(|(l, p)| (*l, p.as_slice())),
+                )?;
                 if let Some(s) = shared {
                     for (a, b) in y.iter_mut().zip(s.forward(&f, n)) {
                         *a += b;

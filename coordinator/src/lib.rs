@@ -13,17 +13,23 @@
 //! - [`tokenizer`]: text <-> ids via `tokenizer.json`.
 //! - [`generate`]: prefill + decode loop with timings.
 //! - [`info`]: parameter and byte accounting for `charm info`.
+//! - [`synth`]: deterministic synthetic containers with GLM-5.2 shapes.
+//! - [`doctor`]: readiness checks with stable ids.
+//! - [`plan`]: single-box memory planning (budget, expert cache size, expected disk traffic).
 
 pub mod cache;
 pub mod convert;
+pub mod doctor;
 pub mod evaluate;
 pub mod forward;
 pub mod generate;
 pub mod info;
 pub mod model;
+pub mod plan;
 pub mod quality;
 pub mod rope;
 pub mod sampling;
+pub mod synth;
 pub mod tokenizer;
 
 pub use cache::KvCache;

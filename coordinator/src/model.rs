@@ -10,7 +10,9 @@ use charm_shared::config::{AttentionSpec, IndexerKind, MlpKind, ModelSpec};
 use charm_shared::container::Container;
 use charm_shared::kernels::{Linear, Matrix, SwiGlu};
 use charm_shared::LoadError;
-use charm_worker::{ExpertExecutor, RamExperts};
+use charm_worker::{ExpertExecutor, RamExperts, StoreOptions, StreamingExperts};
+
+use crate::plan::{Plan, PlanInput};
 
 /// MLA projections of one layer.
 #[derive(Debug)]
@@ -117,6 +119,8 @@ pub struct Model {
     pub lm_head: Option<Linear>,
     pub mtp: Option<MtpWeights>,
     pub experts: Arc<dyn ExpertExecutor>,
+    /// The streaming store behind `experts`, in single-box streaming mode.
+    pub store: Option<Arc<StreamingExperts>>,
     /// Set when a DSA model was loaded without its indexer weights: attention is then dense,
     /// which is exact only up to this many tokens (`index_topk`); longer contexts are refused.
     pub dense_attention_limit: Option<usize>,
@@ -271,9 +275,42 @@ impl WeightSource for Container {
     }
 }
 
+fn check_model_type(dir: &Path, spec: &ModelSpec, c: &Container) -> Result<(), LoadError> {
+    if c.manifest.model_type != spec.arch.model_type() {
+        return Err(LoadError::Config {
+            path: dir.join("config.json"),
+            reason: format!(
+                "config.json says {} but the container was made from {}",
+                spec.arch.model_type(),
+                c.manifest.model_type
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Options of [`Model::load_streaming`].
+#[derive(Debug, Clone)]
+pub struct StreamOptions {
+    pub plan: PlanInput,
+    /// Try `O_DIRECT` reads (buffered where the filesystem refuses).
+    pub direct: bool,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        Self {
+            plan: PlanInput::default(),
+            direct: true,
+        }
+    }
+}
+
 struct Loader<'a> {
     src: &'a dyn WeightSource,
     spec: &'a ModelSpec,
+    /// Load routed experts into RAM (false: they stay on disk for a streaming store).
+    experts: bool,
 }
 
 impl Loader<'_> {
@@ -411,7 +448,9 @@ impl Loader<'_> {
                     None
                 };
                 experts.resize_with(experts.len().max(index + 1), || None);
-                experts[index] = Some(self.src.experts(index, self.spec)?);
+                if self.experts {
+                    experts[index] = Some(self.src.experts(index, self.spec)?);
+                }
                 FfnWeights::Moe {
                     router: self.mat(&format!("{p}mlp.gate.weight"), r.n_experts, h)?,
                     correction_bias: if r.correction_bias {
@@ -453,16 +492,7 @@ impl Model {
         let spec = ModelSpec::from_dir(dir)?;
         if Container::is_container(dir) {
             let c = Container::open(dir)?;
-            if c.manifest.model_type != spec.arch.model_type() {
-                return Err(LoadError::Config {
-                    path: dir.join("config.json"),
-                    reason: format!(
-                        "config.json says {} but the container was made from {}",
-                        spec.arch.model_type(),
-                        c.manifest.model_type
-                    ),
-                });
-            }
+            check_model_type(dir, &spec, &c)?;
             return Self::from_source(spec, &c);
         }
         if charm_shared::colibri::is_colibri(dir) {
@@ -479,9 +509,64 @@ impl Model {
 
     /// Builds the model from any weight source.
     pub fn from_source(spec: ModelSpec, ck: &dyn WeightSource) -> Result<Self, LoadError> {
+        Self::build(spec, ck, None)
+    }
+
+    /// Loads a charm container's dense skeleton and streams its routed experts from disk through
+    /// a RAM cache sized by [`crate::plan`]. Refuses, saying what would fit, when the budget
+    /// cannot hold the skeleton and a minimal expert cache.
+    pub fn load_streaming(dir: &Path, opts: &StreamOptions) -> Result<(Self, Plan), LoadError> {
+        let spec = ModelSpec::from_dir(dir)?;
+        if !Container::is_container(dir) {
+            return Err(LoadError::config(
+                dir.join(charm_shared::container::MANIFEST),
+                "streaming experts from disk needs a charm container: convert the model with `charm convert` first",
+            ));
+        }
+        let c = Container::open(dir)?;
+        check_model_type(dir, &spec, &c)?;
+        let p = crate::plan::plan_container(dir, &spec, &c, &opts.plan)?;
+        if !p.fits {
+            return Err(LoadError::config(dir, p.refusal()));
+        }
+        let store = StreamingExperts::open(
+            &c,
+            spec.hidden_size,
+            spec.moe_intermediate_size,
+            StoreOptions {
+                cache_bytes: p.cache_bytes,
+                readers: opts.plan.readers,
+                direct: opts.direct,
+                pin_fraction: if p.all_resident {
+                    0.0
+                } else {
+                    opts.plan.pin_fraction
+                },
+                history: opts.plan.history.clone(),
+                ..Default::default()
+            },
+        )
+        .map_err(|e| LoadError::config(dir, e.to_string()))?;
+        let store = Arc::new(store);
+        if p.all_resident {
+            store.warm_all();
+        }
+        let mut m = Self::build(spec, &c, Some(store.clone()))?;
+        // Pinned and (when everything fits) all experts finish loading before the first token.
+        store.wait_warm();
+        m.store = Some(store);
+        Ok((m, p))
+    }
+
+    fn build(
+        spec: ModelSpec,
+        ck: &dyn WeightSource,
+        store: Option<Arc<StreamingExperts>>,
+    ) -> Result<Self, LoadError> {
         let l = Loader {
             src: ck,
             spec: &spec,
+            experts: store.is_none(),
         };
         let (v, h) = (spec.vocab_size, spec.hidden_size);
         let mut experts: Vec<Option<Vec<SwiGlu>>> = Vec::new();
@@ -533,12 +618,17 @@ impl Model {
                 .any(|l| l.indexer_kind == Some(IndexerKind::Full) && l.indexer.is_none())
                 .then_some(d.topk)
         });
-        Ok(Self {
-            dense_attention_limit,
-            experts: Arc::new(RamExperts {
+        let executor: Arc<dyn ExpertExecutor> = match &store {
+            Some(s) => s.clone(),
+            None => Arc::new(RamExperts {
                 hidden: h,
                 layers: experts,
             }),
+        };
+        Ok(Self {
+            dense_attention_limit,
+            experts: executor,
+            store: None,
             spec,
             embed,
             layers,

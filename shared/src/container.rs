@@ -10,6 +10,7 @@
 //! - `config.json`: the source model's config, unchanged.
 
 use std::collections::BTreeMap;
+use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -187,19 +188,30 @@ fn floats(b: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// An opened container.
+/// An opened container. Data files are read with positioned reads (no memory mapping), so the
+/// only weight bytes held in memory are the ones a caller decodes and keeps.
 #[derive(Debug)]
 pub struct Container {
     pub dir: PathBuf,
     pub manifest: Manifest,
-    dense: memmap2::Mmap,
-    experts: BTreeMap<usize, (usize, memmap2::Mmap)>,
+    dense: File,
+    dense_len: u64,
+    experts: BTreeMap<usize, (usize, File)>,
 }
 
-fn map(path: &Path) -> Result<memmap2::Mmap, LoadError> {
-    let f = std::fs::File::open(path).map_err(|e| LoadError::io(path, e))?;
-    // SAFETY: read-only mapping of a file charm does not modify while it is open.
-    unsafe { memmap2::Mmap::map(&f) }.map_err(|e| LoadError::io(path, e))
+fn open_file(path: &Path) -> Result<(File, u64), LoadError> {
+    let f = File::open(path).map_err(|e| LoadError::io(path, e))?;
+    let len = f.metadata().map_err(|e| LoadError::io(path, e))?.len();
+    Ok((f, len))
+}
+
+/// Reads `len` bytes at `offset` of `f`.
+pub fn read_at(f: &File, path: &Path, offset: u64, len: usize) -> Result<Vec<u8>, LoadError> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; len];
+    f.read_exact_at(&mut buf, offset)
+        .map_err(|e| LoadError::io(path, e))?;
+    Ok(buf)
 }
 
 fn range(
@@ -217,6 +229,34 @@ fn range(
             reason: format!("byte range [{o}, +{l}] lies outside the {len}-byte file"),
         }),
     }
+}
+
+/// Decodes expert `e`'s record `rec` (at least `payload_bytes` long) of layer `l` as
+/// (gate, up, down) after checking its CRC-32.
+pub fn decode_expert(
+    l: &ExpertLayer,
+    e: usize,
+    rec: &[u8],
+    path: &Path,
+) -> Result<(Linear, Linear, Linear), LoadError> {
+    let name = format!("layer {} expert {e}", l.layer);
+    let crc = l.crc32.get(e).copied();
+    let payload = rec.get(..l.payload_bytes as usize);
+    match (crc, payload) {
+        (Some(c), Some(p)) if crc32fast::hash(p) == c => {}
+        _ => {
+            return Err(LoadError::Tensor {
+                path: path.to_path_buf(),
+                tensor: name,
+                reason: "CRC-32 mismatch: the expert record is damaged".into(),
+            })
+        }
+    }
+    Ok((
+        Container::decode(&l.gate, rec, path, &name)?,
+        Container::decode(&l.up, rec, path, &name)?,
+        Container::decode(&l.down, rec, path, &name)?,
+    ))
 }
 
 impl Container {
@@ -250,13 +290,15 @@ impl Container {
                 "a data file name points outside the directory",
             ));
         }
-        let dense = map(&dir.join(&manifest.dense_file))?;
+        let (dense, dense_len) = open_file(&dir.join(&manifest.dense_file))?;
         let mut experts = BTreeMap::new();
         for (i, l) in manifest.experts.iter().enumerate() {
             let p = dir.join(&l.file);
-            let m = map(&p)?;
+            let (m, len) = open_file(&p)?;
             if l.record_bytes % RECORD_ALIGN as u64 != 0
-                || (m.len() as u64) < l.record_bytes * l.count as u64
+                || l.record_bytes
+                    .checked_mul(l.count as u64)
+                    .is_none_or(|n| len < n)
                 || l.crc32.len() != l.count
                 || l.payload_bytes > l.record_bytes
             {
@@ -272,6 +314,7 @@ impl Container {
             dir: dir.to_path_buf(),
             manifest,
             dense,
+            dense_len,
             experts,
         })
     }
@@ -376,12 +419,23 @@ impl Container {
                 want: want.to_vec(),
             });
         }
-        let mut h = crc32fast::Hasher::new();
-        for r in [Some(t.part.data), t.part.scales, t.part.mins]
+        // One read covering the tensor's regions, which are then addressed relative to its start.
+        let regions: Vec<[u64; 2]> = [Some(t.part.data), t.part.scales, t.part.mins]
             .into_iter()
             .flatten()
-        {
-            h.update(&self.dense[range(r, self.dense.len(), &path, name)?]);
+            .collect();
+        let mut lo = u64::MAX;
+        let mut hi = 0u64;
+        for r in &regions {
+            let span = range(*r, self.dense_len as usize, &path, name)?;
+            lo = lo.min(span.start as u64);
+            hi = hi.max(span.end as u64);
+        }
+        let bytes = read_at(&self.dense, &path, lo, (hi - lo) as usize)?;
+        let rebase = |r: [u64; 2]| [r[0] - lo, r[1]];
+        let mut h = crc32fast::Hasher::new();
+        for r in &regions {
+            h.update(&bytes[range(rebase(*r), bytes.len(), &path, name)?]);
         }
         if h.finalize() != t.crc32 {
             return Err(LoadError::Tensor {
@@ -390,7 +444,13 @@ impl Container {
                 reason: "CRC-32 mismatch: the file is damaged".into(),
             });
         }
-        Self::decode(&t.part, &self.dense, &path, name)
+        let part = Part {
+            data: rebase(t.part.data),
+            scales: t.part.scales.map(rebase),
+            mins: t.part.mins.map(rebase),
+            ..t.part.clone()
+        };
+        Self::decode(&part, &bytes, &path, name)
     }
 
     /// Expert `e` of decoder layer `layer` as (gate, up, down), its record's CRC-32 verified.
@@ -404,27 +464,26 @@ impl Container {
             })?;
         let l = &self.manifest.experts[*i];
         let path = self.dir.join(&l.file);
-        let name = format!("layer {layer} expert {e}");
         if e >= l.count {
             return Err(LoadError::MissingTensor {
                 dir: self.dir.clone(),
-                tensor: name,
+                tensor: format!("layer {layer} expert {e}"),
             });
         }
-        let start = e * l.record_bytes as usize;
-        let rec = &m[start..start + l.record_bytes as usize];
-        if crc32fast::hash(&rec[..l.payload_bytes as usize]) != l.crc32[e] {
-            return Err(LoadError::Tensor {
-                path,
-                tensor: name,
-                reason: "CRC-32 mismatch: the expert record is damaged".into(),
-            });
-        }
-        Ok((
-            Self::decode(&l.gate, rec, &path, &name)?,
-            Self::decode(&l.up, rec, &path, &name)?,
-            Self::decode(&l.down, rec, &path, &name)?,
-        ))
+        let rec = read_at(m, &path, e as u64 * l.record_bytes, l.record_bytes as usize)?;
+        decode_expert(l, e, &rec, &path)
+    }
+
+    /// The expert layer record of decoder layer `layer`.
+    pub fn expert_layer(&self, layer: usize) -> Option<&ExpertLayer> {
+        self.experts
+            .get(&layer)
+            .map(|(i, _)| &self.manifest.experts[*i])
+    }
+
+    /// Bytes of `dense.bin` (the dense skeleton as stored).
+    pub fn dense_bytes(&self) -> u64 {
+        self.dense_len
     }
 
     /// The expert layers held.

@@ -59,13 +59,13 @@ pub enum LoadError {
 }
 
 impl LoadError {
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {
             path: path.into(),
             source,
         }
     }
-    pub(crate) fn config(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
+    pub fn config(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
         Self::Config {
             path: path.into(),
             reason: reason.into(),

@@ -4,7 +4,15 @@
 //! - [`ExpertExecutor`]: the routed-expert boundary. The MoE layer hands over token activations,
 //!   expert ids and gate weights and gets the weighted sum back. Where the experts live (RAM here;
 //!   NVMe streaming and remote workers behind the same trait later) is invisible to the caller.
-//! - [`RamExperts`]: every expert resident in RAM as f32.
+//! - [`RamExperts`]: every expert resident in RAM.
+//! - [`store::StreamingExperts`]: experts streamed from a container on disk through a bounded RAM
+//!   cache (single-box mode), with [`history`] for the pinned hot set and [`io`] for the reads.
+
+pub mod history;
+pub mod io;
+pub mod store;
+
+pub use store::{StoreOptions, StoreStats, StreamingExperts};
 
 use charm_shared::kernels::SwiGlu;
 use rayon::prelude::*;
@@ -25,6 +33,9 @@ pub enum ExpertError {
     /// Inputs whose lengths disagree.
     #[error("expert call shapes disagree: {0}")]
     Shape(String),
+    /// An expert could not be loaded (I/O error, damaged record, bad store setup).
+    #[error("expert store: {0}")]
+    Load(String),
 }
 
 /// One routed-expert computation request for a batch of tokens.
@@ -70,6 +81,32 @@ impl ExpertBatch<'_> {
 /// the result does not depend on batch composition or on where each expert ran.
 pub trait ExpertExecutor: Send + Sync + std::fmt::Debug {
     fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError>;
+
+    /// Whether [`Self::run_ahead`] uses a prediction of the next layer's experts (then the
+    /// caller should compute one; stores holding everything in RAM say no).
+    fn wants_lookahead(&self) -> bool {
+        false
+    }
+
+    /// [`Self::run`], told that MoE layer `next.0` will probably use experts `next.1`, so reads
+    /// can start while this layer computes. The result is the same as `run`'s.
+    fn run_ahead(
+        &self,
+        batch: ExpertBatch<'_>,
+        next: Option<(usize, &[u32])>,
+    ) -> Result<Vec<f32>, ExpertError> {
+        let _ = next;
+        self.run(batch)
+    }
+
+    /// A forward step (one token of decode, or one prefill) is complete: a safe point to update
+    /// caching decisions.
+    fn step_end(&self) {}
+
+    /// Counters since start, for stores that keep them.
+    fn stats(&self) -> Option<StoreStats> {
+        None
+    }
 }
 
 /// All routed experts resident in RAM, per layer (`None` for dense layers).
@@ -91,32 +128,74 @@ impl RamExperts {
     }
 }
 
-/// Runs `batch` with `expert(layer, id)` giving each expert's weights: groups tokens by expert so
-/// each expert runs once per batch (batch-union), then sums per token in ascending expert order.
+/// Slots (`t * top_k + j`) grouped by expert id, ascending: each expert runs once per batch
+/// (batch-union) on the tokens that chose it.
+pub(crate) fn plan_runs(batch: &ExpertBatch<'_>) -> Vec<(u32, Vec<usize>)> {
+    let mut order: Vec<usize> = (0..batch.ids.len()).collect();
+    order.sort_by_key(|&s| (batch.ids[s], s));
+    let mut runs: Vec<(u32, Vec<usize>)> = Vec::new();
+    for s in order {
+        let id = batch.ids[s];
+        match runs.last_mut() {
+            Some((last, slots)) if *last == id => slots.push(s),
+            _ => runs.push((id, vec![s])),
+        }
+    }
+    runs
+}
+
+/// The activations of the tokens behind `slots`, `[slots, hidden]`.
+pub(crate) fn gather(batch: &ExpertBatch<'_>, slots: &[usize], hidden: usize) -> Vec<f32> {
+    let mut xs = Vec::with_capacity(slots.len() * hidden);
+    for &s in slots {
+        let t = s / batch.top_k;
+        xs.extend_from_slice(&batch.x[t * hidden..(t + 1) * hidden]);
+    }
+    xs
+}
+
+/// The weighted per-token sum of expert outputs `outs[r]` (rows in `runs[r]`'s slot order),
+/// added in ascending expert order.
+pub(crate) fn combine(
+    batch: &ExpertBatch<'_>,
+    hidden: usize,
+    runs: &[(u32, Vec<usize>)],
+    outs: &[Vec<f32>],
+) -> Vec<f32> {
+    let k = batch.top_k;
+    // slot -> (run, row)
+    let mut at = vec![(0usize, 0usize); batch.ids.len()];
+    for (r, (_, slots)) in runs.iter().enumerate() {
+        for (row, &s) in slots.iter().enumerate() {
+            at[s] = (r, row);
+        }
+    }
+    let mut out = vec![0.0f32; batch.n_tokens * hidden];
+    for t in 0..batch.n_tokens {
+        let mut slots: Vec<usize> = (t * k..(t + 1) * k).collect();
+        slots.sort_by_key(|&s| batch.ids[s]);
+        let o = &mut out[t * hidden..(t + 1) * hidden];
+        for s in slots {
+            let w = batch.weights[s];
+            let (r, row) = at[s];
+            for (a, b) in o.iter_mut().zip(&outs[r][row * hidden..(row + 1) * hidden]) {
+                *a += w * b;
+            }
+        }
+    }
+    out
+}
+
+/// Runs `batch` with `expert(id)` giving each expert's weights: each expert runs once per batch
+/// (experts in parallel, each with the same arithmetic as alone), then the per-token sum in
+/// ascending expert order.
 pub fn run_grouped<'e>(
     hidden: usize,
     batch: ExpertBatch<'_>,
     expert: impl Fn(u32) -> Result<&'e SwiGlu, ExpertError>,
 ) -> Result<Vec<f32>, ExpertError> {
     batch.check(hidden)?;
-    let (n, k) = (batch.n_tokens, batch.top_k);
-    // slot (t, j) -> expert output row
-    let mut outs = vec![0.0f32; n * k * hidden];
-    let mut order: Vec<usize> = (0..n * k).collect();
-    order.sort_by_key(|&s| (batch.ids[s], s));
-    // Runs of slots per expert; the experts then run in parallel (each on its tokens, with the
-    // same arithmetic as alone, so the result does not depend on the scheduling).
-    let mut runs: Vec<(u32, &[usize])> = Vec::new();
-    let mut i = 0;
-    while i < order.len() {
-        let id = batch.ids[order[i]];
-        let mut j = i;
-        while j < order.len() && batch.ids[order[j]] == id {
-            j += 1;
-        }
-        runs.push((id, &order[i..j]));
-        i = j;
-    }
+    let runs = plan_runs(&batch);
     let experts: Vec<&SwiGlu> = runs
         .iter()
         .map(|(id, _)| expert(*id))
@@ -124,33 +203,9 @@ pub fn run_grouped<'e>(
     let ys: Vec<Vec<f32>> = runs
         .par_iter()
         .zip(experts.par_iter())
-        .map(|((_, slots), e)| {
-            let mut xs = Vec::with_capacity(slots.len() * hidden);
-            for &s in slots.iter() {
-                let t = s / k;
-                xs.extend_from_slice(&batch.x[t * hidden..(t + 1) * hidden]);
-            }
-            e.forward(&xs, slots.len()) // [slots, hidden]
-        })
+        .map(|((_, slots), e)| e.forward(&gather(&batch, slots, hidden), slots.len()))
         .collect();
-    for ((_, slots), y) in runs.iter().zip(&ys) {
-        for (r, &s) in slots.iter().enumerate() {
-            outs[s * hidden..(s + 1) * hidden].copy_from_slice(&y[r * hidden..(r + 1) * hidden]);
-        }
-    }
-    let mut out = vec![0.0f32; n * hidden];
-    for t in 0..n {
-        let mut slots: Vec<usize> = (t * k..(t + 1) * k).collect();
-        slots.sort_by_key(|&s| batch.ids[s]);
-        let o = &mut out[t * hidden..(t + 1) * hidden];
-        for s in slots {
-            let w = batch.weights[s];
-            for (a, b) in o.iter_mut().zip(&outs[s * hidden..(s + 1) * hidden]) {
-                *a += w * b;
-            }
-        }
-    }
-    Ok(out)
+    Ok(combine(&batch, hidden, &runs, &ys))
 }
 
 impl ExpertExecutor for RamExperts {

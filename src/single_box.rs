@@ -1,0 +1,311 @@
+//! Single-box mode on the command line: loading with a RAM budget, `charm plan`, `charm doctor`,
+//! `charm synth`, `charm iobench`, and the per-run statistics `charm generate` prints.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use charm_coordinator::model::StreamOptions;
+use charm_coordinator::plan::{human, rss, Plan, PlanInput};
+use charm_coordinator::synth::{synth, SynthOptions};
+use charm_coordinator::Model;
+use charm_shared::container::{Container, StoreFormat, MANIFEST};
+use charm_worker::history::model_id;
+use charm_worker::io::{random_reads, AlignedBuf, RecordFile};
+use charm_worker::StoreStats;
+use clap::Args;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// How routed experts of a charm container are held (single-box mode).
+#[derive(Args, Debug, Clone)]
+pub struct StoreArgs {
+    /// RAM budget in GiB for the whole process (default: MemAvailable less a margin). Routed
+    /// experts that do not fit stream from disk.
+    #[arg(long)]
+    pub ram: Option<f64>,
+    /// Context tokens to reserve KV cache for (default: what the command needs).
+    #[arg(long)]
+    pub ctx: Option<usize>,
+    /// Reader threads fetching experts from disk.
+    #[arg(long, default_value_t = 4)]
+    pub readers: usize,
+    /// Routing-usage history file for the pinned hot set, or `none` (default: one per model
+    /// under $XDG_CACHE_HOME/charm or ~/.cache/charm).
+    #[arg(long)]
+    pub history: Option<String>,
+    /// Share of the expert cache given to pinned experts.
+    #[arg(long, default_value_t = 0.5)]
+    pub pin_fraction: f64,
+    /// Buffered reads instead of O_DIRECT.
+    #[arg(long)]
+    pub no_direct: bool,
+}
+
+fn cache_home() -> Option<PathBuf> {
+    std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+}
+
+impl StoreArgs {
+    fn history_path(&self, dir: &Path) -> Option<PathBuf> {
+        match self.history.as_deref() {
+            Some("none") => None,
+            Some(p) => Some(PathBuf::from(p)),
+            None => {
+                let m = std::fs::read(dir.join(MANIFEST)).ok()?;
+                Some(
+                    cache_home()?
+                        .join("charm")
+                        .join(format!("routing-{}.json", model_id(&m))),
+                )
+            }
+        }
+    }
+
+    /// The planner's input for `dir` with `context` tokens (unless `--ctx` says otherwise);
+    /// prefill steps are planned at up to 512 tokens.
+    pub fn plan_input(&self, dir: &Path, context: usize) -> Result<PlanInput> {
+        let ram = match self.ram {
+            Some(g) if !(g > 0.0 && g.is_finite()) => {
+                bail!("--ram must be a positive number of GiB")
+            }
+            Some(g) => Some((g * GIB) as u64),
+            None => None,
+        };
+        if !(0.0..=1.0).contains(&self.pin_fraction) {
+            bail!("--pin-fraction must be in [0, 1]");
+        }
+        if self.readers == 0 || self.readers > 64 {
+            bail!("--readers must be in 1..=64");
+        }
+        let context = self.ctx.unwrap_or(context);
+        Ok(PlanInput {
+            ram,
+            context,
+            batch_tokens: context.clamp(1, 512),
+            readers: self.readers,
+            pin_fraction: self.pin_fraction,
+            history: self.history_path(dir),
+            ..Default::default()
+        })
+    }
+}
+
+/// Loads `dir`: a charm container streams its experts within the budget; other directories load
+/// every expert in RAM.
+pub fn load(dir: &Path, args: &StoreArgs, context: usize) -> Result<(Model, Option<Plan>)> {
+    let ctx = || format!("loading {}", dir.display());
+    if Container::is_container(dir) {
+        let opts = StreamOptions {
+            plan: args.plan_input(dir, context)?,
+            direct: !args.no_direct,
+        };
+        let (m, p) = Model::load_streaming(dir, &opts).with_context(ctx)?;
+        if let Some(s) = &m.store {
+            for (f, why) in s.io_fallbacks().into_iter().take(1) {
+                eprintln!(
+                    "warning: {}: {why}; expert reads go through the page cache",
+                    f.display()
+                );
+            }
+        }
+        Ok((m, Some(p)))
+    } else {
+        if args.ram.is_some() {
+            eprintln!("warning: --ram applies to charm containers; {} loads every expert in RAM (convert it to stream experts)", dir.display());
+        }
+        Ok((Model::load(dir).with_context(ctx)?, None))
+    }
+}
+
+/// Saves the routing history of a streaming model, warning on failure.
+pub fn finish(m: &Model) {
+    if let Some(s) = &m.store {
+        if let Err(e) = s.save_history() {
+            eprintln!("warning: routing history not saved: {e}");
+        }
+    }
+}
+
+/// Per-run statistics: expert store counters for the run and peak RSS.
+pub fn run_stats(stats: Option<&StoreStats>, plan: Option<&Plan>) -> serde_json::Value {
+    let mut v = serde_json::json!({});
+    if let Some((peak, now)) = rss() {
+        v["peak_rss_bytes"] = peak.into();
+        v["rss_bytes"] = now.into();
+    }
+    if let Some(p) = plan {
+        v["budget_bytes"] = p.budget_bytes.into();
+        v["expert_cache_bytes"] = p.cache_bytes.into();
+    }
+    if let Some(s) = stats {
+        v["experts"] = serde_json::to_value(s).expect("stats serialize");
+        v["experts"]["hit_rate"] = s.hit_rate().into();
+        if let Some(r) = s.lookahead_recall() {
+            v["experts"]["lookahead_recall"] = r.into();
+        }
+    }
+    v
+}
+
+/// One line of the same statistics.
+pub fn render_stats(stats: Option<&StoreStats>) -> String {
+    let mut s = String::new();
+    if let Some(st) = stats {
+        s += &format!(
+            "experts: hit rate {:.1}%, {:.2} GB read in {} reads, waited {:.2}s on disk, computed {:.2}s",
+            100.0 * st.hit_rate(),
+            st.bytes_read as f64 / 1e9,
+            st.reads,
+            st.wait_seconds,
+            st.compute_seconds
+        );
+        if let Some(r) = st.lookahead_recall() {
+            s += &format!(", lookahead recall {:.1}%", 100.0 * r);
+        }
+        s += "; ";
+    }
+    if let Some((peak, _)) = rss() {
+        s += &format!("peak RSS {:.2} GiB", peak as f64 / GIB);
+    }
+    s
+}
+
+pub fn cmd_plan(dir: &Path, args: &StoreArgs, json: bool) -> Result<bool> {
+    let input = args.plan_input(dir, 4096)?;
+    let p = charm_coordinator::plan::plan(dir, &input)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&p)?);
+    } else {
+        print!("{}", p.render());
+    }
+    Ok(p.fits)
+}
+
+pub fn cmd_doctor(dir: &Path, args: &StoreArgs, json: bool, deep: bool) -> Result<bool> {
+    let input = args.plan_input(dir, 4096)?;
+    let r = charm_coordinator::doctor::doctor(dir, &input, deep, !args.no_direct);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print!("{}", r.render());
+    }
+    Ok(r.runnable)
+}
+
+pub fn cmd_synth(out: &Path, o: &SynthOptions) -> Result<()> {
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .expect("template"),
+    );
+    let r = synth(out, o, &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    })
+    .map_err(anyhow::Error::msg)?;
+    bar.finish_and_clear();
+    eprintln!(
+        "wrote {}: dense skeleton {}, {} experts of {} = {}",
+        out.display(),
+        human(r.dense_bytes),
+        r.experts,
+        human(r.record_bytes),
+        human(r.expert_bytes)
+    );
+    Ok(())
+}
+
+pub fn parse_experts_format(s: &str) -> Result<StoreFormat> {
+    match StoreFormat::parse(s) {
+        Some(f @ (StoreFormat::Int4 | StoreFormat::Int8 | StoreFormat::Int2)) => Ok(f),
+        _ => bail!("--experts must be int4, int8 or int2"),
+    }
+}
+
+/// `charm iobench`: random aligned reads of `block_mib` from a model's expert files, or from a
+/// scratch file of `file_gib` made in `dir`.
+pub fn cmd_iobench(
+    model: Option<&Path>,
+    dir: Option<&Path>,
+    block_mib: f64,
+    file_gib: f64,
+    seconds: f64,
+    threads: usize,
+    direct: bool,
+    json: bool,
+) -> Result<()> {
+    if !(block_mib > 0.0 && block_mib <= 1024.0) {
+        bail!("--block-mib must be in (0, 1024]");
+    }
+    let block = ((block_mib * (1u64 << 20) as f64) as usize).div_ceil(4096) * 4096;
+    let mut scratch = None;
+    let files: Vec<(RecordFile, u64)> = match (model, dir) {
+        (Some(m), _) => {
+            let c = Container::open(m)?;
+            c.expert_layers()
+                .map(|l| {
+                    let p = m.join(&l.file);
+                    Ok((
+                        RecordFile::open(&p, direct)?,
+                        l.record_bytes * l.count as u64,
+                    ))
+                })
+                .collect::<std::io::Result<_>>()?
+        }
+        (None, Some(d)) => {
+            let p = d.join(format!("charm-iobench-{}.bin", std::process::id()));
+            let len = ((file_gib * GIB) as u64).div_ceil(block as u64) * block as u64;
+            write_scratch(&p, len, block)?;
+            scratch = Some(p.clone());
+            vec![(RecordFile::open(&p, direct)?, len)]
+        }
+        _ => bail!("give --model DIR or --dir DIR"),
+    };
+    let refs: Vec<(&RecordFile, u64)> = files.iter().map(|(f, n)| (f, *n)).collect();
+    let r = random_reads(&refs, block, threads, u64::MAX, seconds, 11);
+    if let Some(p) = scratch {
+        let _ = std::fs::remove_file(p);
+    }
+    let r = r?;
+    if json {
+        let mut v = serde_json::to_value(r)?;
+        v["bytes_per_s"] = r.bytes_per_s().into();
+        println!("{v}");
+    } else {
+        println!(
+            "{:.3} GB/s: {} random reads of {:.2} MiB in {:.2}s, {} threads, {}",
+            r.bytes_per_s() / 1e9,
+            r.reads,
+            block as f64 / (1u64 << 20) as f64,
+            r.seconds,
+            r.threads,
+            if r.direct { "O_DIRECT" } else { "buffered" }
+        );
+    }
+    Ok(())
+}
+
+fn write_scratch(p: &Path, len: u64, block: usize) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?;
+    let mut b = AlignedBuf::new(block);
+    let mut s = 0x1234_5678u64;
+    for c in b.as_mut_slice().chunks_mut(8) {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        c.copy_from_slice(&s.to_le_bytes()[..c.len()]);
+    }
+    let mut off = 0;
+    while off < len {
+        f.write_all_at(b.as_slice(), off)
+            .with_context(|| format!("writing {}", p.display()))?;
+        off += block as u64;
+    }
+    f.sync_all()?;
+    Ok(())
+}

@@ -1,0 +1,194 @@
+//! The routing-usage history: how often each routed expert was chosen, per model, kept across runs
+//! so the store can pin the hot set from the first token. Written atomically (temporary file,
+//! fsync, rename), so a crash leaves the old history or the new one, never a torn file.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Format name written in the file.
+const FORMAT: &str = "charm-routing-history";
+
+/// Per-layer expert usage counts of one model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct History {
+    format: String,
+    /// Identity of the model the counts belong to (see [`model_id`]).
+    pub model_id: String,
+    /// Forward steps counted.
+    pub steps: u64,
+    /// Decoder layer -> times each expert was chosen.
+    pub counts: BTreeMap<usize, Vec<u64>>,
+}
+
+/// Why a history could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum HistoryError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: not a routing history: {reason}")]
+    Invalid { path: PathBuf, reason: String },
+    #[error("{path}: routing history of another model ({found}; this model is {want}); delete it or pass another --history path")]
+    OtherModel {
+        path: PathBuf,
+        found: String,
+        want: String,
+    },
+}
+
+/// A model's identity for histories: CRC-32 and length of its manifest bytes (a container's
+/// `charm.json` names every tensor with its checksum, so two different models never share it).
+pub fn model_id(manifest: &[u8]) -> String {
+    format!("{:08x}-{}", crc32fast::hash(manifest), manifest.len())
+}
+
+impl History {
+    /// An empty history for `model_id`, with `experts` counters for each listed layer.
+    pub fn new(model_id: &str, layers: impl IntoIterator<Item = (usize, usize)>) -> Self {
+        Self {
+            format: FORMAT.into(),
+            model_id: model_id.into(),
+            steps: 0,
+            counts: layers.into_iter().map(|(l, n)| (l, vec![0; n])).collect(),
+        }
+    }
+
+    /// Loads `path` for `model_id`; `Ok(None)` when the file does not exist. Layers or expert
+    /// counts that disagree with `layers` are refused as damage.
+    pub fn load(
+        path: &Path,
+        model_id: &str,
+        layers: &BTreeMap<usize, usize>,
+    ) -> Result<Option<Self>, HistoryError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => {
+                return Err(HistoryError::Io {
+                    path: path.into(),
+                    source,
+                })
+            }
+        };
+        let invalid = |reason: String| HistoryError::Invalid {
+            path: path.into(),
+            reason,
+        };
+        let h: History = serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        if h.format != FORMAT {
+            return Err(invalid(format!("format `{}`", h.format)));
+        }
+        if h.model_id != model_id {
+            return Err(HistoryError::OtherModel {
+                path: path.into(),
+                found: h.model_id,
+                want: model_id.into(),
+            });
+        }
+        for (l, c) in &h.counts {
+            if layers.get(l) != Some(&c.len()) {
+                return Err(invalid(format!(
+                    "layer {l} has {} counters, the model {}",
+                    c.len(),
+                    layers
+                        .get(l)
+                        .map_or("has no such expert layer".into(), |n| format!(
+                            "has {n} experts"
+                        ))
+                )));
+            }
+        }
+        Ok(Some(h))
+    }
+
+    /// Writes to `path` atomically.
+    pub fn save(&self, path: &Path) -> Result<(), HistoryError> {
+        let io = |source| HistoryError::Io {
+            path: path.into(),
+            source,
+        };
+        if let Some(d) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(d).map_err(io)?;
+        }
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        let text = serde_json::to_vec(self).expect("history serializes");
+        let write = || -> std::io::Result<()> {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&text)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, path)
+        };
+        write().map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            io(e)
+        })
+    }
+
+    /// Adds `other`'s counts (same model) to these.
+    pub fn add(&mut self, layer: usize, expert: usize, n: u64) {
+        if let Some(c) = self.counts.get_mut(&layer).and_then(|c| c.get_mut(expert)) {
+            *c += n;
+        }
+    }
+
+    /// The `(layer, expert)` pairs by descending count (ties: lower layer, lower id first),
+    /// skipping never-used experts.
+    pub fn ranked(&self) -> Vec<(usize, u32, u64)> {
+        let mut v: Vec<(usize, u32, u64)> = self
+            .counts
+            .iter()
+            .flat_map(|(&l, c)| {
+                c.iter()
+                    .enumerate()
+                    .filter(|(_, &n)| n > 0)
+                    .map(move |(e, &n)| (l, e as u32, n))
+            })
+            .collect();
+        v.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_refuses_other_models() {
+        let dir = std::env::temp_dir().join(format!("charm-hist-{}", std::process::id()));
+        let p = dir.join("h.json");
+        let layers: BTreeMap<usize, usize> = [(1, 4), (2, 4)].into();
+        assert!(History::load(&p, "m", &layers).unwrap().is_none());
+        let mut h = History::new("m", layers.clone());
+        h.add(1, 3, 5);
+        h.add(2, 0, 2);
+        h.add(9, 0, 1); // unknown layer: ignored
+        h.steps = 7;
+        h.save(&p).unwrap();
+        let back = History::load(&p, "m", &layers).unwrap().unwrap();
+        assert_eq!(back, h);
+        assert_eq!(back.ranked(), vec![(1, 3, 5), (2, 0, 2)]);
+        assert!(matches!(
+            History::load(&p, "other", &layers),
+            Err(HistoryError::OtherModel { .. })
+        ));
+        let fewer: BTreeMap<usize, usize> = [(1, 4)].into();
+        assert!(matches!(
+            History::load(&p, "m", &fewer),
+            Err(HistoryError::Invalid { .. })
+        ));
+        std::fs::write(&p, b"{not json").unwrap();
+        assert!(matches!(
+            History::load(&p, "m", &layers),
+            Err(HistoryError::Invalid { .. })
+        ));
+        // no temporary files left behind
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

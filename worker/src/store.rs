@@ -1,0 +1,843 @@
+//! The tiered expert store of single-box mode: routed experts stay on disk in a charm container
+//! and stream through a RAM cache bounded in bytes.
+//!
+//! - **Reads**: a bounded pool of reader threads fetches whole expert records (one aligned read
+//!   per expert, `O_DIRECT` where the filesystem allows) from three queues: demand (a layer waiting
+//!   now), lookahead (the next layer's predicted experts) and warm-up (the pinned set).
+//! - **Overlap**: a layer's resident experts compute while its missing ones load, and each missing
+//!   expert computes as soon as it arrives.
+//! - **Replacement**: the victim is the least-frequently used unpinned expert (frequency decays
+//!   over steps), least recently used among equals; a newcomer used less often than the victim is
+//!   not admitted (it serves its step and is dropped), so a working set larger than the cache does
+//!   not flush the experts that keep hitting.
+//! - **Pinning**: the most-used experts of the persisted routing history (see [`crate::history`]),
+//!   up to a share of the cache, are loaded at start and never evicted; the set is re-derived at
+//!   step boundaries as usage accrues.
+//! - **Memory**: cache bytes never exceed `capacity`; on top of it at most `readers` experts in
+//!   flight (their read buffers, a decoded copy each, and as many admitted-for-one-step experts).
+//!   [`StreamingExperts::io_bytes`] states that bound for the caller's budget.
+//!
+//! Every expert computes with the same kernels and the per-token sum keeps ascending expert order,
+//! so results are bit-identical to [`crate::RamExperts`] whatever the cache size.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use charm_shared::container::{decode_expert, Container, ExpertLayer};
+use charm_shared::kernels::{Linear, SwiGlu};
+use rayon::prelude::*;
+use serde::Serialize;
+
+use crate::history::{model_id, History, HistoryError};
+use crate::io::{AlignedBuf, RecordFile, DIRECT_ALIGN};
+use crate::{combine, gather, plan_runs, ExpertBatch, ExpertError, ExpertExecutor};
+
+/// How the store runs.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// RAM for cached experts, in bytes.
+    pub cache_bytes: u64,
+    /// Reader threads (queue depth towards the disk).
+    pub readers: usize,
+    /// Try `O_DIRECT` reads.
+    pub direct: bool,
+    /// Share of the cache given to the pinned hot set.
+    pub pin_fraction: f64,
+    /// Where the routing history lives; `None`: none kept.
+    pub history: Option<PathBuf>,
+    /// Re-derive the pinned set every this many steps (0: never after start).
+    pub repin_every: u64,
+    /// Halve usage frequencies every this many steps.
+    pub decay_every: u64,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            cache_bytes: 0,
+            readers: 4,
+            direct: true,
+            pin_fraction: 0.5,
+            history: None,
+            repin_every: 64,
+            decay_every: 256,
+        }
+    }
+}
+
+/// What the store did, for one run or since start.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct StoreStats {
+    /// Expert uses served from RAM.
+    pub hits: u64,
+    /// Expert uses that waited for (or found in flight) a disk read.
+    pub misses: u64,
+    /// Expert records read from disk and their bytes.
+    pub reads: u64,
+    pub bytes_read: u64,
+    /// Seconds reader threads spent in reads (summed over readers).
+    pub read_seconds: f64,
+    /// Seconds the forward pass waited for experts to arrive.
+    pub wait_seconds: f64,
+    /// Seconds spent computing experts.
+    pub compute_seconds: f64,
+    pub evictions: u64,
+    /// Experts used once and not admitted to the cache (admission control).
+    pub not_admitted: u64,
+    /// Lookahead: experts predicted for the next layer, reads started for them, and how many
+    /// of the experts the layer then used had been predicted (recall = hits / used).
+    pub lookahead_reads: u64,
+    pub lookahead_used: u64,
+    pub lookahead_predicted_used: u64,
+    pub cache_capacity_bytes: u64,
+    pub cache_bytes: u64,
+    pub cache_peak_bytes: u64,
+    pub pinned: u64,
+    pub direct_io: bool,
+}
+
+impl StoreStats {
+    /// Share of expert uses served from RAM.
+    pub fn hit_rate(&self) -> f64 {
+        let n = self.hits + self.misses;
+        if n == 0 {
+            0.0
+        } else {
+            self.hits as f64 / n as f64
+        }
+    }
+    /// Share of used experts the lookahead had predicted.
+    pub fn lookahead_recall(&self) -> Option<f64> {
+        (self.lookahead_used > 0)
+            .then(|| self.lookahead_predicted_used as f64 / self.lookahead_used as f64)
+    }
+    /// Counters accrued since `earlier` (gauges keep their current value).
+    pub fn since(&self, earlier: &Self) -> Self {
+        Self {
+            hits: self.hits - earlier.hits,
+            misses: self.misses - earlier.misses,
+            reads: self.reads - earlier.reads,
+            bytes_read: self.bytes_read - earlier.bytes_read,
+            read_seconds: self.read_seconds - earlier.read_seconds,
+            wait_seconds: self.wait_seconds - earlier.wait_seconds,
+            compute_seconds: self.compute_seconds - earlier.compute_seconds,
+            evictions: self.evictions - earlier.evictions,
+            not_admitted: self.not_admitted - earlier.not_admitted,
+            lookahead_reads: self.lookahead_reads - earlier.lookahead_reads,
+            lookahead_used: self.lookahead_used - earlier.lookahead_used,
+            lookahead_predicted_used: self.lookahead_predicted_used
+                - earlier.lookahead_predicted_used,
+            ..self.clone()
+        }
+    }
+}
+
+type Key = (usize, u32);
+
+#[derive(Debug)]
+struct Entry {
+    w: Arc<SwiGlu>,
+    bytes: u64,
+    last: u64,
+    in_use: u32,
+    /// Not admitted: dropped as soon as its users release it.
+    transient: bool,
+}
+
+#[derive(Debug)]
+struct State {
+    entries: HashMap<Key, Entry>,
+    bytes: u64,
+    demand: VecDeque<Key>,
+    lookahead: VecDeque<Key>,
+    warm: VecDeque<Key>,
+    /// Keys in a queue or being read.
+    pending: HashSet<Key>,
+    /// Reservations by waiting runs, handed to the entry when it arrives.
+    wanted: HashMap<Key, u32>,
+    failed: HashMap<Key, String>,
+    freq: HashMap<Key, f64>,
+    pinned: HashSet<Key>,
+    history: History,
+    predicted: HashMap<usize, HashSet<u32>>,
+    stats: StoreStats,
+    tick: u64,
+    step: u64,
+    shutdown: bool,
+}
+
+#[derive(Debug)]
+struct LayerSrc {
+    meta: ExpertLayer,
+    file: RecordFile,
+}
+
+#[derive(Debug)]
+struct Inner {
+    hidden: usize,
+    inter: usize,
+    layers: BTreeMap<usize, LayerSrc>,
+    capacity: u64,
+    overflow: u64,
+    opts: StoreOptions,
+    /// Decoded bytes of one expert (all layers share the shape).
+    expert_bytes: u64,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+/// Routed experts streamed from a container through a bounded RAM cache.
+#[derive(Debug)]
+pub struct StreamingExperts {
+    inner: Arc<Inner>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// Decoded in-memory bytes of one expert of `l` (what the cache holds per expert).
+pub fn expert_ram_bytes(l: &ExpertLayer) -> u64 {
+    [&l.gate, &l.up, &l.down]
+        .iter()
+        .map(|p| {
+            // bf16 with a width not a multiple of 8 decodes to f32 (twice the stored bytes)
+            let widen = p.format == charm_shared::container::StoreFormat::Bf16
+                && p.shape.last().is_none_or(|c| c % 8 != 0);
+            p.data[1] * if widen { 2 } else { 1 }
+                + p.scales.map_or(0, |s| s[1])
+                + p.mins.map_or(0, |m| m[1])
+        })
+        .sum()
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl StreamingExperts {
+    /// Opens the expert files of `c` for a model of width `hidden` and expert width `inter`.
+    /// Fails when a file cannot be opened or the history belongs to another model. A cache of
+    /// zero bytes works: every expert then streams through the I/O working set.
+    pub fn open(
+        c: &Container,
+        hidden: usize,
+        inter: usize,
+        opts: StoreOptions,
+    ) -> Result<Self, ExpertError> {
+        let io = |p: &Path, e: std::io::Error| ExpertError::Load(format!("{}: {e}", p.display()));
+        let mut layers = BTreeMap::new();
+        for l in c.expert_layers() {
+            let p = c.dir.join(&l.file);
+            let file = RecordFile::open(&p, opts.direct).map_err(|e| io(&p, e))?;
+            layers.insert(
+                l.layer,
+                LayerSrc {
+                    meta: l.clone(),
+                    file,
+                },
+            );
+        }
+        let expert_bytes = layers
+            .values()
+            .map(|l| expert_ram_bytes(&l.meta))
+            .max()
+            .unwrap_or(0);
+        let readers = opts.readers.max(1);
+        let manifest = std::fs::read(c.dir.join(charm_shared::container::MANIFEST))
+            .map_err(|e| io(&c.dir, e))?;
+        let id = model_id(&manifest);
+        let shape: BTreeMap<usize, usize> =
+            layers.iter().map(|(&l, s)| (l, s.meta.count)).collect();
+        let history = match &opts.history {
+            Some(p) => History::load(p, &id, &shape)
+                .map_err(|e: HistoryError| ExpertError::Load(e.to_string()))?,
+            None => None,
+        }
+        .unwrap_or_else(|| History::new(&id, shape.clone()));
+        let direct = layers.values().all(|l| l.file.direct);
+        let inner = Arc::new(Inner {
+            hidden,
+            inter,
+            layers,
+            capacity: opts.cache_bytes,
+            overflow: readers as u64 * expert_bytes,
+            expert_bytes,
+            state: Mutex::new(State {
+                entries: HashMap::new(),
+                bytes: 0,
+                demand: VecDeque::new(),
+                lookahead: VecDeque::new(),
+                warm: VecDeque::new(),
+                pending: HashSet::new(),
+                wanted: HashMap::new(),
+                failed: HashMap::new(),
+                freq: HashMap::new(),
+                pinned: HashSet::new(),
+                history,
+                predicted: HashMap::new(),
+                stats: StoreStats {
+                    cache_capacity_bytes: opts.cache_bytes,
+                    direct_io: direct,
+                    ..Default::default()
+                },
+                tick: 0,
+                step: 0,
+                shutdown: false,
+            }),
+            cv: Condvar::new(),
+            opts,
+        });
+        {
+            let mut st = lock(&inner.state);
+            inner.repin(&mut st);
+        }
+        let threads = (0..readers)
+            .map(|i| {
+                let inner = inner.clone();
+                std::thread::Builder::new()
+                    .name(format!("charm-reader-{i}"))
+                    .spawn(move || inner.reader())
+                    .expect("spawn reader thread")
+            })
+            .collect();
+        Ok(Self { inner, threads })
+    }
+
+    /// Why reads are buffered, per file, where `O_DIRECT` could not be used.
+    pub fn io_fallbacks(&self) -> Vec<(PathBuf, String)> {
+        self.inner
+            .layers
+            .values()
+            .filter_map(|l| {
+                l.file
+                    .fallback_reason
+                    .clone()
+                    .filter(|_| self.inner.opts.direct)
+                    .map(|r| (l.file.path.clone(), r))
+            })
+            .collect()
+    }
+
+    /// Memory on top of the cache capacity the store may use at most: per reader a read buffer,
+    /// a decoded expert awaiting room, and one expert admitted for a single step.
+    pub fn io_bytes(&self) -> u64 {
+        io_bytes(
+            &self
+                .inner
+                .layers
+                .values()
+                .map(|l| &l.meta)
+                .collect::<Vec<_>>(),
+            self.inner.opts.readers,
+        )
+    }
+
+    /// Writes the routing history (when one is kept).
+    pub fn save_history(&self) -> Result<(), ExpertError> {
+        let Some(p) = &self.inner.opts.history else {
+            return Ok(());
+        };
+        let h = lock(&self.inner.state).history.clone();
+        h.save(p).map_err(|e| ExpertError::Load(e.to_string()))
+    }
+
+    /// Queues reads of every expert (for a cache that holds them all).
+    pub fn warm_all(&self) {
+        let mut st = lock(&self.inner.state);
+        let keys: Vec<Key> = self
+            .inner
+            .layers
+            .iter()
+            .flat_map(|(&l, s)| (0..s.meta.count as u32).map(move |e| (l, e)))
+            .collect();
+        for k in keys {
+            Inner::enqueue(&mut st, k, Queue::Warm);
+        }
+        drop(st);
+        self.inner.cv.notify_all();
+    }
+
+    /// Blocks until the warm-up reads of the pinned set are done.
+    pub fn wait_warm(&self) {
+        let mut st = lock(&self.inner.state);
+        while !st.warm.is_empty() || !st.pending.is_empty() {
+            st = self.inner.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// [`StreamingExperts::io_bytes`] for expert layers `layers` read by `readers` threads.
+pub fn io_bytes(layers: &[&ExpertLayer], readers: usize) -> u64 {
+    let rec = layers
+        .iter()
+        .map(|l| l.payload_bytes.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64)
+        .max()
+        .unwrap_or(0);
+    let dec = layers
+        .iter()
+        .map(|l| expert_ram_bytes(l))
+        .max()
+        .unwrap_or(0);
+    readers.max(1) as u64 * (rec + 2 * dec)
+}
+
+impl Drop for StreamingExperts {
+    fn drop(&mut self) {
+        lock(&self.inner.state).shutdown = true;
+        self.inner.cv.notify_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Inner {
+    fn wait<'a>(&self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.cv.wait(st).unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reader thread: takes keys by priority, reads and decodes them, and admits them.
+    fn reader(&self) {
+        let mut buf: Option<AlignedBuf> = None;
+        loop {
+            let key = {
+                let mut st = lock(&self.state);
+                loop {
+                    if st.shutdown {
+                        return;
+                    }
+                    let k = st
+                        .demand
+                        .pop_front()
+                        .or_else(|| st.lookahead.pop_front())
+                        .or_else(|| st.warm.pop_front());
+                    if let Some(k) = k {
+                        break k;
+                    }
+                    st = self.wait(st);
+                }
+            };
+            let src = &self.layers[&key.0];
+            let len = src.meta.payload_bytes as usize;
+            let need = len.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
+            if buf.as_ref().is_none_or(|b| b.len() < need) {
+                buf = Some(AlignedBuf::new(need));
+            }
+            let b = buf.as_mut().expect("allocated above");
+            let t0 = Instant::now();
+            let read = src
+                .file
+                .read_exact_at(b, key.1 as u64 * src.meta.record_bytes, len);
+            let read_s = t0.elapsed().as_secs_f64();
+            let res = read
+                .map_err(|e| format!("{}: {e}", src.file.path.display()))
+                .and_then(|()| {
+                    decode_expert(
+                        &src.meta,
+                        key.1 as usize,
+                        &b.as_slice()[..len],
+                        &src.file.path,
+                    )
+                    .map_err(|e| e.to_string())
+                })
+                .and_then(|(gate, up, down)| self.check_shapes(key, gate, up, down));
+            let mut st = lock(&self.state);
+            st.stats.reads += 1;
+            st.stats.bytes_read += len as u64;
+            st.stats.read_seconds += read_s;
+            match res {
+                Ok(w) => st = self.admit(st, key, w),
+                Err(e) => {
+                    st.wanted.remove(&key);
+                    st.failed.insert(key, e);
+                }
+            }
+            st.pending.remove(&key);
+            drop(st);
+            self.cv.notify_all();
+        }
+    }
+
+    fn check_shapes(
+        &self,
+        key: Key,
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+    ) -> Result<SwiGlu, String> {
+        let (h, i) = (self.hidden, self.inter);
+        for (w, r, c) in [(&gate, i, h), (&up, i, h), (&down, h, i)] {
+            if (w.rows(), w.cols()) != (r, c) {
+                return Err(format!(
+                    "layer {} expert {}: a weight is {}x{}, the model wants {r}x{c}",
+                    key.0,
+                    key.1,
+                    w.rows(),
+                    w.cols()
+                ));
+            }
+        }
+        Ok(SwiGlu { gate, up, down })
+    }
+
+    fn score(st: &State, k: &Key) -> f64 {
+        st.freq.get(k).copied().unwrap_or(0.0)
+    }
+
+    /// The evictable entry of lowest (frequency, last use).
+    fn victim(st: &State) -> Option<Key> {
+        st.entries
+            .iter()
+            .filter(|(k, e)| e.in_use == 0 && !st.pinned.contains(k))
+            .min_by(|(ka, a), (kb, b)| {
+                Self::score(st, ka)
+                    .total_cmp(&Self::score(st, kb))
+                    .then(a.last.cmp(&b.last))
+            })
+            .map(|(k, _)| *k)
+    }
+
+    fn evict(st: &mut State, k: Key) {
+        if let Some(e) = st.entries.remove(&k) {
+            st.bytes -= e.bytes;
+            st.stats.evictions += 1;
+        }
+    }
+
+    /// Puts a loaded expert in the cache, evicting lower-scored ones; a newcomer that scores
+    /// below every evictable entry is kept only for the runs waiting on it.
+    fn admit<'a>(
+        &self,
+        mut st: MutexGuard<'a, State>,
+        key: Key,
+        w: SwiGlu,
+    ) -> MutexGuard<'a, State> {
+        let bytes = w.bytes() as u64;
+        let pinned = st.pinned.contains(&key);
+        let mut transient = false;
+        loop {
+            if st.shutdown {
+                return st;
+            }
+            if st.bytes + bytes <= self.capacity {
+                break;
+            }
+            let score = if pinned {
+                f64::INFINITY
+            } else {
+                Self::score(&st, &key)
+            };
+            if let Some(v) = Self::victim(&st) {
+                if Self::score(&st, &v) <= score {
+                    Self::evict(&mut st, v);
+                    continue;
+                }
+            }
+            if st.wanted.get(&key).copied().unwrap_or(0) == 0 {
+                // A read ahead nobody waits for and that would displace hotter experts.
+                st.stats.not_admitted += 1;
+                return st;
+            }
+            if st.bytes + bytes <= self.capacity + self.overflow {
+                transient = true;
+                st.stats.not_admitted += 1;
+                break;
+            }
+            st = self.wait(st);
+        }
+        let in_use = st.wanted.remove(&key).unwrap_or(0);
+        st.tick += 1;
+        let last = st.tick;
+        st.bytes += bytes;
+        st.stats.cache_peak_bytes = st.stats.cache_peak_bytes.max(st.bytes);
+        st.entries.insert(
+            key,
+            Entry {
+                w: Arc::new(w),
+                bytes,
+                last,
+                in_use,
+                transient,
+            },
+        );
+        st
+    }
+
+    fn release(&self, st: &mut State, k: Key) {
+        if let Some(e) = st.entries.get_mut(&k) {
+            e.in_use = e.in_use.saturating_sub(1);
+            if e.in_use == 0 && e.transient {
+                let b = e.bytes;
+                st.entries.remove(&k);
+                st.bytes -= b;
+            }
+        }
+    }
+
+    /// Queues a read of `k` unless it is resident or already coming.
+    fn enqueue(st: &mut State, k: Key, q: Queue) -> bool {
+        if st.entries.contains_key(&k) || st.pending.contains(&k) {
+            return false;
+        }
+        st.pending.insert(k);
+        match q {
+            Queue::Demand => st.demand.push_back(k),
+            Queue::Lookahead => st.lookahead.push_back(k),
+            Queue::Warm => st.warm.push_back(k),
+        }
+        true
+    }
+
+    /// Re-derives the pinned set from the history and queues reads of pinned experts not resident.
+    fn repin(&self, st: &mut State) {
+        let budget = (self.capacity as f64 * self.opts.pin_fraction.clamp(0.0, 1.0)) as u64;
+        let n = budget.checked_div(self.expert_bytes).unwrap_or(0) as usize;
+        let new: HashSet<Key> = st
+            .history
+            .ranked()
+            .into_iter()
+            .take(n)
+            .map(|(l, e, _)| (l, e))
+            .filter(|k| {
+                self.layers
+                    .get(&k.0)
+                    .is_some_and(|s| (k.1 as usize) < s.meta.count)
+            })
+            .collect();
+        st.pinned = new;
+        st.stats.pinned = st.pinned.len() as u64;
+        let mut keys: Vec<Key> = st.pinned.iter().copied().collect();
+        keys.sort_unstable();
+        for k in keys {
+            Self::enqueue(st, k, Queue::Warm);
+        }
+        self.cv.notify_all();
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Queue {
+    Demand,
+    Lookahead,
+    Warm,
+}
+
+impl StreamingExperts {
+    fn layer(&self, layer: usize) -> Result<&LayerSrc, ExpertError> {
+        self.inner
+            .layers
+            .get(&layer)
+            .ok_or(ExpertError::NoSuchLayer { layer })
+    }
+}
+
+impl ExpertExecutor for StreamingExperts {
+    fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
+        self.run_ahead(batch, None)
+    }
+
+    fn wants_lookahead(&self) -> bool {
+        true
+    }
+
+    fn run_ahead(
+        &self,
+        batch: ExpertBatch<'_>,
+        next: Option<(usize, &[u32])>,
+    ) -> Result<Vec<f32>, ExpertError> {
+        let inner = &*self.inner;
+        let hidden = inner.hidden;
+        batch.check(hidden)?;
+        let layer = batch.layer;
+        let count = self.layer(layer)?.meta.count;
+        if let Some(&bad) = batch.ids.iter().find(|&&e| e as usize >= count) {
+            return Err(ExpertError::NoSuchExpert {
+                layer,
+                expert: bad,
+                count,
+            });
+        }
+        let runs = plan_runs(&batch);
+        // Classify under the lock: reserve resident experts, queue the missing ones.
+        let mut hits = Vec::new();
+        let mut missing: Vec<usize> = Vec::new();
+        {
+            let mut st = lock(&inner.state);
+            if let Some(pred) = st.predicted.remove(&layer) {
+                st.stats.lookahead_used += runs.len() as u64;
+                st.stats.lookahead_predicted_used +=
+                    runs.iter().filter(|(id, _)| pred.contains(id)).count() as u64;
+            }
+            st.tick += 1;
+            let tick = st.tick;
+            for (i, (id, slots)) in runs.iter().enumerate() {
+                let k = (layer, *id);
+                *st.freq.entry(k).or_insert(0.0) += 1.0;
+                st.history.add(layer, *id as usize, slots.len() as u64);
+                if let Some(e) = st.entries.get_mut(&k) {
+                    e.in_use += 1;
+                    e.last = tick;
+                    hits.push((i, e.w.clone()));
+                    st.stats.hits += 1;
+                } else {
+                    st.stats.misses += 1;
+                    *st.wanted.entry(k).or_insert(0) += 1;
+                    if !Inner::enqueue(&mut st, k, Queue::Demand) {
+                        // already coming (a read-ahead or warm-up): move it to the front
+                        if let Some(p) = st.lookahead.iter().position(|q| *q == k) {
+                            st.lookahead.remove(p);
+                            st.demand.push_front(k);
+                        } else if let Some(p) = st.warm.iter().position(|q| *q == k) {
+                            st.warm.remove(p);
+                            st.demand.push_front(k);
+                        }
+                    }
+                    missing.push(i);
+                }
+            }
+            // Read-aheads for this or earlier layers that nobody waits for.
+            let stale: Vec<Key> = st
+                .lookahead
+                .iter()
+                .copied()
+                .filter(|k| k.0 <= layer)
+                .collect();
+            st.lookahead.retain(|k| k.0 > layer);
+            for k in stale {
+                st.pending.remove(&k);
+            }
+            if let Some((nl, ids)) = next {
+                if inner.layers.contains_key(&nl) {
+                    let set: HashSet<u32> = ids
+                        .iter()
+                        .copied()
+                        .filter(|&e| (e as usize) < inner.layers[&nl].meta.count)
+                        .collect();
+                    let mut sorted: Vec<u32> = set.iter().copied().collect();
+                    sorted.sort_unstable();
+                    for e in sorted {
+                        if Inner::enqueue(&mut st, (nl, e), Queue::Lookahead) {
+                            st.stats.lookahead_reads += 1;
+                        }
+                    }
+                    st.predicted.insert(nl, set);
+                }
+            }
+        }
+        inner.cv.notify_all();
+
+        let mut outs: Vec<Option<Vec<f32>>> = vec![None; runs.len()];
+        let t0 = Instant::now();
+        let ys: Vec<(usize, Vec<f32>)> = hits
+            .par_iter()
+            .map(|(i, w)| {
+                (
+                    *i,
+                    w.forward(&gather(&batch, &runs[*i].1, hidden), runs[*i].1.len()),
+                )
+            })
+            .collect();
+        let mut compute_s = t0.elapsed().as_secs_f64();
+        {
+            let mut st = lock(&inner.state);
+            for (i, y) in ys {
+                inner.release(&mut st, (layer, runs[i].0));
+                outs[i] = Some(y);
+            }
+        }
+        drop(hits);
+        inner.cv.notify_all();
+
+        // Compute missing experts as they arrive.
+        let mut wait_s = 0.0;
+        let mut error = None;
+        while !missing.is_empty() {
+            let mut ready = Vec::new();
+            {
+                let mut st = lock(&inner.state);
+                loop {
+                    let mut k = 0;
+                    while k < missing.len() {
+                        let key = (layer, runs[missing[k]].0);
+                        if let Some(e) = st.failed.remove(&key) {
+                            error.get_or_insert(e);
+                            // not taken: drop the reservation of a later arrival
+                            missing.swap_remove(k);
+                        } else if let Some(e) = st.entries.get(&key) {
+                            ready.push((missing[k], e.w.clone()));
+                            missing.swap_remove(k);
+                        } else if !st.pending.contains(&key) {
+                            // dropped from the queues (cannot happen for demand); re-queue
+                            Inner::enqueue(&mut st, key, Queue::Demand);
+                            k += 1;
+                        } else {
+                            k += 1;
+                        }
+                    }
+                    if !ready.is_empty() || missing.is_empty() {
+                        break;
+                    }
+                    let w0 = Instant::now();
+                    st = inner.wait(st);
+                    wait_s += w0.elapsed().as_secs_f64();
+                }
+            }
+            let t1 = Instant::now();
+            let ys: Vec<(usize, Vec<f32>)> = ready
+                .par_iter()
+                .map(|(i, w)| {
+                    (
+                        *i,
+                        w.forward(&gather(&batch, &runs[*i].1, hidden), runs[*i].1.len()),
+                    )
+                })
+                .collect();
+            compute_s += t1.elapsed().as_secs_f64();
+            drop(ready);
+            let mut st = lock(&inner.state);
+            for (i, y) in ys {
+                inner.release(&mut st, (layer, runs[i].0));
+                outs[i] = Some(y);
+            }
+            drop(st);
+            inner.cv.notify_all();
+        }
+        {
+            let mut st = lock(&inner.state);
+            st.stats.wait_seconds += wait_s;
+            st.stats.compute_seconds += compute_s;
+        }
+        if let Some(e) = error {
+            return Err(ExpertError::Load(e));
+        }
+        let outs: Vec<Vec<f32>> = outs
+            .into_iter()
+            .map(|o| o.expect("every expert ran"))
+            .collect();
+        Ok(combine(&batch, hidden, &runs, &outs))
+    }
+
+    fn step_end(&self) {
+        let inner = &*self.inner;
+        let mut st = lock(&inner.state);
+        st.step += 1;
+        st.history.steps += 1;
+        let step = st.step;
+        if inner.opts.decay_every > 0 && step.is_multiple_of(inner.opts.decay_every) {
+            for v in st.freq.values_mut() {
+                *v *= 0.5;
+            }
+        }
+        if inner.opts.repin_every > 0 && step.is_multiple_of(inner.opts.repin_every) {
+            inner.repin(&mut st);
+        }
+    }
+
+    fn stats(&self) -> Option<StoreStats> {
+        let st = lock(&self.inner.state);
+        let mut s = st.stats.clone();
+        s.cache_bytes = st.bytes;
+        Some(s)
+    }
+}
