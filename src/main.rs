@@ -226,6 +226,18 @@ enum Cmd {
         experts: String,
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Override the preset's hidden size.
+        #[arg(long)]
+        hidden: Option<usize>,
+        /// Override the routed-expert width.
+        #[arg(long)]
+        moe_intermediate: Option<usize>,
+        /// Override the routed experts per layer.
+        #[arg(long)]
+        n_experts: Option<usize>,
+        /// Override the experts per token.
+        #[arg(long)]
+        top_k: Option<usize>,
     },
     /// Disk read bandwidth for random aligned reads of expert-record size, O_DIRECT.
     Iobench {
@@ -887,6 +899,10 @@ fn run(cli: Cli) -> Result<()> {
             skew,
             experts,
             seed,
+            hidden,
+            moe_intermediate,
+            n_experts,
+            top_k,
         } => {
             if !(skew >= 0.0 && skew.is_finite()) {
                 bail!("--skew must be >= 0");
@@ -901,6 +917,10 @@ fn run(cli: Cli) -> Result<()> {
                     skew,
                     experts: single_box::parse_experts_format(&experts)?,
                     seed,
+                    hidden,
+                    moe_intermediate,
+                    n_experts,
+                    top_k,
                 },
             )
         }

@@ -553,7 +553,9 @@ impl Model {
         }
         let mut m = Self::build(spec, &c, Some(store.clone()))?;
         // Pinned and (when everything fits) all experts finish loading before the first token.
-        store.wait_warm();
+        store
+            .wait_warm()
+            .map_err(|e| LoadError::config(dir, e.to_string()))?;
         m.store = Some(store);
         Ok((m, p))
     }

@@ -109,6 +109,8 @@ pub struct Plan {
     /// Dense + KV + I/O + working set: what must fit before any expert is cached.
     pub resident_bytes: u64,
     pub moe_layers: usize,
+    /// Layers with routed experts in the container (the MoE layers, plus the MTP layer's).
+    pub expert_layers: usize,
     pub experts_per_layer: usize,
     pub top_k: usize,
     pub expert_bytes: u64,
@@ -300,6 +302,7 @@ pub fn plan_container(
         working_bytes,
         resident_bytes,
         moe_layers,
+        expert_layers: layers.len(),
         experts_per_layer: spec.router.as_ref().map_or(0, |r| r.n_experts),
         top_k,
         expert_bytes,

@@ -35,6 +35,12 @@ pub struct SynthOptions {
     pub skew: f64,
     pub experts: StoreFormat,
     pub seed: u64,
+    /// Overrides of the preset: hidden size, routed-expert width, experts per layer, experts
+    /// per token.
+    pub hidden: Option<usize>,
+    pub moe_intermediate: Option<usize>,
+    pub n_experts: Option<usize>,
+    pub top_k: Option<usize>,
 }
 
 impl Default for SynthOptions {
@@ -47,6 +53,10 @@ impl Default for SynthOptions {
             skew: 1.0,
             experts: StoreFormat::Int4,
             seed: 1,
+            hidden: None,
+            moe_intermediate: None,
+            n_experts: None,
+            top_k: None,
         }
     }
 }
@@ -119,6 +129,19 @@ pub fn config(o: &SynthOptions) -> Result<Value, String> {
         c["vocab_size"] = json!(v);
         c["eos_token_id"] = json!([v.saturating_sub(1)]);
         c["pad_token_id"] = json!(0);
+    }
+    for (k, v) in [
+        ("hidden_size", o.hidden),
+        ("moe_intermediate_size", o.moe_intermediate),
+        ("n_routed_experts", o.n_experts),
+        ("num_experts_per_tok", o.top_k),
+    ] {
+        if let Some(v) = v {
+            if v == 0 || v > 1 << 20 {
+                return Err(format!("{k} = {v} is out of range"));
+            }
+            c[k] = json!(v);
+        }
     }
     if o.moe_layers == 0 {
         return Err("--layers must be at least 1".into());

@@ -358,11 +358,18 @@ impl StreamingExperts {
         self.inner.cv.notify_all();
     }
 
-    /// Blocks until the warm-up reads of the pinned set are done.
-    pub fn wait_warm(&self) {
+    /// Blocks until the warm-up reads (pinned set, or everything) are done; a record that
+    /// failed to load (I/O error, damaged checksum) is reported here, before the first token.
+    pub fn wait_warm(&self) -> Result<(), ExpertError> {
         let mut st = lock(&self.inner.state);
         while !st.warm.is_empty() || !st.pending.is_empty() {
             st = self.inner.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        let mut failed: Vec<(&Key, &String)> = st.failed.iter().collect();
+        failed.sort();
+        match failed.first() {
+            Some((_, e)) => Err(ExpertError::Load((*e).clone())),
+            None => Ok(()),
         }
     }
 }

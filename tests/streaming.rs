@@ -1,0 +1,427 @@
+//! Single-box streaming: routed experts read from a container on disk through a bounded RAM
+//! cache give bit-identical results at every budget, the process stays within its budget, and
+//! `charm plan` / `charm doctor` / the routing history behave as documented.
+
+mod common;
+
+use std::path::Path;
+
+use charm_coordinator::generate::generate;
+use charm_coordinator::model::StreamOptions;
+use charm_coordinator::plan::PlanInput;
+use charm_coordinator::sampling::{Sampler, SamplingParams};
+use charm_coordinator::{ForwardOptions, Model};
+use common::*;
+use serde_json::Value;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Streaming options for `ram` bytes (None: MemAvailable), planning `ctx` tokens.
+fn stream(ram: Option<u64>, ctx: usize) -> StreamOptions {
+    StreamOptions {
+        plan: PlanInput {
+            ram,
+            context: ctx,
+            batch_tokens: ctx,
+            history: None,
+            ..Default::default()
+        },
+        direct: true,
+    }
+}
+
+fn greedy(m: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let sp = SamplingParams {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 0,
+    };
+    generate(
+        m,
+        prompt,
+        n,
+        &mut Sampler::new(sp),
+        &[],
+        ForwardOptions::default(),
+    )
+    .unwrap()
+    .ids
+}
+
+#[test]
+fn oracle_fixtures_are_bit_identical_at_every_expert_budget() {
+    for name in FIXTURES {
+        let dir = scratch(&format!("stream-{name}"));
+        let (ok, err) = convert(&fixture(name), &dir, &["--experts", "int8"], None);
+        assert!(ok, "{name}: {err}");
+        let ids = oracle_ids(name, "tf_input_ids");
+        let ctx = ids.len() + 8;
+        // reference: every expert decoded into RAM at load (no store)
+        let ram = Model::load(&dir).unwrap();
+        assert!(ram.store.is_none());
+        let want = logits(&ram, &ids);
+        let want_tokens = greedy(&ram, &ids[..4], 8);
+        drop(ram);
+        // the budget arithmetic: resident part plus k experts per MoE layer
+        let (probe, p) = Model::load_streaming(&dir, &stream(Some(1 << 40), ctx)).unwrap();
+        assert!(p.all_resident, "{name}");
+        drop(probe);
+        let layers = p.expert_layers as u64;
+        for (label, ram) in [
+            ("all resident", None),
+            (
+                "two experts per layer",
+                Some(p.resident_bytes + 2 * layers * p.expert_bytes),
+            ),
+            ("no expert cache", Some(p.resident_bytes)),
+        ] {
+            let (m, plan) = Model::load_streaming(&dir, &stream(ram, ctx)).unwrap();
+            if ram.is_some() {
+                assert!(!plan.all_resident, "{name} {label}");
+                assert!(
+                    plan.cache_bytes <= 2 * layers * p.expert_bytes,
+                    "{name} {label}"
+                );
+            }
+            let got = logits(&m, &ids);
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name} {label}: logits differ (max diff {})",
+                max_abs_diff(&got, &want)
+            );
+            assert_eq!(greedy(&m, &ids[..4], 8), want_tokens, "{name} {label}");
+            let s = m.experts.stats().unwrap();
+            if plan.cache_bytes == 0 {
+                assert_eq!(s.hits, 0, "{name} {label}: nothing can be cached");
+                assert!(s.reads > 0);
+            }
+            assert!(
+                s.cache_peak_bytes <= plan.cache_bytes + m.store.as_ref().unwrap().io_bytes(),
+                "{name} {label}: cache peaked at {} bytes over capacity {} + I/O {}",
+                s.cache_peak_bytes,
+                plan.cache_bytes,
+                m.store.as_ref().unwrap().io_bytes()
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+fn synth(dir: &Path, extra: &[&str]) {
+    let mut a = vec!["synth", "--out", dir.to_str().unwrap(), "--preset", "tiny"];
+    a.extend_from_slice(extra);
+    let (ok, _, err) = charm(&a);
+    assert!(ok, "{err}");
+}
+
+fn json(s: &str) -> Value {
+    serde_json::from_str(s.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {s}"))
+}
+
+/// The plan of `dir` for a context of `ctx` tokens, with a large budget.
+fn plan(dir: &Path, ctx: usize) -> Value {
+    let (ok, out, err) = charm(&[
+        "plan",
+        "--model",
+        dir.to_str().unwrap(),
+        "--json",
+        "--ram",
+        "64",
+        "--ctx",
+        &ctx.to_string(),
+        "--history",
+        "none",
+    ]);
+    assert!(ok, "{err}");
+    json(&out)
+}
+
+#[test]
+fn synthetic_model_streams_within_its_budget_with_identical_output() {
+    // 3 MoE layers x 48 experts of 3 MiB (int8, hidden 1024, width 1024): 450 MiB of experts
+    let dir = scratch("stream-synth");
+    synth(
+        &dir,
+        &[
+            "--layers",
+            "3",
+            "--hidden",
+            "1024",
+            "--moe-intermediate",
+            "1024",
+            "--n-experts",
+            "48",
+            "--top-k",
+            "6",
+            "--experts",
+            "int8",
+        ],
+    );
+    let d = dir.to_str().unwrap();
+    let prompt = "5,17,3,99,100,7,8,9";
+    let max = 8;
+    let p = plan(&dir, 8 + max);
+    let resident = p["resident_bytes"].as_u64().unwrap();
+    let expert = p["expert_bytes"].as_u64().unwrap();
+    let total = p["experts_total_bytes"].as_u64().unwrap();
+    assert!(total > 400 << 20, "{p}");
+    let run = |ram: Option<f64>| -> Value {
+        let r = ram.map(|g| format!("{g}"));
+        let mut a = vec![
+            "generate",
+            "--model",
+            d,
+            "--ids",
+            prompt,
+            "--max-tokens",
+            "8",
+            "--json",
+            "--history",
+            "none",
+        ];
+        if let Some(r) = &r {
+            a.extend_from_slice(&["--ram", r]);
+        }
+        let (ok, out, err) = charm(&a);
+        assert!(ok, "{err}");
+        json(&out)
+    };
+    let all = run(None);
+    assert_eq!(all["stats"]["experts"]["hits"].as_u64().unwrap() > 0, true);
+    assert_eq!(all["stats"]["experts"]["misses"], 0, "{all}");
+    // a budget holding two experts per layer: far less than the 450 MiB of experts
+    let budget = resident + 2 * 3 * expert;
+    let small = run(Some(budget as f64 / GIB));
+    assert_eq!(small["ids"], all["ids"]);
+    let s = &small["stats"];
+    let peak = s["peak_rss_bytes"].as_u64().unwrap();
+    assert!(
+        peak <= budget,
+        "peak RSS {peak} exceeds the budget {budget}: {small}"
+    );
+    assert!(
+        s["experts"]["bytes_read"].as_u64().unwrap() >= 6 * expert,
+        "{small}"
+    );
+    assert!(s["experts"]["misses"].as_u64().unwrap() > 0);
+    let none = run(Some(resident as f64 / GIB + 1e-9));
+    assert_eq!(none["ids"], all["ids"]);
+    assert_eq!(none["stats"]["experts"]["hits"], 0, "{none}");
+    assert!(none["stats"]["peak_rss_bytes"].as_u64().unwrap() <= resident + (1 << 20));
+    // logits files are byte-identical across budgets
+    let mut files = Vec::new();
+    for (i, ram) in [None, Some(budget as f64 / GIB)].iter().enumerate() {
+        let out = dir.join(format!("logits-{i}.safetensors"));
+        let r = ram.map(|g| format!("{g}"));
+        let mut a = vec![
+            "logits",
+            "--model",
+            d,
+            "--ids",
+            prompt,
+            "--out",
+            out.to_str().unwrap(),
+            "--history",
+            "none",
+        ];
+        if let Some(r) = &r {
+            a.extend_from_slice(&["--ram", r]);
+        }
+        let (ok, _, err) = charm(&a);
+        assert!(ok, "{err}");
+        files.push(std::fs::read(&out).unwrap());
+    }
+    assert!(files[0] == files[1], "logits differ across budgets");
+    // a budget below the resident part is refused with what would fit
+    let (ok, _, err) = charm(&[
+        "generate",
+        "--model",
+        d,
+        "--ids",
+        prompt,
+        "--ram",
+        "0.01",
+        "--history",
+        "none",
+    ]);
+    assert!(!ok);
+    assert!(
+        err.contains("does not fit") && err.contains("--ram"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn plan_and_doctor_report_json_with_stable_ids_and_exit_codes() {
+    let dir = scratch("stream-doctor");
+    synth(&dir, &["--layers", "2"]);
+    let d = dir.to_str().unwrap();
+    let p = plan(&dir, 4096);
+    for k in [
+        "budget_bytes",
+        "dense_bytes",
+        "kv_bytes",
+        "resident_bytes",
+        "cache_experts",
+        "cache_experts_per_layer",
+        "expected_cold_bytes_per_token",
+        "bottleneck",
+        "fits",
+    ] {
+        assert!(p.get(k).is_some(), "plan lacks {k}: {p}");
+    }
+    assert_eq!(p["fits"], true);
+    assert_eq!(p["all_resident"], true);
+    let (ok, out, _) = charm(&["plan", "--model", d, "--ram", "0.01", "--history", "none"]);
+    assert!(!ok);
+    assert!(out.contains("does not fit"), "{out}");
+
+    let (ok, out, err) = charm(&[
+        "doctor",
+        "--model",
+        d,
+        "--json",
+        "--deep",
+        "--history",
+        "none",
+    ]);
+    assert!(ok, "{out}{err}");
+    let r = json(&out);
+    assert_eq!(r["runnable"], true);
+    let ids: Vec<&str> = r["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    for id in [
+        "model.config",
+        "model.container",
+        "model.files",
+        "model.checksums",
+        "ram.budget",
+        "fs.o_direct",
+        "disk.read_speed",
+        "cpu.isa",
+    ] {
+        assert!(ids.contains(&id), "doctor lacks {id}: {out}");
+    }
+    let status = |r: &Value, id: &str| -> String {
+        r["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["id"] == id)
+            .map(|c| c["status"].as_str().unwrap().to_string())
+            .unwrap()
+    };
+    assert_eq!(status(&r, "model.checksums"), "ok");
+    // a damaged expert record: --deep finds it, generate refuses it with a clear error
+    let f = dir.join("experts-002.bin");
+    let manifest = json(&std::fs::read_to_string(dir.join("charm.json")).unwrap());
+    let record = manifest["experts"][1]["record_bytes"].as_u64().unwrap() as usize;
+    assert_eq!(manifest["experts"][1]["layer"], 2);
+    let mut b = std::fs::read(&f).unwrap();
+    b[5 * record + 100] ^= 0x40;
+    std::fs::write(&f, &b).unwrap();
+    let (ok, out, _) = charm(&[
+        "doctor",
+        "--model",
+        d,
+        "--json",
+        "--deep",
+        "--history",
+        "none",
+    ]);
+    assert!(!ok, "{out}");
+    assert_eq!(status(&json(&out), "model.checksums"), "fail");
+    let (ok, out, _) = charm(&["doctor", "--model", d, "--json", "--history", "none"]);
+    assert!(ok, "without --deep checksums are not read: {out}");
+    // every expert fits, so all are read at load and the damage is reported before any token
+    let (ok, _, err) = charm(&[
+        "generate",
+        "--model",
+        d,
+        "--ids",
+        "1,2,3",
+        "--history",
+        "none",
+    ]);
+    assert!(!ok);
+    assert!(
+        err.contains("CRC-32") && err.contains("layer 2 expert 5"),
+        "{err}"
+    );
+    // not a model at all, and bad usage
+    let missing = dir.join("nope");
+    let (ok, out, _) = charm(&["doctor", "--model", missing.to_str().unwrap()]);
+    assert!(!ok && out.contains("FAIL"), "{out}");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_charm"))
+        .args(["doctor", "--bogus"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_charm"))
+        .args(["doctor", "--model", missing.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn routing_history_pins_experts_and_refuses_another_model() {
+    let a = scratch("stream-hist-a");
+    let b = scratch("stream-hist-b");
+    synth(&a, &["--layers", "2"]);
+    synth(&b, &["--layers", "2", "--seed", "2"]);
+    let hdir = scratch("stream-hist-h");
+    let h = hdir.join("history.json");
+    let p = plan(&a, 40);
+    let budget = (p["resident_bytes"].as_u64().unwrap() + 8 * p["expert_bytes"].as_u64().unwrap())
+        as f64
+        / GIB;
+    let run = |m: &Path| {
+        charm(&[
+            "generate",
+            "--model",
+            m.to_str().unwrap(),
+            "--ids",
+            "5,6,7,8,9,10,11,12",
+            "--max-tokens",
+            "32",
+            "--json",
+            "--ram",
+            &format!("{budget}"),
+            "--history",
+            h.to_str().unwrap(),
+        ])
+    };
+    let (ok, out, err) = run(&a);
+    assert!(ok, "{err}");
+    let first = json(&out);
+    assert_eq!(first["stats"]["experts"]["pinned"], 0, "no history yet");
+    let hist = json(&std::fs::read_to_string(&h).unwrap());
+    assert_eq!(hist["steps"], 32);
+    let (ok, out, err) = run(&a);
+    assert!(ok, "{err}");
+    let second = json(&out);
+    assert!(
+        second["stats"]["experts"]["pinned"].as_u64().unwrap() > 0,
+        "{second}"
+    );
+    assert_eq!(second["ids"], first["ids"]);
+    assert_eq!(json(&std::fs::read_to_string(&h).unwrap())["steps"], 64);
+    // written atomically: only the history file is left
+    assert_eq!(std::fs::read_dir(&hdir).unwrap().count(), 1);
+    let (ok, _, err) = run(&b);
+    assert!(!ok);
+    assert!(err.contains("another model"), "{err}");
+    for d in [a, b, hdir] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
