@@ -190,7 +190,10 @@ fn synthetic_model_streams_within_its_budget_with_identical_output() {
         json(&out)
     };
     let all = run(None);
-    assert_eq!(all["stats"]["experts"]["hits"].as_u64().unwrap() > 0, true);
+    assert!(
+        all["stats"]["experts"]["hits"].as_u64().unwrap() > 0,
+        "{all}"
+    );
     assert_eq!(all["stats"]["experts"]["misses"], 0, "{all}");
     // a budget holding two experts per layer: far less than the 450 MiB of experts
     let budget = resident + 2 * 3 * expert;
