@@ -120,7 +120,7 @@ pub fn linear(ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<L
         cols,
         kind,
         group,
-        data: codes.to_vec(),
+        data: codes.to_vec().into(),
         scales,
         mins,
     }))

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::LoadError;
 use crate::kernels::{Linear, Matrix};
-use crate::quant::{QMatrix, QuantKind};
+use crate::quant::{QMatrix, QuantKind, SharedBytes, WeightBytes};
 
 /// Format name in the manifest.
 pub const FORMAT: &str = "charm-container";
@@ -179,7 +179,7 @@ pub type Regions = (Vec<u8>, Vec<u8>, Vec<u8>);
 /// Serializes a quantized matrix into its three regions.
 pub fn encode(q: &QMatrix) -> Regions {
     let f = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    (q.data.clone(), f(&q.scales), f(&q.mins))
+    (q.data.to_vec(), f(&q.scales), f(&q.mins))
 }
 
 fn floats(b: &[u8]) -> Vec<f32> {
@@ -232,17 +232,42 @@ fn range(
 }
 
 /// Decodes expert `e`'s record `rec` (at least `payload_bytes` long) of layer `l` as
-/// (gate, up, down) after checking its CRC-32.
+/// (gate, up, down), checking its CRC-32 first when `verify` is set.
 pub fn decode_expert(
     l: &ExpertLayer,
     e: usize,
     rec: &[u8],
     path: &Path,
+    verify: bool,
+) -> Result<(Linear, Linear, Linear), LoadError> {
+    decode_expert_in(l, e, rec, path, verify, None)
+}
+
+/// [`decode_expert`] keeping the quantized weight bytes in `rec` itself (no copy): the expert
+/// holds the buffer until it is dropped.
+pub fn decode_expert_shared(
+    l: &ExpertLayer,
+    e: usize,
+    rec: &SharedBytes,
+    path: &Path,
+    verify: bool,
+) -> Result<(Linear, Linear, Linear), LoadError> {
+    decode_expert_in(l, e, (**rec).as_ref(), path, verify, Some(rec))
+}
+
+fn decode_expert_in(
+    l: &ExpertLayer,
+    e: usize,
+    rec: &[u8],
+    path: &Path,
+    verify: bool,
+    shared: Option<&SharedBytes>,
 ) -> Result<(Linear, Linear, Linear), LoadError> {
     let name = format!("layer {} expert {e}", l.layer);
     let crc = l.crc32.get(e).copied();
     let payload = rec.get(..l.payload_bytes as usize);
     match (crc, payload) {
+        (Some(_), Some(_)) if !verify => {}
         (Some(c), Some(p)) if crc32fast::hash(p) == c => {}
         _ => {
             return Err(LoadError::Tensor {
@@ -253,9 +278,9 @@ pub fn decode_expert(
         }
     }
     Ok((
-        Container::decode(&l.gate, rec, path, &name)?,
-        Container::decode(&l.up, rec, path, &name)?,
-        Container::decode(&l.down, rec, path, &name)?,
+        Container::decode(&l.gate, rec, path, &name, shared)?,
+        Container::decode(&l.up, rec, path, &name, shared)?,
+        Container::decode(&l.down, rec, path, &name, shared)?,
     ))
 }
 
@@ -333,8 +358,15 @@ impl Container {
             })
     }
 
-    /// Decodes a part whose regions lie in `bytes` (after checking they do).
-    fn decode(part: &Part, bytes: &[u8], path: &Path, name: &str) -> Result<Linear, LoadError> {
+    /// Decodes a part whose regions lie in `bytes` (after checking they do). With `shared` (the
+    /// buffer `bytes` is), quantized weight bytes stay in it instead of being copied.
+    fn decode(
+        part: &Part,
+        bytes: &[u8],
+        path: &Path,
+        name: &str,
+        shared: Option<&SharedBytes>,
+    ) -> Result<Linear, LoadError> {
         let bad = |reason: String| LoadError::Tensor {
             path: path.to_path_buf(),
             tensor: name.to_string(),
@@ -354,7 +386,8 @@ impl Container {
         {
             return Err(bad("region sizes disagree with shape and format".into()));
         }
-        let data = &bytes[range(part.data, bytes.len(), path, name)?];
+        let data_range = range(part.data, bytes.len(), path, name)?;
+        let data = &bytes[data_range.clone()];
         if part.format == StoreFormat::F32 {
             let v = floats(data);
             if let Some(i) = v.iter().position(|x| !x.is_finite()) {
@@ -396,7 +429,11 @@ impl Container {
             cols,
             kind,
             group: if kind == QuantKind::Bf16 { cols } else { group },
-            data: data.to_vec(),
+            data: match shared {
+                Some(b) => WeightBytes::shared(b.clone(), data_range)
+                    .ok_or_else(|| bad("the shared record is shorter than its parts".into()))?,
+                None => data.to_vec().into(),
+            },
             scales,
             mins,
         }))
@@ -450,7 +487,7 @@ impl Container {
             mins: t.part.mins.map(rebase),
             ..t.part.clone()
         };
-        Self::decode(&part, &bytes, &path, name)
+        Self::decode(&part, &bytes, &path, name, None)
     }
 
     /// Expert `e` of decoder layer `layer` as (gate, up, down), its record's CRC-32 verified.
@@ -471,7 +508,7 @@ impl Container {
             });
         }
         let rec = read_at(m, &path, e as u64 * l.record_bytes, l.record_bytes as usize)?;
-        decode_expert(l, e, &rec, &path)
+        decode_expert(l, e, &rec, &path, true)
     }
 
     /// The expert layer record of decoder layer `layer`.

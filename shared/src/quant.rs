@@ -140,6 +140,63 @@ pub enum QuantError {
     NonFinite { index: usize },
 }
 
+/// A byte buffer that can be shared: what [`WeightBytes`] borrows from (an expert record read from
+/// disk, decoded in place).
+pub type SharedBytes = std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>;
+
+/// Packed weight bytes: owned, or a range of a shared buffer, so a weight read from disk is used
+/// where it landed instead of being copied.
+#[derive(Clone, Default)]
+pub struct WeightBytes(BytesRepr);
+
+#[derive(Clone)]
+enum BytesRepr {
+    Owned(Vec<u8>),
+    Shared(SharedBytes, std::ops::Range<usize>),
+}
+
+impl Default for BytesRepr {
+    fn default() -> Self {
+        Self::Owned(Vec::new())
+    }
+}
+
+impl WeightBytes {
+    /// `range` of `buf`; `None` when the range lies outside it.
+    pub fn shared(buf: SharedBytes, range: std::ops::Range<usize>) -> Option<Self> {
+        ((*buf).as_ref().get(range.clone()).is_some())
+            .then_some(Self(BytesRepr::Shared(buf, range)))
+    }
+}
+
+impl std::ops::Deref for WeightBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match &self.0 {
+            BytesRepr::Owned(v) => v,
+            BytesRepr::Shared(b, r) => &(**b).as_ref()[r.clone()],
+        }
+    }
+}
+
+impl From<Vec<u8>> for WeightBytes {
+    fn from(v: Vec<u8>) -> Self {
+        Self(BytesRepr::Owned(v))
+    }
+}
+
+impl PartialEq for WeightBytes {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for WeightBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "WeightBytes[{}]", self.len())
+    }
+}
+
 /// A quantized `[rows, cols]` matrix in `nn.Linear` layout.
 #[derive(Clone, PartialEq)]
 pub struct QMatrix {
@@ -148,7 +205,7 @@ pub struct QMatrix {
     pub kind: QuantKind,
     pub group: usize,
     /// Packed weights, `row_bytes()` per row.
-    pub data: Vec<u8>,
+    pub data: WeightBytes,
     /// `[rows, cols / group]` scales (unused for bf16).
     pub scales: Vec<f32>,
     /// `[rows, cols / group]` offsets (int2 only).
@@ -193,16 +250,16 @@ impl QMatrix {
             cols,
             kind,
             group,
-            data: Vec::new(),
+            data: WeightBytes::default(),
             scales: Vec::new(),
             mins: Vec::new(),
         };
-        q.data.reserve(rows * q.row_bytes());
+        let mut data: Vec<u8> = Vec::with_capacity(rows * q.row_bytes());
         for r in 0..rows {
             let row = m.row(r);
             if kind == QuantKind::Bf16 {
                 for v in row {
-                    q.data.extend_from_slice(&bf16_round(*v).to_le_bytes());
+                    data.extend_from_slice(&bf16_round(*v).to_le_bytes());
                 }
                 continue;
             }
@@ -249,11 +306,9 @@ impl QMatrix {
                 }
             }
             match kind {
-                QuantKind::Int8 => q.data.extend_from_slice(&codes),
-                QuantKind::Int4 => q
-                    .data
-                    .extend(codes.chunks_exact(2).map(|c| c[0] | (c[1] << 4))),
-                QuantKind::Int2 => q.data.extend(
+                QuantKind::Int8 => data.extend_from_slice(&codes),
+                QuantKind::Int4 => data.extend(codes.chunks_exact(2).map(|c| c[0] | (c[1] << 4))),
+                QuantKind::Int2 => data.extend(
                     codes
                         .chunks_exact(4)
                         .map(|c| c[0] | (c[1] << 2) | (c[2] << 4) | (c[3] << 6)),
@@ -261,6 +316,7 @@ impl QMatrix {
                 QuantKind::Bf16 => unreachable!(),
             }
         }
+        q.data = data.into();
         Ok(q)
     }
 

@@ -26,8 +26,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use charm_shared::container::{decode_expert, Container, ExpertLayer};
+use charm_shared::container::{decode_expert_shared, Container, ExpertLayer};
 use charm_shared::kernels::{Linear, SwiGlu};
+use charm_shared::quant::SharedBytes;
 use rayon::prelude::*;
 use serde::Serialize;
 
@@ -87,6 +88,10 @@ pub struct StoreStats {
     pub evictions: u64,
     /// Experts used once and not admitted to the cache (admission control).
     pub not_admitted: u64,
+    /// Reads whose expert was never used (read ahead, then dropped or evicted), and their bytes:
+    /// `bytes_read - wasted_bytes` is what the disk delivered to the computation.
+    pub wasted_reads: u64,
+    pub wasted_bytes: u64,
     /// Lookahead: experts predicted for the next layer, reads started for them, and how many
     /// of the experts the layer then used had been predicted (recall = hits / used).
     pub lookahead_reads: u64,
@@ -126,6 +131,8 @@ impl StoreStats {
             compute_seconds: self.compute_seconds - earlier.compute_seconds,
             evictions: self.evictions - earlier.evictions,
             not_admitted: self.not_admitted - earlier.not_admitted,
+            wasted_reads: self.wasted_reads - earlier.wasted_reads,
+            wasted_bytes: self.wasted_bytes - earlier.wasted_bytes,
             lookahead_reads: self.lookahead_reads - earlier.lookahead_reads,
             lookahead_used: self.lookahead_used - earlier.lookahead_used,
             lookahead_predicted_used: self.lookahead_predicted_used
@@ -145,6 +152,8 @@ struct Entry {
     in_use: u32,
     /// Not admitted: dropped as soon as its users release it.
     transient: bool,
+    /// A step has used it (an expert read ahead and evicted unused was a wasted read).
+    used: bool,
 }
 
 #[derive(Debug)]
@@ -173,6 +182,51 @@ struct State {
 struct LayerSrc {
     meta: ExpertLayer,
     file: RecordFile,
+    /// Records whose CRC-32 was checked in this process: a re-read of a verified record skips
+    /// the check (the bytes were good when first read; the drive's own ECC guards re-reads).
+    verified: Vec<std::sync::atomic::AtomicBool>,
+}
+
+/// Aligned record buffers recycled between loads. Buffers are only allocated when none is
+/// free, so the pool never holds more than the most records alive at once.
+#[derive(Debug, Default)]
+struct BufferPool {
+    free: Mutex<Vec<AlignedBuf>>,
+}
+
+impl BufferPool {
+    fn take(&self, len: usize) -> AlignedBuf {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        match free.iter().position(|b| b.len() >= len) {
+            Some(i) => free.swap_remove(i),
+            None => AlignedBuf::new(len),
+        }
+    }
+}
+
+/// A pooled buffer shared by the weights decoded from it; back to the pool on drop.
+#[derive(Debug)]
+struct PooledBuf {
+    buf: Option<AlignedBuf>,
+    pool: Arc<BufferPool>,
+}
+
+impl AsRef<[u8]> for PooledBuf {
+    fn as_ref(&self) -> &[u8] {
+        self.buf.as_ref().map_or(&[], |b| b.as_slice())
+    }
+}
+
+impl Drop for PooledBuf {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            self.pool
+                .free
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(b);
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -187,6 +241,7 @@ struct Inner {
     expert_bytes: u64,
     state: Mutex<State>,
     cv: Condvar,
+    pool: Arc<BufferPool>,
 }
 
 /// Routed experts streamed from a container through a bounded RAM cache.
@@ -196,19 +251,25 @@ pub struct StreamingExperts {
     threads: Vec<JoinHandle<()>>,
 }
 
-/// Decoded in-memory bytes of one expert of `l` (what the cache holds per expert).
+/// In-memory bytes of one expert of `l` (what the cache holds per expert): its record buffer,
+/// whose weight bytes are used in place, plus the decoded scales (and f32 copies of bf16 weights
+/// whose width is not a multiple of 8).
 pub fn expert_ram_bytes(l: &ExpertLayer) -> u64 {
-    [&l.gate, &l.up, &l.down]
-        .iter()
-        .map(|p| {
-            // bf16 with a width not a multiple of 8 decodes to f32 (twice the stored bytes)
-            let widen = p.format == charm_shared::container::StoreFormat::Bf16
-                && p.shape.last().is_none_or(|c| c % 8 != 0);
-            p.data[1] * if widen { 2 } else { 1 }
-                + p.scales.map_or(0, |s| s[1])
-                + p.mins.map_or(0, |m| m[1])
-        })
-        .sum()
+    let record = l.payload_bytes.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64;
+    record
+        + [&l.gate, &l.up, &l.down]
+            .iter()
+            .map(|p| {
+                let widen = p.format == charm_shared::container::StoreFormat::Bf16
+                    && p.shape.last().is_none_or(|c| c % 8 != 0);
+                let f32_copy = if widen || p.format == charm_shared::container::StoreFormat::F32 {
+                    2 * p.data[1]
+                } else {
+                    0
+                };
+                f32_copy + p.scales.map_or(0, |s| s[1]) + p.mins.map_or(0, |m| m[1])
+            })
+            .sum::<u64>()
 }
 
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -235,6 +296,9 @@ impl StreamingExperts {
                 LayerSrc {
                     meta: l.clone(),
                     file,
+                    verified: (0..l.count)
+                        .map(|_| std::sync::atomic::AtomicBool::new(false))
+                        .collect(),
                 },
             );
         }
@@ -286,6 +350,7 @@ impl StreamingExperts {
                 shutdown: false,
             }),
             cv: Condvar::new(),
+            pool: Arc::default(),
             opts,
         });
         {
@@ -406,7 +471,6 @@ impl Inner {
 
     /// Reader thread: takes keys by priority, reads and decodes them, and admits them.
     fn reader(&self) {
-        let mut buf: Option<AlignedBuf> = None;
         loop {
             let key = {
                 let mut st = lock(&self.state);
@@ -428,26 +492,27 @@ impl Inner {
             let src = &self.layers[&key.0];
             let len = src.meta.payload_bytes as usize;
             let need = len.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
-            if buf.as_ref().is_none_or(|b| b.len() < need) {
-                buf = Some(AlignedBuf::new(need));
-            }
-            let b = buf.as_mut().expect("allocated above");
+            // The record is read into a recycled buffer and decoded in place: the expert's
+            // weights stay in it, and it returns to the pool when the expert is dropped.
+            let mut b = self.pool.take(need);
             let t0 = Instant::now();
             let read = src
                 .file
-                .read_exact_at(b, key.1 as u64 * src.meta.record_bytes, len);
+                .read_exact_at(&mut b, key.1 as u64 * src.meta.record_bytes, len);
             let read_s = t0.elapsed().as_secs_f64();
+            let rec: SharedBytes = Arc::new(PooledBuf {
+                buf: Some(b),
+                pool: self.pool.clone(),
+            });
+            let seen = &src.verified[key.1 as usize];
+            let verify = !seen.load(std::sync::atomic::Ordering::Relaxed);
             let res = read
                 .map_err(|e| format!("{}: {e}", src.file.path.display()))
                 .and_then(|()| {
-                    decode_expert(
-                        &src.meta,
-                        key.1 as usize,
-                        &b.as_slice()[..len],
-                        &src.file.path,
-                    )
-                    .map_err(|e| e.to_string())
+                    decode_expert_shared(&src.meta, key.1 as usize, &rec, &src.file.path, verify)
+                        .map_err(|e| e.to_string())
                 })
+                .inspect(|_| seen.store(true, std::sync::atomic::Ordering::Relaxed))
                 .and_then(|(gate, up, down)| self.check_shapes(key, gate, up, down));
             let mut st = lock(&self.state);
             st.stats.reads += 1;
@@ -505,11 +570,19 @@ impl Inner {
             .map(|(k, _)| *k)
     }
 
-    fn evict(st: &mut State, k: Key) {
+    fn evict(&self, st: &mut State, k: Key) {
         if let Some(e) = st.entries.remove(&k) {
             st.bytes -= e.bytes;
             st.stats.evictions += 1;
+            if !e.used {
+                self.wasted(st, k);
+            }
         }
+    }
+
+    fn wasted(&self, st: &mut State, k: Key) {
+        st.stats.wasted_reads += 1;
+        st.stats.wasted_bytes += self.layers.get(&k.0).map_or(0, |l| l.meta.payload_bytes);
     }
 
     /// Puts a loaded expert in the cache, evicting lower-scored ones; a newcomer that scores
@@ -520,7 +593,7 @@ impl Inner {
         key: Key,
         w: SwiGlu,
     ) -> MutexGuard<'a, State> {
-        let bytes = w.bytes() as u64;
+        let bytes = expert_ram_bytes(&self.layers[&key.0].meta);
         let pinned = st.pinned.contains(&key);
         let mut transient = false;
         loop {
@@ -537,13 +610,14 @@ impl Inner {
             };
             if let Some(v) = Self::victim(&st) {
                 if Self::score(&st, &v) <= score {
-                    Self::evict(&mut st, v);
+                    self.evict(&mut st, v);
                     continue;
                 }
             }
             if st.wanted.get(&key).copied().unwrap_or(0) == 0 {
                 // A read ahead nobody waits for and that would displace hotter experts.
                 st.stats.not_admitted += 1;
+                self.wasted(&mut st, key);
                 return st;
             }
             if st.bytes + bytes <= self.capacity + self.overflow {
@@ -566,6 +640,7 @@ impl Inner {
                 last,
                 in_use,
                 transient,
+                used: in_use > 0,
             },
         );
         st
@@ -684,6 +759,7 @@ impl ExpertExecutor for StreamingExperts {
                 st.history.add(layer, *id as usize, slots.len() as u64);
                 if let Some(e) = st.entries.get_mut(&k) {
                     e.in_use += 1;
+                    e.used = true;
                     e.last = tick;
                     hits.push((i, e.w.clone()));
                     st.stats.hits += 1;
@@ -771,7 +847,8 @@ impl ExpertExecutor for StreamingExperts {
                             error.get_or_insert(e);
                             // not taken: drop the reservation of a later arrival
                             missing.swap_remove(k);
-                        } else if let Some(e) = st.entries.get(&key) {
+                        } else if let Some(e) = st.entries.get_mut(&key) {
+                            e.used = true;
                             ready.push((missing[k], e.w.clone()));
                             missing.swap_remove(k);
                         } else if !st.pending.contains(&key) {

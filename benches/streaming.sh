@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Single-box streaming: decode from a synthetic GLM-5.2-shaped container whose routed experts are
+# larger than the RAM budget. For each budget: a cold run (empty cache, no routing history) and a
+# warm run (same steps, pinned set loaded from the history of the cold run), beside the
+# all-resident run over the same steps and the disk's O_DIRECT bandwidth for expert-sized random
+# reads measured in the same session (`charm iobench` on the model's own expert files). Tokens are
+# sampled (temperature 1, seed 1): the random weights would otherwise repeat one token, and one
+# token routes the same way every step. Every run decodes the same tokens.
+#
+# usage: benches/streaming.sh [WORK_DIR] [BUDGETS_GIB...]
+#   WORK_DIR defaults to /tmp/charm-streaming; the model is made there once with
+#   `charm synth --layers 3 --dense-layers 1 --vocab 32768` (about 15.5 GiB on disk).
+set -euo pipefail
+work=${1:-/tmp/charm-streaming}
+shift || true
+budgets=${*:-4 6 8}
+cd "$(dirname "$0")/.."
+cargo build --release -q
+bin=$PWD/target/release/charm
+model=$work/glm-synth
+mkdir -p "$work"
+[ -f "$model/charm.json" ] || "$bin" synth --out "$model" --layers 3 --dense-layers 1 --vocab 32768
+ids=$(python3 -c "print(','.join(str((i * 37 + 11) % 32000 + 2) for i in range(16)))")
+steps=32
+
+disk=$("$bin" iobench --model "$model" --seconds 10 --json | python3 -c "import json,sys; print(json.load(sys.stdin)['bytes_per_s'])")
+printf 'disk: %.3f GB/s O_DIRECT random reads of one expert record (charm iobench, 4 threads)\n' "$(python3 -c "print($disk/1e9)")"
+
+gen() { # ram-flag history -> json
+  "$bin" generate --model "$model" --ids "$ids" --max-tokens "$steps" --temperature 1 --seed 1 --json $1 --history "$2"
+}
+
+row() { # label json
+  python3 - "$1" "$2" "$disk" <<'EOF'
+import json, sys
+label, v, disk = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+e = v["stats"].get("experts", {})
+secs = v["prefill_seconds"] + v["decode_seconds"]
+delivered = e.get("bytes_read", 0) / secs if secs else 0
+print(f"| {label:<22} | {v['decode_tok_s']:6.2f} | {v['prefill_tok_s']:6.2f} | {100*e.get('hit_rate',0):5.1f}% "
+      f"| {e.get('bytes_read',0)/1e9:6.2f} | {delivered/1e9:5.3f} | {100*delivered/disk:5.1f}% "
+      f"| {e.get('wait_seconds',0):6.2f} | {e.get('compute_seconds',0):6.2f} "
+      f"| {100*(e.get('lookahead_recall') or 0):5.1f}% | {v['stats']['peak_rss_bytes']/2**30:5.2f} |")
+EOF
+}
+
+echo "| run | decode tok/s | prefill tok/s | hit rate | GB read | delivered GB/s | of disk | wait s | compute s | lookahead recall | peak RSS GiB |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|"
+row "all resident" "$(gen "" none)"
+for b in $budgets; do
+  h=$work/history-$b.json
+  rm -f "$h"
+  row "budget $b GiB, cold" "$(gen "--ram $b" "$h")"
+  row "budget $b GiB, warm" "$(gen "--ram $b" "$h")"
+done
