@@ -36,17 +36,22 @@ import json, sys
 label, v, disk = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
 e = v["stats"].get("experts", {})
 secs = v["prefill_seconds"] + v["decode_seconds"]
-delivered = e.get("bytes_read", 0) / secs if secs else 0
-print(f"| {label:<22} | {v['decode_tok_s']:6.2f} | {v['prefill_tok_s']:6.2f} | {100*e.get('hit_rate',0):5.1f}% "
-      f"| {e.get('bytes_read',0)/1e9:6.2f} | {delivered/1e9:5.3f} | {100*delivered/disk:5.1f}% "
+# delivered: bytes of experts the computation used (read-aheads never used are not counted)
+used = e.get("bytes_read", 0) - e.get("wasted_bytes", 0)
+delivered = used / secs if secs else 0
+print(f"| {label:<24} | {v['decode_tok_s']:6.2f} | {v['prefill_tok_s']:6.2f} | {100*e.get('hit_rate',0):5.1f}% "
+      f"| {e.get('bytes_read',0)/1e9:6.2f} | {e.get('wasted_bytes',0)/1e9:5.2f} | {delivered/1e9:5.3f} | {100*delivered/disk:5.1f}% "
       f"| {e.get('wait_seconds',0):6.2f} | {e.get('compute_seconds',0):6.2f} "
       f"| {100*(e.get('lookahead_recall') or 0):5.1f}% | {v['stats']['peak_rss_bytes']/2**30:5.2f} |")
 EOF
 }
 
-echo "| run | decode tok/s | prefill tok/s | hit rate | GB read | delivered GB/s | of disk | wait s | compute s | lookahead recall | peak RSS GiB |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|"
+echo "| run | decode tok/s | prefill tok/s | hit rate | GB read | GB read ahead, unused | delivered GB/s | of disk | wait s | compute s | lookahead recall | peak RSS GiB |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
 row "all resident" "$(gen "" none)"
+# no expert cache at all: every expert a step uses comes from the disk
+resident=$("$bin" plan --model "$model" --json --ram 64 --ctx $((16 + steps)) --history none | python3 -c "import json,sys; print(json.load(sys.stdin)['resident_bytes'] / 2**30 + 1e-6)")
+row "no expert cache" "$(gen "--ram $resident" none)"
 for b in $budgets; do
   h=$work/history-$b.json
   rm -f "$h"

@@ -191,4 +191,43 @@ mod tests {
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
         std::fs::remove_dir_all(&dir).unwrap();
     }
+
+    #[test]
+    fn damaged_histories_are_errors_never_panics() {
+        let dir = std::env::temp_dir().join(format!("charm-hist-fuzz-{}", std::process::id()));
+        let p = dir.join("h.json");
+        let layers: BTreeMap<usize, usize> = [(1, 4), (2, 4)].into();
+        let mut h = History::new("m", layers.clone());
+        h.add(1, 2, 9);
+        h.save(&p).unwrap();
+        let good = std::fs::read(&p).unwrap();
+        let mut s = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let mut refused = 0;
+        for _ in 0..400 {
+            let mut b = good.clone();
+            for _ in 0..1 + next() % 3 {
+                let i = (next() % b.len() as u64) as usize;
+                match next() % 3 {
+                    0 => b[i] = next() as u8,
+                    1 => b.truncate(i),
+                    _ => b.insert(i, b"0123456789-,:{}[]\"e"[(next() % 19) as usize]),
+                }
+                if b.is_empty() {
+                    break;
+                }
+            }
+            std::fs::write(&p, &b).unwrap();
+            if History::load(&p, "m", &layers).is_err() {
+                refused += 1;
+            }
+        }
+        assert!(refused > 200, "only {refused} of 400 damaged files were refused");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -27,14 +27,27 @@ unsafe impl Sync for AlignedBuf {}
 impl AlignedBuf {
     /// A zeroed buffer of at least `len` bytes (rounded up to the alignment, at least one block).
     pub fn new(len: usize) -> Self {
+        Self::map(len, false)
+    }
+
+    /// [`Self::new`] with every page faulted in now (`MAP_POPULATE`), so first use does not
+    /// stall on page faults.
+    pub fn populated(len: usize) -> Self {
+        Self::map(len, true)
+    }
+
+    fn map(len: usize, populate: bool) -> Self {
         let len = len.max(1).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
+        let flags = libc::MAP_PRIVATE
+            | libc::MAP_ANONYMOUS
+            | if populate { libc::MAP_POPULATE } else { 0 };
         // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                flags,
                 -1,
                 0,
             )

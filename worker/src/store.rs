@@ -353,6 +353,23 @@ impl StreamingExperts {
             pool: Arc::default(),
             opts,
         });
+        // The cache's buffers are mapped and faulted in now: the budget is taken at start (as
+        // the plan said), and no step later pays for first-touch page faults.
+        {
+            let n = inner
+                .capacity
+                .checked_div(inner.expert_bytes)
+                .unwrap_or(0)
+                .min(inner.layers.values().map(|l| l.meta.count as u64).sum());
+            let rec = inner
+                .layers
+                .values()
+                .map(|l| l.meta.payload_bytes.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64)
+                .max()
+                .unwrap_or(0) as usize;
+            let mut free = inner.pool.free.lock().unwrap_or_else(|p| p.into_inner());
+            free.extend((0..n).map(|_| AlignedBuf::populated(rec)));
+        }
         {
             let mut st = lock(&inner.state);
             inner.repin(&mut st);
