@@ -282,7 +282,12 @@ impl Model {
         let mut f = x.to_vec();
         rms_norm(&mut f, &layer.post_norm, spec.rms_norm_eps);
         let out = match &layer.ffn {
-            FfnWeights::Dense(mlp) => mlp.forward(&f, n),
+            FfnWeights::Dense(mlp) => {
+                if let Some((l, ids)) = self.predict_next(next_moe, &f, n) {
+                    self.experts.prefetch(l, &ids);
+                }
+                mlp.forward(&f, n)
+            }
             FfnWeights::Moe {
                 router,
                 correction_bias,
@@ -306,28 +311,7 @@ impl Model {
                 if let Some(tr) = trace {
                     tr.router.push(picks);
                 }
-                // Router lookahead: the next MoE layer's router on this layer's state predicts
-                // its experts, so a streaming store can start reading them now.
-                let ahead = match next_moe.map(|l| &l.ffn) {
-                    Some(FfnWeights::Moe {
-                        router: nr,
-                        correction_bias: nb,
-                        ..
-                    }) if self.experts.wants_lookahead() => {
-                        let nl = nr.matmul(&f, n);
-                        let mut p = Vec::with_capacity(n * k);
-                        for t in 0..n {
-                            let r = route(
-                                &nl[t * rs.n_experts..(t + 1) * rs.n_experts],
-                                nb.as_deref(),
-                                rs,
-                            );
-                            p.extend_from_slice(&r.ids);
-                        }
-                        next_moe.map(|l| (l.index, p))
-                    }
-                    _ => None,
-                };
+                let ahead = self.predict_next(next_moe, &f, n);
                 let mut y = self.experts.run_ahead(
                     ExpertBatch {
                         layer: layer.index,
@@ -352,6 +336,42 @@ impl Model {
             *xi += oi;
         }
         Ok(())
+    }
+
+    /// Router lookahead: the next MoE layer's router applied to this layer's post-attention
+    /// state predicts that layer's experts, so a streaming store can start reading them while
+    /// this layer computes. `None` when there is no next MoE layer or the store keeps everything
+    /// in RAM.
+    fn predict_next(
+        &self,
+        next_moe: Option<&LayerWeights>,
+        f: &[f32],
+        n: usize,
+    ) -> Option<(usize, Vec<u32>)> {
+        if !self.experts.wants_lookahead() {
+            return None;
+        }
+        let next = next_moe?;
+        let FfnWeights::Moe {
+            router,
+            correction_bias,
+            ..
+        } = &next.ffn
+        else {
+            return None;
+        };
+        let rs = self.spec.router.as_ref()?;
+        let logits = router.matmul(f, n);
+        let mut ids = Vec::with_capacity(n * rs.top_k);
+        for t in 0..n {
+            let r = route(
+                &logits[t * rs.n_experts..(t + 1) * rs.n_experts],
+                correction_bias.as_deref(),
+                rs,
+            );
+            ids.extend_from_slice(&r.ids);
+        }
+        Some((next.index, ids))
     }
 
     /// Multi-head latent attention over the cache (with optional DSA selection).

@@ -227,7 +227,10 @@ mod tests {
                 refused += 1;
             }
         }
-        assert!(refused > 200, "only {refused} of 400 damaged files were refused");
+        assert!(
+            refused > 200,
+            "only {refused} of 400 damaged files were refused"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

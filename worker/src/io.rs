@@ -38,9 +38,8 @@ impl AlignedBuf {
 
     fn map(len: usize, populate: bool) -> Self {
         let len = len.max(1).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
-        let flags = libc::MAP_PRIVATE
-            | libc::MAP_ANONYMOUS
-            | if populate { libc::MAP_POPULATE } else { 0 };
+        let flags =
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | if populate { libc::MAP_POPULATE } else { 0 };
         // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
         let p = unsafe {
             libc::mmap(

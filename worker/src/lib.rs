@@ -99,6 +99,12 @@ pub trait ExpertExecutor: Send + Sync + std::fmt::Debug {
         self.run(batch)
     }
 
+    /// MoE layer `layer` will probably use experts `ids`: start reading them (stores holding
+    /// everything in RAM ignore it).
+    fn prefetch(&self, layer: usize, ids: &[u32]) {
+        let _ = (layer, ids);
+    }
+
     /// A forward step (one token of decode, or one prefill) is complete: a safe point to update
     /// caching decisions.
     fn step_end(&self) {}

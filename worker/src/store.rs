@@ -92,6 +92,8 @@ pub struct StoreStats {
     /// `bytes_read - wasted_bytes` is what the disk delivered to the computation.
     pub wasted_reads: u64,
     pub wasted_bytes: u64,
+    /// Misses whose read-ahead had already arrived when the layer ran (no wait).
+    pub read_ahead_in_time: u64,
     /// Lookahead: experts predicted for the next layer, reads started for them, and how many
     /// of the experts the layer then used had been predicted (recall = hits / used).
     pub lookahead_reads: u64,
@@ -133,6 +135,7 @@ impl StoreStats {
             not_admitted: self.not_admitted - earlier.not_admitted,
             wasted_reads: self.wasted_reads - earlier.wasted_reads,
             wasted_bytes: self.wasted_bytes - earlier.wasted_bytes,
+            read_ahead_in_time: self.read_ahead_in_time - earlier.read_ahead_in_time,
             lookahead_reads: self.lookahead_reads - earlier.lookahead_reads,
             lookahead_used: self.lookahead_used - earlier.lookahead_used,
             lookahead_predicted_used: self.lookahead_predicted_used
@@ -575,10 +578,23 @@ impl Inner {
     }
 
     /// The evictable entry of lowest (frequency, last use).
-    fn victim(st: &State) -> Option<Key> {
+    /// The entry to evict: with `staged_first`, a staged read-ahead (oldest first); otherwise,
+    /// or when there is none, the cached expert of lowest (frequency, last use).
+    fn victim(st: &State, staged_first: bool) -> Option<Key> {
+        if staged_first {
+            let staged = st
+                .entries
+                .iter()
+                .filter(|(_, e)| e.transient && e.in_use == 0)
+                .min_by_key(|(_, e)| e.last)
+                .map(|(k, _)| *k);
+            if staged.is_some() {
+                return staged;
+            }
+        }
         st.entries
             .iter()
-            .filter(|(k, e)| e.in_use == 0 && !st.pinned.contains(k))
+            .filter(|(k, e)| e.in_use == 0 && !e.transient && !st.pinned.contains(k))
             .min_by(|(ka, a), (kb, b)| {
                 Self::score(st, ka)
                     .total_cmp(&Self::score(st, kb))
@@ -625,14 +641,21 @@ impl Inner {
             } else {
                 Self::score(&st, &key)
             };
-            if let Some(v) = Self::victim(&st) {
-                if Self::score(&st, &v) <= score {
+            let demanded = pinned || st.wanted.get(&key).copied().unwrap_or(0) > 0;
+            if let Some(v) = Self::victim(&st, demanded) {
+                if st.entries[&v].transient || Self::score(&st, &v) <= score {
                     self.evict(&mut st, v);
                     continue;
                 }
             }
-            if st.wanted.get(&key).copied().unwrap_or(0) == 0 {
-                // A read ahead nobody waits for and that would displace hotter experts.
+            if !demanded {
+                // A read-ahead nobody waits for yet, that would displace hotter experts: staged
+                // in the I/O allowance until its layer runs (dropped if it is not used then, or
+                // when a demanded expert needs the room), or dropped now if there is no room.
+                if st.bytes + bytes <= self.capacity + self.overflow {
+                    transient = true;
+                    break;
+                }
                 st.stats.not_admitted += 1;
                 self.wasted(&mut st, key);
                 return st;
@@ -672,6 +695,27 @@ impl Inner {
                 st.bytes -= b;
             }
         }
+    }
+
+    /// Queues read-aheads of experts `ids` of layer `nl` and remembers the prediction (for the
+    /// recall figure).
+    fn lookahead(&self, st: &mut State, nl: usize, ids: &[u32]) {
+        let Some(src) = self.layers.get(&nl) else {
+            return;
+        };
+        let set: HashSet<u32> = ids
+            .iter()
+            .copied()
+            .filter(|&e| (e as usize) < src.meta.count)
+            .collect();
+        let mut sorted: Vec<u32> = set.iter().copied().collect();
+        sorted.sort_unstable();
+        for e in sorted {
+            if Self::enqueue(st, (nl, e), Queue::Lookahead) {
+                st.stats.lookahead_reads += 1;
+            }
+        }
+        st.predicted.insert(nl, set);
     }
 
     /// Queues a read of `k` unless it is resident or already coming.
@@ -779,7 +823,13 @@ impl ExpertExecutor for StreamingExperts {
                     e.used = true;
                     e.last = tick;
                     hits.push((i, e.w.clone()));
-                    st.stats.hits += 1;
+                    if e.transient {
+                        // a read-ahead staged for this step: from disk, but already here
+                        st.stats.misses += 1;
+                        st.stats.read_ahead_in_time += 1;
+                    } else {
+                        st.stats.hits += 1;
+                    }
                 } else {
                     st.stats.misses += 1;
                     *st.wanted.entry(k).or_insert(0) += 1;
@@ -796,6 +846,19 @@ impl ExpertExecutor for StreamingExperts {
                     missing.push(i);
                 }
             }
+            // Staged read-aheads of this or earlier layers that this step did not use.
+            let stale: Vec<Key> = st
+                .entries
+                .iter()
+                .filter(|(k, e)| k.0 <= layer && e.transient && e.in_use == 0)
+                .map(|(k, _)| *k)
+                .collect();
+            for k in stale {
+                if let Some(e) = st.entries.remove(&k) {
+                    st.bytes -= e.bytes;
+                    inner.wasted(&mut st, k);
+                }
+            }
             // Read-aheads for this or earlier layers that nobody waits for.
             let stale: Vec<Key> = st
                 .lookahead
@@ -808,21 +871,7 @@ impl ExpertExecutor for StreamingExperts {
                 st.pending.remove(&k);
             }
             if let Some((nl, ids)) = next {
-                if inner.layers.contains_key(&nl) {
-                    let set: HashSet<u32> = ids
-                        .iter()
-                        .copied()
-                        .filter(|&e| (e as usize) < inner.layers[&nl].meta.count)
-                        .collect();
-                    let mut sorted: Vec<u32> = set.iter().copied().collect();
-                    sorted.sort_unstable();
-                    for e in sorted {
-                        if Inner::enqueue(&mut st, (nl, e), Queue::Lookahead) {
-                            st.stats.lookahead_reads += 1;
-                        }
-                    }
-                    st.predicted.insert(nl, set);
-                }
+                inner.lookahead(&mut st, nl, ids);
             }
         }
         inner.cv.notify_all();
@@ -917,6 +966,13 @@ impl ExpertExecutor for StreamingExperts {
             .map(|o| o.expect("every expert ran"))
             .collect();
         Ok(combine(&batch, hidden, &runs, &outs))
+    }
+
+    fn prefetch(&self, layer: usize, ids: &[u32]) {
+        let mut st = lock(&self.inner.state);
+        self.inner.lookahead(&mut st, layer, ids);
+        drop(st);
+        self.inner.cv.notify_all();
     }
 
     fn step_end(&self) {
