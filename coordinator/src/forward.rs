@@ -245,6 +245,15 @@ impl Model {
     ) -> Result<(), ForwardError> {
         let spec = &self.spec;
         let hd = spec.hidden_size;
+        // Early lookahead: this layer's own router on its input (normed as its feed-forward
+        // input will be) predicts its experts before attention runs, a layer's worth of lead.
+        if self.experts.wants_lookahead() && matches!(layer.ffn, FfnWeights::Moe { .. }) {
+            let mut f0 = x.to_vec();
+            rms_norm(&mut f0, &layer.post_norm, spec.rms_norm_eps);
+            if let Some((l, ids)) = self.predict_next(Some(layer), &f0, n) {
+                self.experts.prefetch(l, &ids);
+            }
+        }
         // --- attention ---
         let mut a = x.to_vec(); // [n, hidden]
         rms_norm(&mut a, &layer.input_norm, spec.rms_norm_eps);

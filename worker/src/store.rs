@@ -715,7 +715,7 @@ impl Inner {
                 st.stats.lookahead_reads += 1;
             }
         }
-        st.predicted.insert(nl, set);
+        st.predicted.entry(nl).or_default().extend(set);
     }
 
     /// Queues a read of `k` unless it is resident or already coming.
