@@ -76,6 +76,20 @@ pub struct Trace {
 /// DSA selection of the current query tokens: per token, ascending key positions.
 type Selection = Vec<Vec<u32>>;
 
+/// Each of `n` tokens' router choice: `router` (`[n_experts, hidden]`) on `f` (`[n, hidden]`).
+fn route_tokens(
+    router: &charm_shared::kernels::Matrix,
+    bias: Option<&[f32]>,
+    rs: &charm_shared::config::RouterSpec,
+    f: &[f32],
+    n: usize,
+) -> Vec<charm_shared::routing::Route> {
+    let logits = router.matmul(f, n); // [n, n_experts], f32
+    (0..n)
+        .map(|t| route(&logits[t * rs.n_experts..(t + 1) * rs.n_experts], bias, rs))
+        .collect()
+}
+
 fn check_finite(v: &[f32], what: impl FnOnce() -> String) -> Result<(), ForwardError> {
     if v.iter().all(|x| x.is_finite()) {
         Ok(())
@@ -303,16 +317,11 @@ impl Model {
                 shared,
             } => {
                 let rs = spec.router.as_ref().expect("MoE model has a router spec");
-                let logits = router.matmul(&f, n); // [n, n_experts], f32
                 let k = rs.top_k;
+                let routes = route_tokens(router, correction_bias.as_deref(), rs, &f, n);
                 let (mut ids, mut weights) = (Vec::with_capacity(n * k), Vec::with_capacity(n * k));
                 let mut picks = Vec::with_capacity(n);
-                for t in 0..n {
-                    let r = route(
-                        &logits[t * rs.n_experts..(t + 1) * rs.n_experts],
-                        correction_bias.as_deref(),
-                        rs,
-                    );
+                for r in routes {
                     ids.extend_from_slice(&r.ids);
                     weights.extend_from_slice(&r.weights);
                     picks.push((r.ids, r.weights));
@@ -370,16 +379,10 @@ impl Model {
             return None;
         };
         let rs = self.spec.router.as_ref()?;
-        let logits = router.matmul(f, n);
-        let mut ids = Vec::with_capacity(n * rs.top_k);
-        for t in 0..n {
-            let r = route(
-                &logits[t * rs.n_experts..(t + 1) * rs.n_experts],
-                correction_bias.as_deref(),
-                rs,
-            );
-            ids.extend_from_slice(&r.ids);
-        }
+        let ids = route_tokens(router, correction_bias.as_deref(), rs, f, n)
+            .into_iter()
+            .flat_map(|r| r.ids)
+            .collect();
         Some((next.index, ids))
     }
 

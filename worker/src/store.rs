@@ -775,6 +775,41 @@ impl StreamingExperts {
     }
 }
 
+impl StreamingExperts {
+    /// Runs `items` (run index, expert) in parallel into `outs`, then releases them; returns
+    /// the seconds spent.
+    fn compute(
+        &self,
+        batch: &ExpertBatch<'_>,
+        runs: &[(u32, Vec<usize>)],
+        items: Vec<(usize, Arc<SwiGlu>)>,
+        outs: &mut [Option<Vec<f32>>],
+    ) -> f64 {
+        let inner = &*self.inner;
+        let t0 = Instant::now();
+        let ys: Vec<(usize, Vec<f32>)> = items
+            .par_iter()
+            .map(|(i, w)| {
+                let slots = &runs[*i].1;
+                (
+                    *i,
+                    w.forward(&gather(batch, slots, inner.hidden), slots.len()),
+                )
+            })
+            .collect();
+        let secs = t0.elapsed().as_secs_f64();
+        drop(items);
+        let mut st = lock(&inner.state);
+        for (i, y) in ys {
+            inner.release(&mut st, (batch.layer, runs[i].0));
+            outs[i] = Some(y);
+        }
+        drop(st);
+        inner.cv.notify_all();
+        secs
+    }
+}
+
 impl ExpertExecutor for StreamingExperts {
     fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
         self.run_ahead(batch, None)
@@ -877,26 +912,7 @@ impl ExpertExecutor for StreamingExperts {
         inner.cv.notify_all();
 
         let mut outs: Vec<Option<Vec<f32>>> = vec![None; runs.len()];
-        let t0 = Instant::now();
-        let ys: Vec<(usize, Vec<f32>)> = hits
-            .par_iter()
-            .map(|(i, w)| {
-                (
-                    *i,
-                    w.forward(&gather(&batch, &runs[*i].1, hidden), runs[*i].1.len()),
-                )
-            })
-            .collect();
-        let mut compute_s = t0.elapsed().as_secs_f64();
-        {
-            let mut st = lock(&inner.state);
-            for (i, y) in ys {
-                inner.release(&mut st, (layer, runs[i].0));
-                outs[i] = Some(y);
-            }
-        }
-        drop(hits);
-        inner.cv.notify_all();
+        let mut compute_s = self.compute(&batch, &runs, hits, &mut outs);
 
         // Compute missing experts as they arrive.
         let mut wait_s = 0.0;
@@ -933,25 +949,7 @@ impl ExpertExecutor for StreamingExperts {
                     wait_s += w0.elapsed().as_secs_f64();
                 }
             }
-            let t1 = Instant::now();
-            let ys: Vec<(usize, Vec<f32>)> = ready
-                .par_iter()
-                .map(|(i, w)| {
-                    (
-                        *i,
-                        w.forward(&gather(&batch, &runs[*i].1, hidden), runs[*i].1.len()),
-                    )
-                })
-                .collect();
-            compute_s += t1.elapsed().as_secs_f64();
-            drop(ready);
-            let mut st = lock(&inner.state);
-            for (i, y) in ys {
-                inner.release(&mut st, (layer, runs[i].0));
-                outs[i] = Some(y);
-            }
-            drop(st);
-            inner.cv.notify_all();
+            compute_s += self.compute(&batch, &runs, ready, &mut outs);
         }
         {
             let mut st = lock(&inner.state);
