@@ -127,9 +127,6 @@ impl Model {
         for (li, layer) in self.layers.iter().enumerate() {
             self.layer_forward(
                 layer,
-                self.layers[li + 1..]
-                    .iter()
-                    .find(|l| matches!(l.ffn, FfnWeights::Moe { .. })),
                 &mut x,
                 n,
                 pos0,
@@ -222,7 +219,6 @@ impl Model {
         let rope = self.rope_tables(pos0, n);
         self.layer_forward(
             &mtp.layer,
-            None,
             &mut x,
             n,
             pos0,
@@ -247,7 +243,6 @@ impl Model {
     fn layer_forward(
         &self,
         layer: &LayerWeights,
-        next_moe: Option<&LayerWeights>,
         x: &mut [f32],
         n: usize,
         pos0: usize,
@@ -259,14 +254,11 @@ impl Model {
     ) -> Result<(), ForwardError> {
         let spec = &self.spec;
         let hd = spec.hidden_size;
-        // Early lookahead: this layer's own router on its input (normed as its feed-forward
-        // input will be) predicts its experts before attention runs, a layer's worth of lead.
-        if self.experts.wants_lookahead() && matches!(layer.ffn, FfnWeights::Moe { .. }) {
-            let mut f0 = x.to_vec();
-            rms_norm(&mut f0, &layer.post_norm, spec.rms_norm_eps);
-            if let Some((l, ids)) = self.predict_next(Some(layer), &f0, n) {
-                self.experts.prefetch(l, &ids);
-            }
+        // Router lookahead: this layer's router on its input (normed as its feed-forward input
+        // will be) predicts its experts before attention runs, so a streaming store reads them
+        // while attention computes.
+        if let Some(ids) = self.predict_experts(layer, x, n) {
+            self.experts.prefetch(layer.index, &ids);
         }
         // --- attention ---
         let mut a = x.to_vec(); // [n, hidden]
@@ -305,12 +297,7 @@ impl Model {
         let mut f = x.to_vec();
         rms_norm(&mut f, &layer.post_norm, spec.rms_norm_eps);
         let out = match &layer.ffn {
-            FfnWeights::Dense(mlp) => {
-                if let Some((l, ids)) = self.predict_next(next_moe, &f, n) {
-                    self.experts.prefetch(l, &ids);
-                }
-                mlp.forward(&f, n)
-            }
+            FfnWeights::Dense(mlp) => mlp.forward(&f, n),
             FfnWeights::Moe {
                 router,
                 correction_bias,
@@ -329,18 +316,14 @@ impl Model {
                 if let Some(tr) = trace {
                     tr.router.push(picks);
                 }
-                let ahead = self.predict_next(next_moe, &f, n);
-                let mut y = self.experts.run_ahead(
-                    ExpertBatch {
-                        layer: layer.index,
-                        x: &f,
-                        n_tokens: n,
-                        ids: &ids,
-                        weights: &weights,
-                        top_k: k,
-                    },
-                    ahead.as_ref().map(|(l, p)| (*l, p.as_slice())),
-                )?;
+                let mut y = self.experts.run(ExpertBatch {
+                    layer: layer.index,
+                    x: &f,
+                    n_tokens: n,
+                    ids: &ids,
+                    weights: &weights,
+                    top_k: k,
+                })?;
                 if let Some(s) = shared {
                     for (a, b) in y.iter_mut().zip(s.forward(&f, n)) {
                         *a += b;
@@ -356,34 +339,30 @@ impl Model {
         Ok(())
     }
 
-    /// Router lookahead: the next MoE layer's router applied to this layer's post-attention
-    /// state predicts that layer's experts, so a streaming store can start reading them while
-    /// this layer computes. `None` when there is no next MoE layer or the store keeps everything
-    /// in RAM.
-    fn predict_next(
-        &self,
-        next_moe: Option<&LayerWeights>,
-        f: &[f32],
-        n: usize,
-    ) -> Option<(usize, Vec<u32>)> {
+    /// The experts MoE layer `layer` will probably choose for the residual stream `x`: its router
+    /// on `x` normed by its post-attention norm (attention's update is not yet added). `None`
+    /// for dense layers or when the store keeps every expert in RAM.
+    fn predict_experts(&self, layer: &LayerWeights, x: &[f32], n: usize) -> Option<Vec<u32>> {
         if !self.experts.wants_lookahead() {
             return None;
         }
-        let next = next_moe?;
         let FfnWeights::Moe {
             router,
             correction_bias,
             ..
-        } = &next.ffn
+        } = &layer.ffn
         else {
             return None;
         };
         let rs = self.spec.router.as_ref()?;
-        let ids = route_tokens(router, correction_bias.as_deref(), rs, f, n)
-            .into_iter()
-            .flat_map(|r| r.ids)
-            .collect();
-        Some((next.index, ids))
+        let mut f = x.to_vec();
+        rms_norm(&mut f, &layer.post_norm, self.spec.rms_norm_eps);
+        Some(
+            route_tokens(router, correction_bias.as_deref(), rs, &f, n)
+                .into_iter()
+                .flat_map(|r| r.ids)
+                .collect(),
+        )
     }
 
     /// Multi-head latent attention over the cache (with optional DSA selection).

@@ -82,21 +82,10 @@ impl ExpertBatch<'_> {
 pub trait ExpertExecutor: Send + Sync + std::fmt::Debug {
     fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError>;
 
-    /// Whether [`Self::run_ahead`] uses a prediction of the next layer's experts (then the
-    /// caller should compute one; stores holding everything in RAM say no).
+    /// Whether [`Self::prefetch`] does anything (then the caller should compute predictions;
+    /// stores holding everything in RAM say no).
     fn wants_lookahead(&self) -> bool {
         false
-    }
-
-    /// [`Self::run`], told that MoE layer `next.0` will probably use experts `next.1`, so reads
-    /// can start while this layer computes. The result is the same as `run`'s.
-    fn run_ahead(
-        &self,
-        batch: ExpertBatch<'_>,
-        next: Option<(usize, &[u32])>,
-    ) -> Result<Vec<f32>, ExpertError> {
-        let _ = next;
-        self.run(batch)
     }
 
     /// MoE layer `layer` will probably use experts `ids`: start reading them (stores holding

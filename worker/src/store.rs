@@ -3,7 +3,8 @@
 //!
 //! - **Reads**: a bounded pool of reader threads fetches whole expert records (one aligned read
 //!   per expert, `O_DIRECT` where the filesystem allows) from three queues: demand (a layer waiting
-//!   now), lookahead (the next layer's predicted experts) and warm-up (the pinned set).
+//!   now), lookahead (experts a layer is predicted to use, see [`ExpertExecutor::prefetch`]) and
+//!   warm-up (the pinned set).
 //! - **Overlap**: a layer's resident experts compute while its missing ones load, and each missing
 //!   expert computes as soon as it arrives.
 //! - **Replacement**: the victim is the least-frequently used unpinned expert (frequency decays
@@ -94,7 +95,7 @@ pub struct StoreStats {
     pub wasted_bytes: u64,
     /// Misses whose read-ahead had already arrived when the layer ran (no wait).
     pub read_ahead_in_time: u64,
-    /// Lookahead: experts predicted for the next layer, reads started for them, and how many
+    /// Lookahead: experts predicted for a layer before it ran, reads started for them, and how many
     /// of the experts the layer then used had been predicted (recall = hits / used).
     pub lookahead_reads: u64,
     pub lookahead_used: u64,
@@ -811,19 +812,11 @@ impl StreamingExperts {
 }
 
 impl ExpertExecutor for StreamingExperts {
-    fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
-        self.run_ahead(batch, None)
-    }
-
     fn wants_lookahead(&self) -> bool {
         true
     }
 
-    fn run_ahead(
-        &self,
-        batch: ExpertBatch<'_>,
-        next: Option<(usize, &[u32])>,
-    ) -> Result<Vec<f32>, ExpertError> {
+    fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
         let inner = &*self.inner;
         let hidden = inner.hidden;
         batch.check(hidden)?;
@@ -904,9 +897,6 @@ impl ExpertExecutor for StreamingExperts {
             st.lookahead.retain(|k| k.0 > layer);
             for k in stale {
                 st.pending.remove(&k);
-            }
-            if let Some((nl, ids)) = next {
-                inner.lookahead(&mut st, nl, ids);
             }
         }
         inner.cv.notify_all();
