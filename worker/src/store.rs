@@ -243,6 +243,8 @@ struct Inner {
     opts: StoreOptions,
     /// Decoded bytes of one expert (all layers share the shape).
     expert_bytes: u64,
+    /// All experts' in-memory bytes.
+    total_bytes: u64,
     state: Mutex<State>,
     cv: Condvar,
     pool: Arc<BufferPool>,
@@ -324,6 +326,10 @@ impl StreamingExperts {
         }
         .unwrap_or_else(|| History::new(&id, shape.clone()));
         let direct = layers.values().all(|l| l.file.direct);
+        let total_bytes = layers
+            .values()
+            .map(|l| l.meta.count as u64 * expert_ram_bytes(&l.meta))
+            .sum();
         let inner = Arc::new(Inner {
             hidden,
             inter,
@@ -331,6 +337,7 @@ impl StreamingExperts {
             capacity: opts.cache_bytes,
             overflow: readers as u64 * expert_bytes,
             expert_bytes,
+            total_bytes,
             state: Mutex::new(State {
                 entries: HashMap::new(),
                 bytes: 0,
@@ -813,7 +820,8 @@ impl StreamingExperts {
 
 impl ExpertExecutor for StreamingExperts {
     fn wants_lookahead(&self) -> bool {
-        true
+        // Nothing to read ahead when the cache holds every expert.
+        self.inner.capacity < self.inner.total_bytes
     }
 
     fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
