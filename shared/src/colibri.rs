@@ -121,7 +121,7 @@ pub fn linear(ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<L
         kind,
         group,
         data: codes.to_vec().into(),
-        scales,
-        mins,
+        scales: scales.into(),
+        mins: mins.into(),
     }))
 }

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::LoadError;
 use crate::kernels::{Linear, Matrix};
-use crate::quant::{QMatrix, QuantKind, SharedBytes, WeightBytes};
+use crate::quant::{QMatrix, QuantKind, SharedBytes, WeightBytes, WeightFloats};
 
 /// Format name in the manifest.
 pub const FORMAT: &str = "charm-container";
@@ -413,15 +413,24 @@ impl Container {
         {
             return Err(bad(format!("group {group} does not tile {cols} columns")));
         }
-        let scales = match part.scales {
-            Some(s) => floats(&bytes[range(s, bytes.len(), path, name)?]),
-            None => Vec::new(),
+        // Scales (and int2 offsets) are viewed in place in a shared record when aligned, else
+        // decoded into a copy.
+        let region = |r: Option<[u64; 2]>| -> Result<WeightFloats, LoadError> {
+            let Some(r) = r else {
+                return Ok(WeightFloats::default());
+            };
+            let rr = range(r, bytes.len(), path, name)?;
+            Ok(shared
+                .and_then(|b| WeightFloats::shared(b.clone(), rr.clone()))
+                .unwrap_or_else(|| floats(&bytes[rr]).into()))
         };
-        let mins = match part.mins {
-            Some(m) => floats(&bytes[range(m, bytes.len(), path, name)?]),
-            None => Vec::new(),
-        };
-        if let Some(i) = scales.iter().chain(&mins).position(|x| !x.is_finite()) {
+        let scales = region(part.scales)?;
+        let mins = region(part.mins)?;
+        if let Some(i) = scales
+            .iter()
+            .chain(mins.iter())
+            .position(|x| !x.is_finite())
+        {
             return Err(bad(format!("non-finite scale at {i}")));
         }
         Ok(Linear::Quant(QMatrix {

@@ -140,60 +140,87 @@ pub enum QuantError {
     NonFinite { index: usize },
 }
 
-/// A byte buffer that can be shared: what [`WeightBytes`] borrows from (an expert record read from
-/// disk, decoded in place).
+/// A byte buffer that can be shared: what [`WeightBytes`] and [`WeightFloats`] borrow from (an
+/// expert record read from disk, decoded in place).
 pub type SharedBytes = std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>;
 
-/// Packed weight bytes: owned, or a range of a shared buffer, so a weight read from disk is used
-/// where it landed instead of being copied.
-#[derive(Clone, Default)]
-pub struct WeightBytes(BytesRepr);
+/// Element types a shared byte buffer can be viewed as: every bit pattern is a valid value.
+pub trait Plain: Copy + PartialEq + Send + Sync + 'static {}
+impl Plain for u8 {}
+impl Plain for f32 {}
+
+/// Packed weights or their scales: owned, or a range of a shared buffer, so a weight read from
+/// disk is used where it landed instead of being copied.
+#[derive(Clone)]
+pub struct SharedSlice<T: Plain>(SliceRepr<T>);
+
+/// Packed weight bytes.
+pub type WeightBytes = SharedSlice<u8>;
+/// Per-group scales (or offsets).
+pub type WeightFloats = SharedSlice<f32>;
 
 #[derive(Clone)]
-enum BytesRepr {
-    Owned(Vec<u8>),
+enum SliceRepr<T> {
+    Owned(Vec<T>),
+    /// Byte range of the buffer, aligned for `T` and a multiple of its size.
     Shared(SharedBytes, std::ops::Range<usize>),
 }
 
-impl Default for BytesRepr {
+impl<T: Plain> Default for SharedSlice<T> {
     fn default() -> Self {
-        Self::Owned(Vec::new())
+        Self(SliceRepr::Owned(Vec::new()))
     }
 }
 
-impl WeightBytes {
-    /// `range` of `buf`; `None` when the range lies outside it.
+impl<T: Plain> SharedSlice<T> {
+    /// The values stored little-endian in byte range `range` of `buf`; `None` when the range lies
+    /// outside it, is misaligned for `T`, or the host is big-endian (then decode a copy).
     pub fn shared(buf: SharedBytes, range: std::ops::Range<usize>) -> Option<Self> {
-        ((*buf).as_ref().get(range.clone()).is_some())
-            .then_some(Self(BytesRepr::Shared(buf, range)))
+        let size = std::mem::size_of::<T>();
+        let bytes = (*buf).as_ref().get(range.clone())?;
+        let ok = cfg!(target_endian = "little")
+            && range.len().is_multiple_of(size)
+            && (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>());
+        ok.then_some(Self(SliceRepr::Shared(buf, range)))
     }
 }
 
-impl std::ops::Deref for WeightBytes {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
+impl<T: Plain> std::ops::Deref for SharedSlice<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
         match &self.0 {
-            BytesRepr::Owned(v) => v,
-            BytesRepr::Shared(b, r) => &(**b).as_ref()[r.clone()],
+            SliceRepr::Owned(v) => v,
+            SliceRepr::Shared(b, r) => {
+                let bytes = &(**b).as_ref()[r.clone()];
+                // SAFETY: `shared` checked that the range lies in the buffer, is aligned for `T`
+                // and a multiple of its size; `T` is `Plain` (any bit pattern is valid); the
+                // buffer is immutable and kept alive by the `Arc`.
+                unsafe {
+                    std::slice::from_raw_parts(
+                        bytes.as_ptr().cast::<T>(),
+                        bytes.len() / std::mem::size_of::<T>(),
+                    )
+                }
+            }
         }
     }
 }
 
-impl From<Vec<u8>> for WeightBytes {
-    fn from(v: Vec<u8>) -> Self {
-        Self(BytesRepr::Owned(v))
+impl<T: Plain> From<Vec<T>> for SharedSlice<T> {
+    fn from(v: Vec<T>) -> Self {
+        Self(SliceRepr::Owned(v))
     }
 }
 
-impl PartialEq for WeightBytes {
+impl<T: Plain> PartialEq for SharedSlice<T> {
     fn eq(&self, other: &Self) -> bool {
         **self == **other
     }
 }
 
-impl std::fmt::Debug for WeightBytes {
+impl<T: Plain> std::fmt::Debug for SharedSlice<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "WeightBytes[{}]", self.len())
+        write!(f, "[{} x {}]", self.len(), std::any::type_name::<T>())
     }
 }
 
@@ -207,9 +234,9 @@ pub struct QMatrix {
     /// Packed weights, `row_bytes()` per row.
     pub data: WeightBytes,
     /// `[rows, cols / group]` scales (unused for bf16).
-    pub scales: Vec<f32>,
+    pub scales: WeightFloats,
     /// `[rows, cols / group]` offsets (int2 only).
-    pub mins: Vec<f32>,
+    pub mins: WeightFloats,
 }
 
 impl std::fmt::Debug for QMatrix {
@@ -251,9 +278,10 @@ impl QMatrix {
             kind,
             group,
             data: WeightBytes::default(),
-            scales: Vec::new(),
-            mins: Vec::new(),
+            scales: WeightFloats::default(),
+            mins: WeightFloats::default(),
         };
+        let (mut scales, mut mins) = (Vec::new(), Vec::new());
         let mut data: Vec<u8> = Vec::with_capacity(rows * q.row_bytes());
         for r in 0..rows {
             let row = m.row(r);
@@ -271,7 +299,7 @@ impl QMatrix {
                         let qmax = if kind == QuantKind::Int8 { 127.0 } else { 7.0 };
                         let amax = w.iter().fold(0.0f32, |a, v| a.max(v.abs()));
                         let scale = amax / qmax;
-                        q.scales.push(scale);
+                        scales.push(scale);
                         for v in w {
                             let c = if scale > 0.0 {
                                 (*v as f64 / scale as f64)
@@ -292,8 +320,8 @@ impl QMatrix {
                         let lo = w.iter().copied().fold(f32::INFINITY, f32::min);
                         let hi = w.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                         let scale = (hi - lo) / 3.0;
-                        q.scales.push(scale);
-                        q.mins.push(lo);
+                        scales.push(scale);
+                        mins.push(lo);
                         for v in w {
                             codes.push(if scale > 0.0 {
                                 ((v - lo) as f64 / scale as f64).round().clamp(0.0, 3.0) as u8
@@ -317,6 +345,8 @@ impl QMatrix {
             }
         }
         q.data = data.into();
+        q.scales = scales.into();
+        q.mins = mins.into();
         Ok(q)
     }
 

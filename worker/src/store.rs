@@ -258,22 +258,18 @@ pub struct StreamingExperts {
 }
 
 /// In-memory bytes of one expert of `l` (what the cache holds per expert): its record buffer,
-/// whose weight bytes are used in place, plus the decoded scales (and f32 copies of bf16 weights
-/// whose width is not a multiple of 8).
+/// whose weights and scales are used in place, plus f32 copies of weights stored as f32 or as
+/// bf16 with a width not a multiple of 8 (the kernels' layout for those).
 pub fn expert_ram_bytes(l: &ExpertLayer) -> u64 {
+    use charm_shared::container::StoreFormat;
     let record = l.payload_bytes.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64;
     record
         + [&l.gate, &l.up, &l.down]
             .iter()
-            .map(|p| {
-                let widen = p.format == charm_shared::container::StoreFormat::Bf16
-                    && p.shape.last().is_none_or(|c| c % 8 != 0);
-                let f32_copy = if widen || p.format == charm_shared::container::StoreFormat::F32 {
-                    2 * p.data[1]
-                } else {
-                    0
-                };
-                f32_copy + p.scales.map_or(0, |s| s[1]) + p.mins.map_or(0, |m| m[1])
+            .map(|p| match p.format {
+                StoreFormat::F32 => p.data[1],
+                StoreFormat::Bf16 if p.shape.last().is_none_or(|c| c % 8 != 0) => 2 * p.data[1],
+                _ => 0,
             })
             .sum::<u64>()
 }
