@@ -259,12 +259,16 @@ pub fn doctor(dir: &Path, input: &PlanInput, deep: bool, direct: bool) -> Report
                     "disk.read_speed",
                     if gbs < 0.2 { Status::Warn } else { Status::Ok },
                     format!(
-                        "{:.2} GB/s reading random expert records ({} reads of {:.1} MiB, {} threads, {})",
+                        "{:.2} GB/s reading random expert records ({} reads of {}, {} threads, {})",
                         gbs,
                         r.reads,
-                        block as f64 / (1u64 << 20) as f64,
+                        crate::plan::human(block as u64),
                         r.threads,
-                        if r.direct { "O_DIRECT" } else { "buffered: may be served from the page cache" }
+                        if r.direct {
+                            "O_DIRECT"
+                        } else {
+                            "buffered: may be served from the page cache"
+                        }
                     ),
                 );
                 ch.data = serde_json::to_value(r).ok();
