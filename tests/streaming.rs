@@ -117,6 +117,16 @@ fn synth(dir: &Path, extra: &[&str]) {
     assert!(ok, "{err}");
 }
 
+/// `charm ARGS [--ram GIB]`.
+fn charm_ram(args: &[&str], ram: Option<f64>) -> (bool, String, String) {
+    let r = ram.map(|g| format!("{g}"));
+    let mut a = args.to_vec();
+    if let Some(r) = &r {
+        a.extend_from_slice(&["--ram", r]);
+    }
+    charm(&a)
+}
+
 fn json(s: &str) -> Value {
     serde_json::from_str(s.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {s}"))
 }
@@ -169,23 +179,21 @@ fn synthetic_model_streams_within_its_budget_with_identical_output() {
     let total = p["experts_total_bytes"].as_u64().unwrap();
     assert!(total > 400 << 20, "{p}");
     let run = |ram: Option<f64>| -> Value {
-        let r = ram.map(|g| format!("{g}"));
-        let mut a = vec![
-            "generate",
-            "--model",
-            d,
-            "--ids",
-            prompt,
-            "--max-tokens",
-            "8",
-            "--json",
-            "--history",
-            "none",
-        ];
-        if let Some(r) = &r {
-            a.extend_from_slice(&["--ram", r]);
-        }
-        let (ok, out, err) = charm(&a);
+        let (ok, out, err) = charm_ram(
+            &[
+                "generate",
+                "--model",
+                d,
+                "--ids",
+                prompt,
+                "--max-tokens",
+                "8",
+                "--json",
+                "--history",
+                "none",
+            ],
+            ram,
+        );
         assert!(ok, "{err}");
         json(&out)
     };
@@ -218,22 +226,20 @@ fn synthetic_model_streams_within_its_budget_with_identical_output() {
     let mut files = Vec::new();
     for (i, ram) in [None, Some(budget as f64 / GIB)].iter().enumerate() {
         let out = dir.join(format!("logits-{i}.safetensors"));
-        let r = ram.map(|g| format!("{g}"));
-        let mut a = vec![
-            "logits",
-            "--model",
-            d,
-            "--ids",
-            prompt,
-            "--out",
-            out.to_str().unwrap(),
-            "--history",
-            "none",
-        ];
-        if let Some(r) = &r {
-            a.extend_from_slice(&["--ram", r]);
-        }
-        let (ok, _, err) = charm(&a);
+        let (ok, _, err) = charm_ram(
+            &[
+                "logits",
+                "--model",
+                d,
+                "--ids",
+                prompt,
+                "--out",
+                out.to_str().unwrap(),
+                "--history",
+                "none",
+            ],
+            *ram,
+        );
         assert!(ok, "{err}");
         files.push(std::fs::read(&out).unwrap());
     }
