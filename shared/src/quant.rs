@@ -493,13 +493,24 @@ impl QMatrix {
     }
 }
 
-/// One token's activations quantized to int8 per group. For int4 weights each 32-block is stored
-/// in nibble order (the 16 even elements, then the 16 odd ones) to meet the packed bytes directly.
+/// Elements per nibble block of int4 weights on the integer path: 64 where the group allows
+/// (one 32-byte load of packed weights), else 32.
+fn nibble_block(group: usize) -> usize {
+    if group.is_multiple_of(64) {
+        64
+    } else {
+        32
+    }
+}
+
+/// One token's activations quantized to int8 per group. For int4 weights each nibble block (see
+/// [`nibble_block`]) is stored in nibble order, its even elements then its odd ones, so that the
+/// packed bytes' low nibbles meet the first half and their high nibbles the second.
 struct QuantizedActs {
     q: Vec<i8>,
     scale: Vec<f32>,
     /// Per group and lane (`[groups, 8]`): the sum of the int8 activations that lane `m` meets
-    /// (bytes `4m..4m+4` of each 32-byte block), the VNNI path's offset correction.
+    /// (positions `p` with `(p % 32) / 4 == m`), the VNNI path's offset correction.
     sum: Vec<i32>,
 }
 
@@ -507,24 +518,25 @@ impl QuantizedActs {
     fn new(x: &[f32], group: usize, nibble_order: bool) -> Self {
         let mut q = vec![0i8; x.len()];
         let mut scale = Vec::with_capacity(x.len() / group);
+        let nb = nibble_block(group);
         for (g, xs) in x.chunks(group).enumerate() {
             let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
             let d = amax / 127.0;
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
             scale.push(d);
-            for (b, blk) in xs.chunks(32).enumerate() {
+            for (b, blk) in xs.chunks(nb).enumerate() {
                 for (i, v) in blk.iter().enumerate() {
                     let c = (v * inv).round().clamp(-127.0, 127.0) as i8;
                     let j = if nibble_order {
                         if i % 2 == 0 {
                             i / 2
                         } else {
-                            16 + i / 2
+                            nb / 2 + i / 2
                         }
                     } else {
                         i
                     };
-                    q[g * group + b * 32 + j] = c;
+                    q[g * group + b * nb + j] = c;
                 }
             }
         }
@@ -668,16 +680,22 @@ pub mod scalar {
         for g in 0..aq.len() / group {
             let (w, a) = (&row[g * gb..(g + 1) * gb], &aq[g * group..(g + 1) * group]);
             let mut lane = [0i32; 8];
-            for (c, ab) in a.chunks_exact(32).enumerate() {
+            // int8: 32-element blocks; int4: nibble blocks (low nibbles, then high ones)
+            let nb = if kind == QuantKind::Int8 {
+                32
+            } else {
+                super::nibble_block(group)
+            };
+            for (c, ab) in a.chunks_exact(nb).enumerate() {
                 for (j, &x) in ab.iter().enumerate() {
                     let wv = match kind {
                         QuantKind::Int8 => (w[c * 32 + j] as i8) as i32,
                         _ => {
-                            let b = w[c * 16 + j % 16];
-                            (if j < 16 { b & 15 } else { b >> 4 }) as i32 - 8
+                            let b = w[c * nb / 2 + j % (nb / 2)];
+                            (if j < nb / 2 { b & 15 } else { b >> 4 }) as i32 - 8
                         }
                     };
-                    lane[j / 4] += wv * x as i32;
+                    lane[(j % 32) / 4] += wv * x as i32;
                 }
             }
             let s = sc[g] * ascale[g];
@@ -819,6 +837,25 @@ mod avx2 {
                         s = _mm256_add_epi32(s, dot32(wv, av));
                     }
                 }
+                _ if group.is_multiple_of(64) => {
+                    // 64-element nibble blocks: 32 packed bytes, low nibbles meet the first 32
+                    // activations, high nibbles the next 32.
+                    let m = _mm256_set1_epi8(15);
+                    for (wb, ab) in w.chunks_exact(32).zip(a.chunks_exact(64)) {
+                        // SAFETY: `wb` holds 32 bytes, `ab` 64.
+                        let (v, a0, a1) = unsafe {
+                            (
+                                _mm256_loadu_si256(wb.as_ptr() as *const __m256i),
+                                _mm256_loadu_si256(ab.as_ptr() as *const __m256i),
+                                _mm256_loadu_si256(ab[32..].as_ptr() as *const __m256i),
+                            )
+                        };
+                        let lo = _mm256_sub_epi8(_mm256_and_si256(v, m), eight);
+                        let hi =
+                            _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), m), eight);
+                        s = _mm256_add_epi32(s, _mm256_add_epi32(dot32(lo, a0), dot32(hi, a1)));
+                    }
+                }
                 _ => {
                     for (wb, ab) in w.chunks_exact(16).zip(a.chunks_exact(32)) {
                         // SAFETY: `wb` holds 16 bytes, `ab` 32.
@@ -949,11 +986,11 @@ mod avx512 {
                                 _mm512_loadu_si512(ab.as_ptr() as *const _),
                             )
                         };
+                        // 64-element nibble block: low nibbles meet activations 0..32, high
+                        // nibbles 32..64, so the halves go in as they are.
                         let lo = _mm256_and_si256(v, m);
                         let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-                        let b0 = _mm256_permute2x128_si256(lo, hi, 0x20);
-                        let b1 = _mm256_permute2x128_si256(lo, hi, 0x31);
-                        let nib = _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1);
+                        let nib = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
                         s = _mm512_dpbusd_epi32(s, nib, av);
                     }
                     let ls = &lane_sums[g * 8..g * 8 + 8];
@@ -1084,7 +1121,7 @@ mod tests {
     #[test]
     fn int8_activation_path_is_bit_identical_across_isas_and_batches() {
         for kind in [QuantKind::Int8, QuantKind::Int4] {
-            for (r, c, g) in [(7, 64, 64), (33, 192, 32), (65, 256, 64)] {
+            for (r, c, g) in [(7, 64, 64), (33, 192, 32), (65, 256, 64), (17, 256, 128)] {
                 let q = QMatrix::quantize(&Matrix::new(r, c, data(r as u64 + 40, r * c)), kind, g)
                     .unwrap();
                 assert!(q.integer_path());
