@@ -365,6 +365,21 @@ fn plan_and_doctor_report_json_with_stable_ids_and_exit_codes() {
         err.contains("CRC-32") && err.contains("layer 2 expert 5"),
         "{err}"
     );
+    // a checkpoint directory runs with everything in RAM: a warning, and a RAM check
+    let ck = fixture("glm5-tiny");
+    let (ok, out, _) = charm(&["doctor", "--model", ck.to_str().unwrap(), "--json"]);
+    assert!(ok, "{out}");
+    assert_eq!(status(&json(&out), "model.container"), "warn");
+    let (ok, out, _) = charm(&[
+        "doctor",
+        "--model",
+        ck.to_str().unwrap(),
+        "--json",
+        "--ram",
+        "0.0001",
+    ]);
+    assert!(!ok, "{out}");
+    assert_eq!(status(&json(&out), "ram.budget"), "fail");
     // not a model at all, and bad usage
     let missing = dir.join("nope");
     let (ok, out, _) = charm(&["doctor", "--model", missing.to_str().unwrap()]);

@@ -80,11 +80,50 @@ pub fn doctor(dir: &Path, input: &PlanInput, deep: bool, direct: bool) -> Report
         }
     };
     if !Container::is_container(dir) {
-        checks.push(check(
-            "model.container",
-            Status::Fail,
-            format!("no {MANIFEST}: single-box streaming reads a charm container; make one with `charm convert --model {} --out DIR`", dir.display()),
-        ));
+        // A Hugging Face (or colibrì) directory runs too, with every weight in RAM as f32.
+        let ck = charm_shared::checkpoint::Checkpoint::open(dir);
+        match ck {
+            Ok(ck) => {
+                checks.push(check(
+                    "model.container",
+                    Status::Warn,
+                    format!("no {MANIFEST}: a checkpoint directory runs with every weight in RAM as f32, nothing streamed; `charm convert --model {} --out DIR` makes a container that streams experts from disk", dir.display()),
+                ));
+                let params: u64 = ck
+                    .names()
+                    .filter_map(|n| ck.info(n))
+                    .map(|(t, _)| t.shape.iter().map(|&d| d as u64).product::<u64>())
+                    .sum();
+                let need = 4 * params;
+                let budget = input.ram.or_else(|| meminfo().map(|m| m.available));
+                checks.push(match budget {
+                    Some(b) if need > b => check(
+                        "ram.budget",
+                        Status::Fail,
+                        format!(
+                            "its weights need {} as f32, more than the {} available; convert it to a container",
+                            crate::plan::human(need),
+                            crate::plan::human(b)
+                        ),
+                    ),
+                    Some(b) => check(
+                        "ram.budget",
+                        Status::Ok,
+                        format!(
+                            "its weights need {} as f32 of {} available",
+                            crate::plan::human(need),
+                            crate::plan::human(b)
+                        ),
+                    ),
+                    None => check("ram.budget", Status::Skip, "available memory unknown"),
+                });
+            }
+            Err(e) => checks.push(check(
+                "model.container",
+                Status::Fail,
+                format!("neither a charm container ({MANIFEST}) nor a loadable checkpoint: {e}"),
+            )),
+        }
         return report(checks);
     }
     let c = match Container::open(dir) {
