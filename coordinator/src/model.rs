@@ -275,20 +275,6 @@ impl WeightSource for Container {
     }
 }
 
-fn check_model_type(dir: &Path, spec: &ModelSpec, c: &Container) -> Result<(), LoadError> {
-    if c.manifest.model_type != spec.arch.model_type() {
-        return Err(LoadError::Config {
-            path: dir.join("config.json"),
-            reason: format!(
-                "config.json says {} but the container was made from {}",
-                spec.arch.model_type(),
-                c.manifest.model_type
-            ),
-        });
-    }
-    Ok(())
-}
-
 /// Options of [`Model::load_streaming`].
 #[derive(Debug, Clone)]
 pub struct StreamOptions {
@@ -489,12 +475,11 @@ impl Model {
     /// Loads `dir` (config.json + safetensors shards) with every routed expert in RAM.
     /// A charm container (`charm.json` present) loads with its stored formats.
     pub fn load(dir: &Path) -> Result<Self, LoadError> {
-        let spec = ModelSpec::from_dir(dir)?;
         if Container::is_container(dir) {
-            let c = Container::open(dir)?;
-            check_model_type(dir, &spec, &c)?;
+            let (spec, c) = crate::plan::open_container(dir)?;
             return Self::from_source(spec, &c);
         }
+        let spec = ModelSpec::from_dir(dir)?;
         if charm_shared::colibri::is_colibri(dir) {
             return Self::from_source(spec, &ColibriSource(Checkpoint::open(dir)?));
         }
@@ -516,15 +501,7 @@ impl Model {
     /// a RAM cache sized by [`crate::plan`]. Refuses, saying what would fit, when the budget
     /// cannot hold the skeleton and a minimal expert cache.
     pub fn load_streaming(dir: &Path, opts: &StreamOptions) -> Result<(Self, Plan), LoadError> {
-        let spec = ModelSpec::from_dir(dir)?;
-        if !Container::is_container(dir) {
-            return Err(LoadError::config(
-                dir.join(charm_shared::container::MANIFEST),
-                "streaming experts from disk needs a charm container: convert the model with `charm convert` first",
-            ));
-        }
-        let c = Container::open(dir)?;
-        check_model_type(dir, &spec, &c)?;
+        let (spec, c) = crate::plan::open_container(dir)?;
         let p = crate::plan::plan_container(dir, &spec, &c, &opts.plan)?;
         if !p.fits {
             return Err(LoadError::config(dir, p.refusal()));

@@ -22,39 +22,31 @@ pub struct MemInfo {
     pub available: u64,
 }
 
+/// The `NAME:   123 kB` field of a `/proc` status file, in bytes.
+fn kb_field(text: &str, name: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with(name))?;
+    let kb: u64 = line[name.len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
+
 /// `MemTotal` and `MemAvailable`, where the system has them.
 pub fn meminfo() -> Option<MemInfo> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let field = |name: &str| -> Option<u64> {
-        let line = text.lines().find(|l| l.starts_with(name))?;
-        let kb: u64 = line[name.len()..]
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()
-            .ok()?;
-        Some(kb * 1024)
-    };
     Some(MemInfo {
-        total: field("MemTotal:")?,
-        available: field("MemAvailable:")?,
+        total: kb_field(&text, "MemTotal:")?,
+        available: kb_field(&text, "MemAvailable:")?,
     })
 }
 
 /// Peak and current resident set size of this process (`VmHWM`, `VmRSS`), in bytes.
 pub fn rss() -> Option<(u64, u64)> {
     let text = std::fs::read_to_string("/proc/self/status").ok()?;
-    let field = |name: &str| -> Option<u64> {
-        let line = text.lines().find(|l| l.starts_with(name))?;
-        line[name.len()..]
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse::<u64>()
-            .ok()
-            .map(|k| k * 1024)
-    };
-    Some((field("VmHWM:")?, field("VmRSS:")?))
+    Some((kb_field(&text, "VmHWM:")?, kb_field(&text, "VmRSS:")?))
 }
 
 /// What the planner may assume or was told.
@@ -164,15 +156,32 @@ fn dense_ram(name: &str, t: &charm_shared::container::DenseTensor) -> u64 {
 
 /// Plans `dir` (a charm container) with `input`. Reads only metadata.
 pub fn plan(dir: &Path, input: &PlanInput) -> Result<Plan, LoadError> {
+    let (spec, c) = open_container(dir)?;
+    plan_container(dir, &spec, &c, input)
+}
+
+/// `dir`'s config and container, refusing a directory that is not a container (streaming reads
+/// expert records) or whose container was made from another architecture.
+pub fn open_container(dir: &Path) -> Result<(ModelSpec, Container), LoadError> {
     let spec = ModelSpec::from_dir(dir)?;
     if !Container::is_container(dir) {
         return Err(LoadError::config(
             dir.join(charm_shared::container::MANIFEST),
-            "single-box streaming needs a charm container: convert the model with `charm convert` first",
+            "streaming experts from disk needs a charm container: convert the model with `charm convert` first",
         ));
     }
     let c = Container::open(dir)?;
-    plan_container(dir, &spec, &c, input)
+    if c.manifest.model_type != spec.arch.model_type() {
+        return Err(LoadError::config(
+            dir.join("config.json"),
+            format!(
+                "config.json says {} but the container was made from {}",
+                spec.arch.model_type(),
+                c.manifest.model_type
+            ),
+        ));
+    }
+    Ok((spec, c))
 }
 
 /// [`plan`] for an opened container.
@@ -183,7 +192,7 @@ pub fn plan_container(
     input: &PlanInput,
 ) -> Result<Plan, LoadError> {
     let m = &c.manifest;
-    let mut dense_bytes: u64 = m.tensors.iter().map(|(n, t)| dense_ram(n, t)).sum();
+    let dense_bytes: u64 = m.tensors.iter().map(|(n, t)| dense_ram(n, t)).sum();
     // The KV cache reserves its full context up front (no growth doubling).
     let kv_bytes =
         4 * (KvCache::floats_per_token(spec) as u64 + mtp_kv(spec)) * input.context as u64;
@@ -219,11 +228,8 @@ pub fn plan_container(
         .tensors
         .get("model.embed_tokens.weight")
         .map_or(0, |t| dense_ram("model.embed_tokens.weight", t));
+    // a tied head reads the embedding table whole every token
     let tied = spec.tie_word_embeddings && !m.tensors.contains_key("lm_head.weight");
-    if tied {
-        // one table serves both; nothing extra
-        dense_bytes = dense_bytes.max(embed);
-    }
     let resident_bytes = dense_bytes + kv_bytes + io + working_bytes;
     let mem = meminfo();
     let (budget, source) = match input.ram {

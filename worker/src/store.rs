@@ -15,7 +15,8 @@
 //!   up to a share of the cache, are loaded at start and never evicted; the set is re-derived at
 //!   step boundaries as usage accrues.
 //! - **Memory**: cache bytes never exceed `capacity`; on top of it at most `readers` experts in
-//!   flight (their read buffers, a decoded copy each, and as many admitted-for-one-step experts).
+//!   flight (the record each reader is reading and decoding in place, held until there is room)
+//!   and as many experts admitted for one step or staged read-aheads.
 //!   [`StreamingExperts::io_bytes`] states that bound for the caller's budget.
 //!
 //! Every expert computes with the same kernels and the per-token sum keeps ascending expert order,
@@ -408,8 +409,9 @@ impl StreamingExperts {
             .collect()
     }
 
-    /// Memory on top of the cache capacity the store may use at most: per reader a read buffer,
-    /// a decoded expert awaiting room, and one expert admitted for a single step.
+    /// Memory on top of the cache capacity the store may use at most: per reader the record it
+    /// reads and decodes in place (held until there is room), one expert admitted for a single
+    /// step or staged as a read-ahead, and one more expert's worth of margin.
     pub fn io_bytes(&self) -> u64 {
         io_bytes(
             &self
