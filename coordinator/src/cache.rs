@@ -56,6 +56,18 @@ impl KvCache {
         }
     }
 
+    /// Reserves room for `tokens` more tokens in every layer, so a sequence of known length
+    /// never reallocates (no growth doubling past what the memory plan counted).
+    pub fn reserve(&mut self, tokens: usize, spec: &ModelSpec) {
+        let idx = spec.dsa.as_ref().map_or(0, |d| d.head_dim);
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            l.kv.reserve_exact(tokens * l.width);
+            if spec.layers.get(i).and_then(|s| s.indexer) == Some(IndexerKind::Full) {
+                l.index_keys.reserve_exact(tokens * idx);
+            }
+        }
+    }
+
     /// Tokens cached so far.
     pub fn len(&self) -> usize {
         self.layers.first().map_or(0, |l| l.len())

@@ -50,6 +50,7 @@ pub fn generate(
         return Err(ForwardError::Shape("the prompt is empty".into()));
     }
     let mut cache = KvCache::new(&model.spec);
+    cache.reserve(prompt.len() + max_tokens, &model.spec);
     let h = model.spec.hidden_size;
     let t0 = Instant::now();
     let mut ids = Vec::with_capacity(max_tokens);

@@ -193,7 +193,7 @@ pub fn plan_container(
 ) -> Result<Plan, LoadError> {
     let m = &c.manifest;
     let dense_bytes: u64 = m.tensors.iter().map(|(n, t)| dense_ram(n, t)).sum();
-    // The KV cache reserves its full context up front (no growth doubling).
+    // Generation reserves the KV cache for its full context up front (no growth doubling).
     let kv_bytes =
         4 * (KvCache::floats_per_token(spec) as u64 + mtp_kv(spec)) * input.context as u64;
     let layers: Vec<_> = c.expert_layers().collect();
