@@ -589,26 +589,7 @@ fn cmd_convert(
 
 fn cmd_quality(model: &Path, reference: &Path, json: bool, store: &StoreArgs) -> Result<()> {
     let r = charm_shared::safetensors::SafetensorsFile::open(reference)?;
-    let ids_info = r
-        .header
-        .tensors
-        .get("tf_input_ids")
-        .context("reference has no `tf_input_ids`")?;
-    let ids: Vec<u32> = match ids_info.dtype.size() {
-        8 => r
-            .bytes("tf_input_ids")
-            .expect("present")
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().expect("8")) as u32)
-            .collect(),
-        4 => r
-            .bytes("tf_input_ids")
-            .expect("present")
-            .chunks_exact(4)
-            .map(|c| i32::from_le_bytes(c.try_into().expect("4")) as u32)
-            .collect(),
-        _ => bail!("tf_input_ids must be i64 or i32"),
-    };
+    let ids = token_ids(&r, "tf_input_ids").context("reading the reference")?;
     let li = r
         .header
         .tensors
@@ -649,27 +630,16 @@ fn cmd_quality(model: &Path, reference: &Path, json: bool, store: &StoreArgs) ->
 
 fn read_ids_file(p: &Path) -> Result<Vec<u32>> {
     let f = charm_shared::safetensors::SafetensorsFile::open(p)?;
-    let t = f
-        .header
-        .tensors
-        .get("ids")
-        .context("the ids file has no tensor `ids`")?;
-    let b = f.bytes("ids").expect("present");
-    Ok(match t.dtype {
-        charm_shared::dtype::DType::I64 => b
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().expect("8")) as u32)
-            .collect(),
-        charm_shared::dtype::DType::I32 => b
-            .chunks_exact(4)
-            .map(|c| i32::from_le_bytes(c.try_into().expect("4")) as u32)
-            .collect(),
-        charm_shared::dtype::DType::U32 => b
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes(c.try_into().expect("4")))
-            .collect(),
-        d => bail!("ids must be I64, I32 or U32, not {}", d.name()),
-    })
+    token_ids(&f, "ids").with_context(|| format!("reading {}", p.display()))
+}
+
+/// Integer tensor `name` of `f` as token ids (refusing negative or too large values).
+fn token_ids(f: &charm_shared::safetensors::SafetensorsFile, name: &str) -> Result<Vec<u32>> {
+    f.ints(name)
+        .map_err(anyhow::Error::msg)?
+        .into_iter()
+        .map(|v| u32::try_from(v).with_context(|| format!("`{name}` holds {v}, not a token id")))
+        .collect()
 }
 
 fn cmd_evaluate(

@@ -46,20 +46,7 @@ impl Oracle {
         to_f32(self.0.header.tensors[n].dtype, self.0.bytes(n).unwrap()).unwrap()
     }
     fn ints(&self, n: &str) -> Vec<i64> {
-        let t = &self.0.header.tensors[n];
-        let b = self.0.bytes(n).unwrap();
-        match t.dtype.size() {
-            8 => b
-                .chunks_exact(8)
-                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-                .collect(),
-            4 => b
-                .chunks_exact(4)
-                .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
-                .collect(),
-            1 => b.iter().map(|&x| x as i64).collect(),
-            s => panic!("{n}: element size {s}"),
-        }
+        self.0.ints(n).unwrap()
     }
     fn ids(&self, n: &str) -> Vec<u32> {
         self.ints(n).into_iter().map(|x| x as u32).collect()

@@ -256,6 +256,40 @@ impl SafetensorsFile {
     }
 
     /// The raw bytes of tensor `name` (validated to lie inside the file at open).
+    /// Integer tensor `name` as i64 (I64, I32, I16, I8, U32, U16, U8; U64 values must fit).
+    /// An error names what is wrong: absent, not an integer dtype, or out of range.
+    pub fn ints(&self, name: &str) -> Result<Vec<i64>, String> {
+        use crate::dtype::DType;
+        let t = self
+            .header
+            .tensors
+            .get(name)
+            .ok_or_else(|| format!("no tensor `{name}`"))?;
+        let b = self.bytes(name).expect("listed");
+        fn le<const N: usize>(b: &[u8], f: fn([u8; N]) -> i64) -> Vec<i64> {
+            b.chunks_exact(N)
+                .map(|c| f(c.try_into().expect("chunk of N")))
+                .collect()
+        }
+        Ok(match t.dtype {
+            DType::I64 => le(b, i64::from_le_bytes),
+            DType::I32 => le(b, |c| i32::from_le_bytes(c) as i64),
+            DType::I16 => le(b, |c| i16::from_le_bytes(c) as i64),
+            DType::I8 => le(b, |c: [u8; 1]| c[0] as i8 as i64),
+            DType::U32 => le(b, |c| u32::from_le_bytes(c) as i64),
+            DType::U16 => le(b, |c| u16::from_le_bytes(c) as i64),
+            DType::U8 => le(b, |c: [u8; 1]| c[0] as i64),
+            DType::U64 => b
+                .chunks_exact(8)
+                .map(|c| {
+                    i64::try_from(u64::from_le_bytes(c.try_into().expect("8")))
+                        .map_err(|_| format!("`{name}` holds a value beyond i64"))
+                })
+                .collect::<Result<_, _>>()?,
+            d => return Err(format!("`{name}` is {}, not an integer tensor", d.name())),
+        })
+    }
+
     pub fn bytes(&self, name: &str) -> Option<&[u8]> {
         let t = self.header.tensors.get(name)?;
         let s = self.header.data_start;
@@ -397,5 +431,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn ints_decode_integer_dtypes_and_refuse_others() {
+        let mut b = file(
+            r#"{"a":{"dtype":"I32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[2],"data_offsets":[8,10]},"c":{"dtype":"F64","shape":[1],"data_offsets":[16,24]}}"#,
+            24,
+        );
+        let d = b.len() - 24;
+        b[d..d + 4].copy_from_slice(&(-3i32).to_le_bytes());
+        b[d + 4..d + 8].copy_from_slice(&7i32.to_le_bytes());
+        b[d + 8] = 200;
+        let p = std::env::temp_dir().join(format!("charm-ints-{}.safetensors", std::process::id()));
+        std::fs::write(&p, &b).unwrap();
+        let f = SafetensorsFile::open(&p).unwrap();
+        assert_eq!(f.ints("a").unwrap(), vec![-3, 7]);
+        assert_eq!(f.ints("b").unwrap(), vec![200, 0]);
+        assert!(f.ints("c").unwrap_err().contains("not an integer"));
+        assert!(f.ints("zz").unwrap_err().contains("no tensor"));
+        std::fs::remove_file(&p).unwrap();
     }
 }

@@ -84,19 +84,7 @@ pub fn tensor_f32(file: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
 
 /// An integer tensor (i64, i32 or u8) of a safetensors file.
 pub fn tensor_ints(file: &Path, name: &str) -> Vec<i64> {
-    let f = SafetensorsFile::open(file).unwrap();
-    let b = f.bytes(name).unwrap();
-    match f.header.tensors[name].dtype.size() {
-        8 => b
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-            .collect(),
-        4 => b
-            .chunks_exact(4)
-            .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
-            .collect(),
-        _ => b.iter().map(|&x| x as i64).collect(),
-    }
+    SafetensorsFile::open(file).unwrap().ints(name).unwrap()
 }
 
 /// Token ids stored in a fixture's `oracle.safetensors`.
