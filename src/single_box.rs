@@ -8,8 +8,8 @@ use charm_coordinator::model::StreamOptions;
 use charm_coordinator::plan::{human, rss, Plan, PlanInput};
 use charm_coordinator::synth::{synth, SynthOptions};
 use charm_coordinator::Model;
-use charm_shared::container::{Container, StoreFormat, MANIFEST};
-use charm_worker::history::model_id;
+use charm_shared::container::{Container, StoreFormat};
+use charm_worker::history::container_model_id;
 use charm_worker::io::{random_reads, AlignedBuf, RecordFile};
 use charm_worker::StoreStats;
 use clap::Args;
@@ -53,11 +53,11 @@ impl StoreArgs {
             Some("none") => None,
             Some(p) => Some(PathBuf::from(p)),
             None => {
-                let m = std::fs::read(dir.join(MANIFEST)).ok()?;
+                let id = container_model_id(dir).ok()?;
                 Some(
                     cache_home()?
                         .join("charm")
-                        .join(format!("routing-{}.json", model_id(&m))),
+                        .join(format!("routing-{id}.json")),
                 )
             }
         }

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use charm_shared::config::ModelSpec;
 use charm_shared::container::{Container, MANIFEST};
-use charm_worker::history::{model_id, History};
+use charm_worker::history::History;
 use charm_worker::io::{random_reads, RecordFile};
 use serde::Serialize;
 
@@ -322,11 +322,7 @@ pub fn doctor(dir: &Path, input: &PlanInput, deep: bool, direct: bool) -> Report
         format!("kernels: {:?}", charm_shared::quant::active_isa()),
     ));
     if let Some(p) = &input.history {
-        let shape = c.expert_layers().map(|l| (l.layer, l.count)).collect();
-        let id = std::fs::read(dir.join(MANIFEST))
-            .map(|m| model_id(&m))
-            .unwrap_or_default();
-        checks.push(match History::load(p, &id, &shape) {
+        checks.push(match History::load_for(p, &c) {
             Ok(Some(h)) => check(
                 "history",
                 Status::Ok,

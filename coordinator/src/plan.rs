@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use charm_shared::config::ModelSpec;
 use charm_shared::container::{Container, StoreFormat};
 use charm_shared::LoadError;
-use charm_worker::history::{model_id, History};
+use charm_worker::history::History;
 use charm_worker::store::{expert_ram_bytes, io_bytes};
 use serde::Serialize;
 
@@ -266,12 +266,8 @@ pub fn plan_container(
     let active = top_k as u64 * moe_layers as u64 * expert_bytes;
     // Expected hit rate: the cached experts are the most-used ones (pinning plus frequency-aware
     // replacement), so with a history the hit rate is the usage share of the top `cache_experts`.
-    let shape = layers.iter().map(|l| (l.layer, l.count)).collect();
-    let manifest = std::fs::read(dir.join(charm_shared::container::MANIFEST))
-        .map_err(|e| LoadError::io(dir, e))?;
     let hist = match &input.history {
-        Some(p) => History::load(p, &model_id(&manifest), &shape)
-            .map_err(|e| LoadError::config(p, e.to_string()))?,
+        Some(p) => History::load_for(p, c).map_err(|e| LoadError::config(p, e.to_string()))?,
         None => None,
     };
     let (hit, hit_source) = if all_resident {

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use charm_shared::container::Container;
 use serde::{Deserialize, Serialize};
 
 /// Format name written in the file.
@@ -47,7 +48,37 @@ pub fn model_id(manifest: &[u8]) -> String {
     format!("{:08x}-{}", crc32fast::hash(manifest), manifest.len())
 }
 
+/// [`model_id`] of the container in `dir`.
+pub fn container_model_id(dir: &Path) -> std::io::Result<String> {
+    std::fs::read(dir.join(charm_shared::container::MANIFEST)).map(|m| model_id(&m))
+}
+
+/// The id and expert-layer shape (layer -> experts) a history of container `c` must match.
+fn identity(c: &Container) -> Result<(String, BTreeMap<usize, usize>), HistoryError> {
+    let id = container_model_id(&c.dir).map_err(|source| HistoryError::Io {
+        path: c.dir.join(charm_shared::container::MANIFEST),
+        source,
+    })?;
+    Ok((id, c.expert_layers().map(|l| (l.layer, l.count)).collect()))
+}
+
 impl History {
+    /// Loads `path` for container `c` (see [`Self::load`]).
+    pub fn load_for(path: &Path, c: &Container) -> Result<Option<Self>, HistoryError> {
+        let (id, shape) = identity(c)?;
+        Self::load(path, &id, &shape)
+    }
+
+    /// [`Self::load_for`], or an empty history of `c` when `path` is `None` or absent.
+    pub fn load_or_new(path: Option<&Path>, c: &Container) -> Result<Self, HistoryError> {
+        let (id, shape) = identity(c)?;
+        Ok(match path {
+            Some(p) => Self::load(p, &id, &shape)?,
+            None => None,
+        }
+        .unwrap_or_else(|| Self::new(&id, shape)))
+    }
+
     /// An empty history for `model_id`, with `experts` counters for each listed layer.
     pub fn new(model_id: &str, layers: impl IntoIterator<Item = (usize, usize)>) -> Self {
         Self {

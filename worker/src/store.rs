@@ -34,7 +34,7 @@ use charm_shared::quant::SharedBytes;
 use rayon::prelude::*;
 use serde::Serialize;
 
-use crate::history::{model_id, History, HistoryError};
+use crate::history::History;
 use crate::io::{AlignedBuf, RecordFile, DIRECT_ALIGN};
 use crate::{combine, gather, plan_runs, ExpertBatch, ExpertError, ExpertExecutor};
 
@@ -311,17 +311,8 @@ impl StreamingExperts {
             .max()
             .unwrap_or(0);
         let readers = opts.readers.max(1);
-        let manifest = std::fs::read(c.dir.join(charm_shared::container::MANIFEST))
-            .map_err(|e| io(&c.dir, e))?;
-        let id = model_id(&manifest);
-        let shape: BTreeMap<usize, usize> =
-            layers.iter().map(|(&l, s)| (l, s.meta.count)).collect();
-        let history = match &opts.history {
-            Some(p) => History::load(p, &id, &shape)
-                .map_err(|e: HistoryError| ExpertError::Load(e.to_string()))?,
-            None => None,
-        }
-        .unwrap_or_else(|| History::new(&id, shape.clone()));
+        let history = History::load_or_new(opts.history.as_deref(), c)
+            .map_err(|e| ExpertError::Load(e.to_string()))?;
         let direct = layers.values().all(|l| l.file.direct);
         let total_bytes = layers
             .values()
