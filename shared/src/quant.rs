@@ -475,7 +475,7 @@ impl QMatrix {
         let (cols, group, ng) = (self.cols, self.group, self.groups());
         let int4 = self.kind == QuantKind::Int4;
         let qx: Vec<QuantizedActs> = (0..n)
-            .map(|t| QuantizedActs::new(&x[t * cols..(t + 1) * cols], group, int4))
+            .map(|t| QuantizedActs::new(&x[t * cols..(t + 1) * cols], group, int4, isa))
             .collect();
         let rb = self.row_bytes();
         par_rows(
@@ -485,8 +485,14 @@ impl QMatrix {
             |_, r, out| {
                 let row = &self.data[r * rb..(r + 1) * rb];
                 let sc = &self.scales[r * ng..(r + 1) * ng];
-                for (t, v) in out.iter_mut().enumerate() {
-                    *v = row_dot_i8(self.kind, group, row, sc, &qx[t], isa);
+                let mut tiles = out.chunks_exact_mut(TILE);
+                for (k, o) in (&mut tiles).enumerate() {
+                    let a: [&QuantizedActs; TILE] = std::array::from_fn(|i| &qx[k * TILE + i]);
+                    o.copy_from_slice(&row_dot_i8_tile(self.kind, group, row, sc, a, isa));
+                }
+                let done = n - n % TILE;
+                for (t, v) in tiles.into_remainder().iter_mut().enumerate() {
+                    *v = row_dot_i8(self.kind, group, row, sc, &qx[done + t], isa);
                 }
             },
         )
@@ -515,36 +521,48 @@ struct QuantizedActs {
 }
 
 impl QuantizedActs {
-    fn new(x: &[f32], group: usize, nibble_order: bool) -> Self {
+    fn new(x: &[f32], group: usize, nibble_order: bool, isa: Isa) -> Self {
         let mut q = vec![0i8; x.len()];
         let mut scale = Vec::with_capacity(x.len() / group);
         let nb = nibble_block(group);
+        let mut codes = vec![0i8; group];
         for (g, xs) in x.chunks(group).enumerate() {
-            let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-            let d = amax / 127.0;
-            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let d = quantize_group(xs, &mut codes, isa);
             scale.push(d);
-            for (b, blk) in xs.chunks(nb).enumerate() {
-                for (i, v) in blk.iter().enumerate() {
-                    let c = (v * inv).round().clamp(-127.0, 127.0) as i8;
-                    let j = if nibble_order {
-                        if i % 2 == 0 {
-                            i / 2
-                        } else {
-                            nb / 2 + i / 2
-                        }
-                    } else {
-                        i
-                    };
-                    q[g * group + b * nb + j] = c;
+            let qg = &mut q[g * group..(g + 1) * group];
+            if nibble_order {
+                for (dst, src) in qg.chunks_exact_mut(nb).zip(codes.chunks_exact(nb)) {
+                    for (i, pair) in src.chunks_exact(2).enumerate() {
+                        dst[i] = pair[0];
+                        dst[nb / 2 + i] = pair[1];
+                    }
                 }
+            } else {
+                qg.copy_from_slice(&codes);
             }
         }
         let mut sum = vec![0i32; 8 * (x.len() / group)];
-        for (k, &v) in q.iter().enumerate() {
-            sum[(k / group) * 8 + (k % 32) / 4] += v as i32;
+        for (k, blk) in q.chunks_exact(32).enumerate() {
+            let ls = &mut sum[(k * 32 / group) * 8..][..8];
+            for (m, quad) in blk.chunks_exact(4).enumerate() {
+                ls[m] += quad.iter().map(|&v| v as i32).sum::<i32>();
+            }
         }
         Self { q, scale, sum }
+    }
+}
+
+/// Quantizes one group of activations to int8 codes (scale `amax / 127`, round half away from
+/// zero, clamp to +-127, NaN to 0) and returns the scale. Every ISA gives the same codes.
+fn quantize_group(xs: &[f32], out: &mut [i8], isa: Isa) -> f32 {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only constructed after checking avx2 and fma (implied by
+        // Avx512Vnni).
+        Isa::Avx2 | Isa::Avx512Vnni if xs.len().is_multiple_of(8) => unsafe {
+            avx2::quantize_group(xs, out)
+        },
+        _ => scalar::quantize_group(xs, out),
     }
 }
 
@@ -573,6 +591,44 @@ fn row_dot_i8(
         // SAFETY: as above (AVX2 is implied).
         Isa::Avx512Vnni => unsafe { avx2::row_dot_i8(kind, group, row, sc, &a.q, &a.scale) },
         _ => scalar::row_dot_i8(kind, group, row, sc, &a.q, &a.scale),
+    }
+}
+
+/// Tokens per tile of the multi-token integer kernel: each block of a row's weights is loaded
+/// (and int4 unpacked) once for this many tokens.
+const TILE: usize = 4;
+
+/// [`row_dot_i8`] for [`TILE`] tokens at once. Each token's result is computed with exactly the
+/// operations of the one-token kernel (the integer sums are exact, the float steps the same), so
+/// tiling never changes a bit.
+#[inline]
+fn row_dot_i8_tile(
+    kind: QuantKind,
+    group: usize,
+    row: &[u8],
+    sc: &[f32],
+    a: [&QuantizedActs; TILE],
+    isa: Isa,
+) -> [f32; TILE] {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx512Vnni` is only constructed after checking avx512f/bw/vnni and avx2.
+        Isa::Avx512Vnni if group.is_multiple_of(64) => unsafe {
+            avx512::row_dot_i8_tile(kind, group, row, sc, a)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only constructed after checking avx2 (implied by Avx512Vnni).
+        Isa::Avx2 | Isa::Avx512Vnni => unsafe {
+            avx2::row_dot_i8_tile(
+                kind,
+                group,
+                row,
+                sc,
+                a.map(|x| &x.q[..]),
+                a.map(|x| &x.scale[..]),
+            )
+        },
+        _ => a.map(|x| scalar::row_dot_i8(kind, group, row, sc, &x.q, &x.scale)),
     }
 }
 
@@ -644,6 +700,17 @@ fn decode_row(kind: QuantKind, row: &[u8], out: &mut [f32], isa: Isa) {
 /// The reference kernels.
 pub mod scalar {
     use super::{tree, Codes, QuantKind};
+
+    /// Reference twin of [`super::quantize_group`].
+    pub(super) fn quantize_group(xs: &[f32], out: &mut [i8]) -> f32 {
+        let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        for (o, v) in out.iter_mut().zip(xs) {
+            *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
+        }
+        d
+    }
 
     /// Decodes 8 weights starting at element `i` of a packed row into integer codes as f32.
     #[inline]
@@ -763,6 +830,47 @@ mod avx2 {
         (a[0] + a[1]) + (a[2] + a[3])
     }
 
+    /// AVX2 twin of [`super::scalar::quantize_group`] for lengths that are multiples of 8: the
+    /// same maximum (NaN ignored), the same scale and reciprocal, and round half away from zero
+    /// as `trunc(y) + (|y - trunc(y)| >= 0.5 ? sign(y) : 0)` (the difference is exact).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn quantize_group(xs: &[f32], out: &mut [i8]) -> f32 {
+        let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
+        let mut m = _mm256_setzero_ps();
+        for c in xs.chunks_exact(8) {
+            // SAFETY: `c` holds 8 floats.
+            let v = unsafe { _mm256_loadu_ps(c.as_ptr()) };
+            // max_ps returns its second operand when either is NaN: NaNs are skipped
+            m = _mm256_max_ps(_mm256_and_ps(v, abs_mask), m);
+        }
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` has room for 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
+        let amax = lanes.iter().fold(0.0f32, |a, v| a.max(*v));
+        let d = amax / 127.0;
+        let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+        let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+        let sign = _mm256_set1_ps(-0.0);
+        let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+        for (c, o) in xs.chunks_exact(8).zip(out.chunks_exact_mut(8)) {
+            // SAFETY: `c` holds 8 floats.
+            let y = _mm256_mul_ps(unsafe { _mm256_loadu_ps(c.as_ptr()) }, inv);
+            let t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            let f = _mm256_and_ps(_mm256_sub_ps(y, t), abs_mask);
+            let away = _mm256_and_ps(_mm256_cmp_ps(f, half, _CMP_GE_OQ), one);
+            let r = _mm256_add_ps(t, _mm256_or_ps(away, _mm256_and_ps(y, sign)));
+            let r = _mm256_and_ps(r, _mm256_cmp_ps(y, y, _CMP_ORD_Q));
+            let r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+            let mut v = [0i32; 8];
+            // SAFETY: `v` has room for 8 i32.
+            unsafe { _mm256_storeu_si256(v.as_mut_ptr() as *mut __m256i, _mm256_cvtps_epi32(r)) };
+            for (a, b) in o.iter_mut().zip(v) {
+                *a = b as i8;
+            }
+        }
+        d
+    }
+
     /// 8 codes starting at element `i`, as f32.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -801,9 +909,99 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn dot32(w: __m256i, a: __m256i) -> __m256i {
-        let aw = _mm256_sign_epi8(w, w);
+        dot32_abs(_mm256_sign_epi8(w, w), w, a)
+    }
+
+    /// [`dot32`] with `|w|` already computed (shared by the tokens of a tile).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn dot32_abs(aw: __m256i, w: __m256i, a: __m256i) -> __m256i {
         let sa = _mm256_sign_epi8(a, w);
         _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), _mm256_set1_epi16(1))
+    }
+
+    /// 32 activation bytes of token slice `a` from element `i`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn load32(a: &[i8], i: usize) -> __m256i {
+        let b = &a[i..i + 32];
+        // SAFETY: `b` holds 32 bytes.
+        unsafe { _mm256_loadu_si256(b.as_ptr() as *const __m256i) }
+    }
+
+    /// Tiled twin of [`row_dot_i8`]: `T` tokens against one row, each block of weights loaded and
+    /// unpacked once; per token the same integer sums and float steps, so the same results.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn row_dot_i8_tile<const T: usize>(
+        kind: QuantKind,
+        group: usize,
+        row: &[u8],
+        sc: &[f32],
+        aq: [&[i8]; T],
+        ascale: [&[f32]; T],
+    ) -> [f32; T] {
+        let gb = group * kind.bits() / 8;
+        let eight = _mm256_set1_epi8(8);
+        let m = _mm256_set1_epi8(15);
+        let mut acc = [_mm256_setzero_ps(); T];
+        for g in 0..row.len() / gb {
+            let (w, base) = (&row[g * gb..(g + 1) * gb], g * group);
+            let mut s = [_mm256_setzero_si256(); T];
+            match kind {
+                QuantKind::Int8 => {
+                    for (c, wb) in w.chunks_exact(32).enumerate() {
+                        // SAFETY: `wb` holds 32 bytes.
+                        let wv = unsafe { _mm256_loadu_si256(wb.as_ptr() as *const __m256i) };
+                        let aw = _mm256_sign_epi8(wv, wv);
+                        for t in 0..T {
+                            let d = dot32_abs(aw, wv, load32(aq[t], base + 32 * c));
+                            s[t] = _mm256_add_epi32(s[t], d);
+                        }
+                    }
+                }
+                _ if group.is_multiple_of(64) => {
+                    for (c, wb) in w.chunks_exact(32).enumerate() {
+                        // SAFETY: `wb` holds 32 bytes.
+                        let v = unsafe { _mm256_loadu_si256(wb.as_ptr() as *const __m256i) };
+                        let lo = _mm256_sub_epi8(_mm256_and_si256(v, m), eight);
+                        let hi =
+                            _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), m), eight);
+                        let (alo, ahi) = (_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(hi, hi));
+                        for t in 0..T {
+                            let i = base + 64 * c;
+                            let d = _mm256_add_epi32(
+                                dot32_abs(alo, lo, load32(aq[t], i)),
+                                dot32_abs(ahi, hi, load32(aq[t], i + 32)),
+                            );
+                            s[t] = _mm256_add_epi32(s[t], d);
+                        }
+                    }
+                }
+                _ => {
+                    let m = _mm_set1_epi8(15);
+                    for (c, wb) in w.chunks_exact(16).enumerate() {
+                        // SAFETY: `wb` holds 16 bytes.
+                        let v = unsafe { _mm_loadu_si128(wb.as_ptr() as *const __m128i) };
+                        let lo = _mm_and_si128(v, m);
+                        let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
+                        let wv = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight);
+                        let aw = _mm256_sign_epi8(wv, wv);
+                        for t in 0..T {
+                            let d = dot32_abs(aw, wv, load32(aq[t], base + 32 * c));
+                            s[t] = _mm256_add_epi32(s[t], d);
+                        }
+                    }
+                }
+            }
+            for t in 0..T {
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_set1_ps(sc[g] * ascale[t][g]),
+                    _mm256_cvtepi32_ps(s[t]),
+                    acc[t],
+                );
+            }
+        }
+        acc.map(|v| hsum_tree(v))
     }
 
     /// AVX2 twin of [`super::scalar::row_dot_i8`]: the same lanes, integer sums and fused float
@@ -932,7 +1130,7 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::QuantKind;
+    use super::{QuantKind, QuantizedActs};
 
     /// VNNI twin of [`super::scalar::row_dot_i8`] for groups that are multiples of 64. `vpdpbusd`
     /// multiplies unsigned bytes by signed ones: int4 feeds the stored nibbles (`q + 8`) and
@@ -1006,6 +1204,85 @@ mod avx512 {
             );
         }
         super::avx2::hsum_tree(acc)
+    }
+
+    /// 64 activation bytes of token `a` from element `i`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    fn load64(a: &[i8], i: usize) -> __m512i {
+        let b = &a[i..i + 64];
+        // SAFETY: `b` holds 64 bytes.
+        unsafe { _mm512_loadu_si512(b.as_ptr() as *const _) }
+    }
+
+    /// Tiled twin of [`row_dot_i8`]: `T` tokens against one row, each 64-byte block of weights
+    /// loaded (and unpacked) once, and int8's weight-sum correction computed once; per token the
+    /// same integer sums and float steps, so the same results.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    pub(super) fn row_dot_i8_tile<const T: usize>(
+        kind: QuantKind,
+        group: usize,
+        row: &[u8],
+        sc: &[f32],
+        a: [&QuantizedActs; T],
+    ) -> [f32; T] {
+        let gb = group * kind.bits() / 8;
+        let m = _mm256_set1_epi8(15);
+        let bias = _mm512_set1_epi8(-128);
+        let ones = _mm512_set1_epi8(1);
+        let mut acc = [_mm256_setzero_ps(); T];
+        let fold = |v: __m512i| {
+            _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1))
+        };
+        for g in 0..row.len() / gb {
+            let (w, base) = (&row[g * gb..(g + 1) * gb], g * group);
+            let mut s = [_mm512_setzero_si512(); T];
+            let mut isum = [_mm256_setzero_si256(); T];
+            match kind {
+                QuantKind::Int8 => {
+                    let mut sw = _mm512_setzero_si512();
+                    for (c, wb) in w.chunks_exact(64).enumerate() {
+                        // SAFETY: `wb` holds 64 bytes.
+                        let wv = unsafe { _mm512_loadu_si512(wb.as_ptr() as *const _) };
+                        sw = _mm512_dpbusd_epi32(sw, ones, wv);
+                        for t in 0..T {
+                            let av = _mm512_xor_si512(load64(&a[t].q, base + 64 * c), bias);
+                            s[t] = _mm512_dpbusd_epi32(s[t], av, wv);
+                        }
+                    }
+                    let corr = _mm256_slli_epi32(fold(sw), 7);
+                    for t in 0..T {
+                        isum[t] = _mm256_sub_epi32(fold(s[t]), corr);
+                    }
+                }
+                _ => {
+                    for (c, wb) in w.chunks_exact(32).enumerate() {
+                        // SAFETY: `wb` holds 32 bytes.
+                        let v = unsafe { _mm256_loadu_si256(wb.as_ptr() as *const __m256i) };
+                        let lo = _mm256_and_si256(v, m);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+                        let nib = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                        for t in 0..T {
+                            s[t] = _mm512_dpbusd_epi32(s[t], nib, load64(&a[t].q, base + 64 * c));
+                        }
+                    }
+                    for t in 0..T {
+                        let ls = &a[t].sum[g * 8..g * 8 + 8];
+                        // SAFETY: `ls` holds 8 i32.
+                        let lv = unsafe { _mm256_loadu_si256(ls.as_ptr() as *const __m256i) };
+                        isum[t] = _mm256_sub_epi32(fold(s[t]), _mm256_slli_epi32(lv, 3));
+                    }
+                }
+            }
+            for t in 0..T {
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_set1_ps(sc[g] * a[t].scale[g]),
+                    _mm256_cvtepi32_ps(isum[t]),
+                    acc[t],
+                );
+            }
+        }
+        acc.map(|v| super::avx2::hsum_tree(v))
     }
 }
 
@@ -1125,7 +1402,8 @@ mod tests {
                 let q = QMatrix::quantize(&Matrix::new(r, c, data(r as u64 + 40, r * c)), kind, g)
                     .unwrap();
                 assert!(q.integer_path());
-                let n = 5;
+                // 11 tokens: two full tiles of the multi-token kernel and a remainder
+                let n = 11;
                 let x = data(41, n * c);
                 let s = q.matmul_with(&x, n, Isa::Scalar, Activations::Int8);
                 for isa in Isa::available() {
@@ -1134,7 +1412,15 @@ mod tests {
                     for t in 0..n {
                         assert_eq!(
                             q.matmul_with(&x[t * c..(t + 1) * c], 1, isa, Activations::Int8),
-                            v[t * r..(t + 1) * r].to_vec()
+                            v[t * r..(t + 1) * r].to_vec(),
+                            "{kind:?} {r}x{c} {isa:?} token {t}"
+                        );
+                    }
+                    for k in [2, 3, 4, 7] {
+                        assert_eq!(
+                            q.matmul_with(&x[..k * c], k, isa, Activations::Int8),
+                            v[..k * r].to_vec(),
+                            "{kind:?} {r}x{c} {isa:?}: first {k} tokens"
                         );
                     }
                 }
@@ -1155,6 +1441,44 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn activation_quantization_is_identical_on_every_isa() {
+        // amax 127 makes the scale 1, so the exact halves and their neighbours are hit
+        let mut edge = vec![
+            127.0,
+            2.5,
+            -2.5,
+            0.5,
+            -0.5,
+            0.49999997,
+            -0.49999997,
+            1.5000001,
+            -126.5,
+            0.0,
+            -0.0,
+            f32::NAN,
+            126.49999,
+            -127.0,
+            3.4999998,
+            64.5,
+        ];
+        edge.extend(data(5, 48).iter().map(|v| v * 300.0));
+        let inf = [[f32::INFINITY].as_slice(), &data(6, 63)].concat();
+        let groups = [edge, data(7, 64), vec![0.0; 32], inf, vec![f32::NAN; 8]];
+        for xs in groups {
+            let mut want = vec![0i8; xs.len()];
+            let d = scalar::quantize_group(&xs, &mut want);
+            for isa in Isa::available() {
+                let mut got = vec![0i8; xs.len()];
+                let e = quantize_group(&xs, &mut got, isa);
+                assert_eq!((e.to_bits(), &got), (d.to_bits(), &want), "{isa:?}");
+            }
+        }
+        let mut codes = [0i8; 4];
+        scalar::quantize_group(&[127.0, 2.5, -0.5, 0.49999997], &mut codes);
+        assert_eq!(codes, [127, 3, -1, 0], "round half away from zero");
     }
 
     #[test]
