@@ -87,14 +87,31 @@ pub fn par_rows<S>(
     init: impl Fn() -> S + Sync,
     row: impl Fn(&mut S, usize, &mut [f32]) + Sync,
 ) -> Vec<f32> {
-    let per = rows.div_ceil(8 * rayon::current_num_threads()).max(16);
-    let mut yt = vec![0.0f32; n * rows]; // [rows, n] while computing
-    yt.par_chunks_mut(n * per).enumerate().for_each(|(b, out)| {
+    par_row_blocks(rows, n, 1, |r0, out| {
         let mut state = init();
         for (k, o) in out.chunks_mut(n).enumerate() {
-            row(&mut state, b * per + k, o);
+            row(&mut state, r0 + k, o);
         }
-    });
+    })
+}
+
+/// [`par_rows`] for kernels that take several rows at once: `block(r0, out)` computes rows
+/// `r0..r0 + out.len() / n` into `out` (`[rows, n]`), and every block but the last starts at a
+/// multiple of `align` rows and holds a multiple of `align` rows. Returns `[n, rows]`.
+pub fn par_row_blocks(
+    rows: usize,
+    n: usize,
+    align: usize,
+    block: impl Fn(usize, &mut [f32]) + Sync,
+) -> Vec<f32> {
+    let per = rows
+        .div_ceil(8 * rayon::current_num_threads())
+        .max(16)
+        .next_multiple_of(align.max(1));
+    let mut yt = vec![0.0f32; n * rows]; // [rows, n] while computing
+    yt.par_chunks_mut(n * per)
+        .enumerate()
+        .for_each(|(b, out)| block(b * per, out));
     if n == 1 {
         return yt;
     }

@@ -21,7 +21,7 @@
 //! bit-identical to its scalar twin. [`Activations::Int8`] adds an integer path (exact i32 group
 //! sums, then the same float steps on every ISA).
 
-use crate::kernels::{par_rows, Matrix};
+use crate::kernels::{par_row_blocks, par_rows, Matrix};
 
 /// A weight storage format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -478,24 +478,58 @@ impl QMatrix {
             .map(|t| QuantizedActs::new(&x[t * cols..(t + 1) * cols], group, int4, isa))
             .collect();
         let rb = self.row_bytes();
-        par_rows(
-            self.rows,
-            n,
-            || (),
-            |_, r, out| {
-                let row = &self.data[r * rb..(r + 1) * rb];
-                let sc = &self.scales[r * ng..(r + 1) * ng];
-                let mut tiles = out.chunks_exact_mut(TILE);
-                for (k, o) in (&mut tiles).enumerate() {
-                    let a: [&QuantizedActs; TILE] = std::array::from_fn(|i| &qx[k * TILE + i]);
-                    o.copy_from_slice(&row_dot_i8_tile(self.kind, group, row, sc, a, isa));
+        let row = |r: usize| &self.data[r * rb..(r + 1) * rb];
+        let sc = |r: usize| &self.scales[r * ng..(r + 1) * ng];
+        // Computes rows `r0..r0 + R` (`k0` within this chunk) against tokens `t0..t0 + T`.
+        let block = |out: &mut [f32], k0: usize, r0: usize, t0: usize, r_t: (usize, usize)| {
+            macro_rules! run {
+                ($r:literal, $t:literal) => {{
+                    // the weights of the block after this one
+                    let from = ((r0 + $r) * rb).min(self.data.len());
+                    let to = ((r0 + 2 * $r) * rb).min(self.data.len());
+                    let ahead = &self.data[from..to];
+                    let res = block_dot_i8::<$r, $t>(
+                        self.kind,
+                        group,
+                        std::array::from_fn(|i| row(r0 + i)),
+                        std::array::from_fn(|i| sc(r0 + i)),
+                        std::array::from_fn(|i| &qx[t0 + i]),
+                        ahead,
+                        isa,
+                    );
+                    for (i, rr) in res.iter().enumerate() {
+                        out[(k0 + i) * n + t0..][..$t].copy_from_slice(rr);
+                    }
+                }};
+            }
+            match r_t {
+                (2, 4) => run!(2, 4),
+                (1, 4) => run!(1, 4),
+                (4, 1) => run!(4, 1),
+                _ => run!(1, 1),
+            }
+        };
+        par_row_blocks(self.rows, n, ROW_BLOCK, |r0, out| {
+            let k = out.len() / n;
+            // Tiles of 4 tokens, 2 rows at a time; the remaining tokens 4 rows at a time.
+            let full = n - n % 4;
+            for t0 in (0..full).step_by(4) {
+                let mut i = 0;
+                while i < k {
+                    let r = if k - i >= 2 { 2 } else { 1 };
+                    block(out, i, r0 + i, t0, (r, 4));
+                    i += r;
                 }
-                let done = n - n % TILE;
-                for (t, v) in tiles.into_remainder().iter_mut().enumerate() {
-                    *v = row_dot_i8(self.kind, group, row, sc, &qx[done + t], isa);
+            }
+            for t0 in full..n {
+                let mut i = 0;
+                while i < k {
+                    let r = if k - i >= 4 { 4 } else { 1 };
+                    block(out, i, r0 + i, t0, (r, 1));
+                    i += r;
                 }
-            },
-        )
+            }
+        })
     }
 }
 
@@ -566,69 +600,89 @@ fn quantize_group(xs: &[f32], out: &mut [i8], isa: Isa) -> f32 {
     }
 }
 
-/// One row against int8 activations: per group an exact i32 dot product of the packed weights
-/// (int8, or int4 nibbles stored as `q + 8`) with the activations in matching order, then
-/// `acc += (scale_w[g] * scale_x[g]) * isum` in group order (unfused, on every ISA).
+/// Rows per block of the integer path's parallel split (its row kernels take 1, 2 or 4 rows).
+const ROW_BLOCK: usize = 4;
+
+/// `R` rows against `T` tokens' int8 activations: per row, token and group an exact i32 dot
+/// product of the packed weights (int8, or int4 nibbles stored as `q + 8`) with the activations
+/// in matching order, then `acc += (scale_w[g] * scale_x[g]) * isum` in group order (8 lanes,
+/// fused, on every ISA), so each result is the same whatever `R` and `T` are: several rows and
+/// tokens only share loads, unpacking and the loop, and keep independent accumulator chains.
+/// `ahead` (the weights computed next, possibly empty) is prefetched into cache along the way: the
+/// rows' interleaved reads hide the order from the hardware prefetchers.
+#[allow(clippy::too_many_arguments)]
 #[inline]
-fn row_dot_i8(
+fn block_dot_i8<const R: usize, const T: usize>(
     kind: QuantKind,
     group: usize,
-    row: &[u8],
-    sc: &[f32],
-    a: &QuantizedActs,
+    rows: [&[u8]; R],
+    sc: [&[f32]; R],
+    a: [&QuantizedActs; T],
+    ahead: &[u8],
     isa: Isa,
-) -> f32 {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2` is only constructed after checking avx2.
-        Isa::Avx2 => unsafe { avx2::row_dot_i8(kind, group, row, sc, &a.q, &a.scale) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx512Vnni` is only constructed after checking avx512f/bw/vnni and avx2.
-        Isa::Avx512Vnni if group.is_multiple_of(64) => unsafe {
-            avx512::row_dot_i8(kind, group, row, sc, &a.q, &a.scale, &a.sum)
-        },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above (AVX2 is implied).
-        Isa::Avx512Vnni => unsafe { avx2::row_dot_i8(kind, group, row, sc, &a.q, &a.scale) },
-        _ => scalar::row_dot_i8(kind, group, row, sc, &a.q, &a.scale),
-    }
-}
-
-/// Tokens per tile of the multi-token integer kernel: each block of a row's weights is loaded
-/// (and int4 unpacked) once for this many tokens.
-const TILE: usize = 4;
-
-/// [`row_dot_i8`] for [`TILE`] tokens at once. Each token's result is computed with exactly the
-/// operations of the one-token kernel (the integer sums are exact, the float steps the same), so
-/// tiling never changes a bit.
-#[inline]
-fn row_dot_i8_tile(
-    kind: QuantKind,
-    group: usize,
-    row: &[u8],
-    sc: &[f32],
-    a: [&QuantizedActs; TILE],
-    isa: Isa,
-) -> [f32; TILE] {
+) -> [[f32; T]; R] {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx512Vnni` is only constructed after checking avx512f/bw/vnni and avx2.
         Isa::Avx512Vnni if group.is_multiple_of(64) => unsafe {
-            avx512::row_dot_i8_tile(kind, group, row, sc, a)
+            avx512::block_dot_i8(kind, group, rows, sc, a, ahead)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` is only constructed after checking avx2 (implied by Avx512Vnni).
         Isa::Avx2 | Isa::Avx512Vnni => unsafe {
-            avx2::row_dot_i8_tile(
+            avx2::block_dot_i8(
                 kind,
                 group,
-                row,
+                rows,
                 sc,
                 a.map(|x| &x.q[..]),
                 a.map(|x| &x.scale[..]),
+                ahead,
             )
         },
-        _ => a.map(|x| scalar::row_dot_i8(kind, group, row, sc, &x.q, &x.scale)),
+        _ => std::array::from_fn(|r| {
+            a.map(|x| scalar::row_dot_i8(kind, group, rows[r], sc[r], &x.q, &x.scale))
+        }),
+    }
+}
+
+/// Spreads prefetches of a byte range over the `steps` steps of a loop.
+struct Prefetch {
+    ptr: *const u8,
+    len: usize,
+    per_step: usize,
+}
+
+impl Prefetch {
+    const LINE: usize = 64;
+
+    fn new(range: &[u8], steps: usize) -> Self {
+        Self {
+            ptr: range.as_ptr(),
+            len: range.len(),
+            per_step: range.len().div_ceil(steps.max(1)),
+        }
+    }
+
+    /// Prefetches step `i`'s share of the range into all cache levels.
+    #[inline(always)]
+    fn step(&self, i: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let end = ((i + 1) * self.per_step).min(self.len);
+            let mut o = i * self.per_step;
+            while o < end {
+                // SAFETY: `o < len`, inside the range; prefetching never faults.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                        self.ptr.add(o) as *const i8,
+                    )
+                };
+                o += Self::LINE;
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = i;
     }
 }
 
@@ -730,7 +784,7 @@ pub mod scalar {
         c
     }
 
-    /// Reference twin of the integer path (see [`super::row_dot_i8`]): per group, exact i32 sums
+    /// Reference twin of the integer path (see [`super::block_dot_i8`]): per group, exact i32 sums
     /// in 8 lanes (lane `m` takes bytes `4m..4m+4` of each 32-byte block, as `vpmaddubsw` +
     /// `vpmaddwd` do); each lane accumulates `fma(scale_w[g] * scale_x[g], isum, acc)`; the fixed
     /// tree over the 8 lanes at the end.
@@ -905,14 +959,8 @@ mod avx2 {
         }
     }
 
-    /// i8 x i8 products of 32 pairs, summed in i32 lanes (maddubs on |w| and sign-adjusted a).
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn dot32(w: __m256i, a: __m256i) -> __m256i {
-        dot32_abs(_mm256_sign_epi8(w, w), w, a)
-    }
-
-    /// [`dot32`] with `|w|` already computed (shared by the tokens of a tile).
+    /// i8 x i8 products of 32 pairs, summed in i32 lanes: `maddubs` on `aw = |w|` and the
+    /// activations with `w`'s signs.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn dot32_abs(aw: __m256i, w: __m256i, a: __m256i) -> __m256i {
@@ -920,163 +968,111 @@ mod avx2 {
         _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), _mm256_set1_epi16(1))
     }
 
-    /// 32 activation bytes of token slice `a` from element `i`.
-    #[inline]
+    /// AVX2 twin of [`super::scalar::row_dot_i8`] for `R` rows and `T` tokens (see
+    /// [`super::block_dot_i8`]): the same lanes, integer sums and fused float steps, so the same
+    /// results.
     #[target_feature(enable = "avx2,fma")]
-    fn load32(a: &[i8], i: usize) -> __m256i {
-        let b = &a[i..i + 32];
-        // SAFETY: `b` holds 32 bytes.
-        unsafe { _mm256_loadu_si256(b.as_ptr() as *const __m256i) }
-    }
-
-    /// Tiled twin of [`row_dot_i8`]: `T` tokens against one row, each block of weights loaded and
-    /// unpacked once; per token the same integer sums and float steps, so the same results.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn row_dot_i8_tile<const T: usize>(
+    pub(super) fn block_dot_i8<const R: usize, const T: usize>(
         kind: QuantKind,
         group: usize,
-        row: &[u8],
-        sc: &[f32],
+        rows: [&[u8]; R],
+        sc: [&[f32]; R],
         aq: [&[i8]; T],
         ascale: [&[f32]; T],
-    ) -> [f32; T] {
+        ahead: &[u8],
+    ) -> [[f32; T]; R] {
         let gb = group * kind.bits() / 8;
+        let ng = aq[0].len() / group;
+        let pf = super::Prefetch::new(ahead, ng);
+        for r in 0..R {
+            assert!(rows[r].len() >= ng * gb && sc[r].len() >= ng);
+        }
+        for t in 0..T {
+            assert!(aq[t].len() >= ng * group && ascale[t].len() >= ng);
+        }
+        let (wp, ap) = (rows.map(|r| r.as_ptr()), aq.map(|a| a.as_ptr()));
+        // SAFETY (every load below): weight offsets stay below `ng * gb` and activation offsets
+        // below `ng * group`, the lengths asserted above.
+        let ld = |p: *const u8| unsafe { _mm256_loadu_si256(p as *const __m256i) };
+        let lda =
+            |t: usize, i: usize| unsafe { _mm256_loadu_si256(ap[t].add(i) as *const __m256i) };
         let eight = _mm256_set1_epi8(8);
         let m = _mm256_set1_epi8(15);
-        let mut acc = [_mm256_setzero_ps(); T];
-        for g in 0..row.len() / gb {
-            let (w, base) = (&row[g * gb..(g + 1) * gb], g * group);
-            let mut s = [_mm256_setzero_si256(); T];
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        for g in 0..ng {
+            pf.step(g);
+            let (wo, base) = (g * gb, g * group);
+            let mut s = [[_mm256_setzero_si256(); T]; R];
             match kind {
                 QuantKind::Int8 => {
-                    for (c, wb) in w.chunks_exact(32).enumerate() {
-                        // SAFETY: `wb` holds 32 bytes.
-                        let wv = unsafe { _mm256_loadu_si256(wb.as_ptr() as *const __m256i) };
-                        let aw = _mm256_sign_epi8(wv, wv);
-                        for t in 0..T {
-                            let d = dot32_abs(aw, wv, load32(aq[t], base + 32 * c));
-                            s[t] = _mm256_add_epi32(s[t], d);
+                    for c in 0..group / 32 {
+                        let av: [__m256i; T] = std::array::from_fn(|t| lda(t, base + 32 * c));
+                        for r in 0..R {
+                            // SAFETY: see above.
+                            let wv = ld(unsafe { wp[r].add(wo + 32 * c) });
+                            let aw = _mm256_sign_epi8(wv, wv);
+                            for t in 0..T {
+                                s[r][t] = _mm256_add_epi32(s[r][t], dot32_abs(aw, wv, av[t]));
+                            }
                         }
-                    }
-                }
-                _ if group.is_multiple_of(64) => {
-                    for (c, wb) in w.chunks_exact(32).enumerate() {
-                        // SAFETY: `wb` holds 32 bytes.
-                        let v = unsafe { _mm256_loadu_si256(wb.as_ptr() as *const __m256i) };
-                        let lo = _mm256_sub_epi8(_mm256_and_si256(v, m), eight);
-                        let hi =
-                            _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), m), eight);
-                        let (alo, ahi) = (_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(hi, hi));
-                        for t in 0..T {
-                            let i = base + 64 * c;
-                            let d = _mm256_add_epi32(
-                                dot32_abs(alo, lo, load32(aq[t], i)),
-                                dot32_abs(ahi, hi, load32(aq[t], i + 32)),
-                            );
-                            s[t] = _mm256_add_epi32(s[t], d);
-                        }
-                    }
-                }
-                _ => {
-                    let m = _mm_set1_epi8(15);
-                    for (c, wb) in w.chunks_exact(16).enumerate() {
-                        // SAFETY: `wb` holds 16 bytes.
-                        let v = unsafe { _mm_loadu_si128(wb.as_ptr() as *const __m128i) };
-                        let lo = _mm_and_si128(v, m);
-                        let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
-                        let wv = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight);
-                        let aw = _mm256_sign_epi8(wv, wv);
-                        for t in 0..T {
-                            let d = dot32_abs(aw, wv, load32(aq[t], base + 32 * c));
-                            s[t] = _mm256_add_epi32(s[t], d);
-                        }
-                    }
-                }
-            }
-            for t in 0..T {
-                acc[t] = _mm256_fmadd_ps(
-                    _mm256_set1_ps(sc[g] * ascale[t][g]),
-                    _mm256_cvtepi32_ps(s[t]),
-                    acc[t],
-                );
-            }
-        }
-        acc.map(|v| hsum_tree(v))
-    }
-
-    /// AVX2 twin of [`super::scalar::row_dot_i8`]: the same lanes, integer sums and fused float
-    /// steps, so the results are identical.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn row_dot_i8(
-        kind: QuantKind,
-        group: usize,
-        row: &[u8],
-        sc: &[f32],
-        aq: &[i8],
-        ascale: &[f32],
-    ) -> f32 {
-        let gb = group * kind.bits() / 8;
-        let m = _mm_set1_epi8(15);
-        let eight = _mm256_set1_epi8(8);
-        let mut acc = _mm256_setzero_ps();
-        for g in 0..aq.len() / group {
-            let (w, a) = (&row[g * gb..(g + 1) * gb], &aq[g * group..(g + 1) * group]);
-            let mut s = _mm256_setzero_si256();
-            match kind {
-                QuantKind::Int8 => {
-                    for (wb, ab) in w.chunks_exact(32).zip(a.chunks_exact(32)) {
-                        // SAFETY: both chunks hold 32 bytes.
-                        let (wv, av) = unsafe {
-                            (
-                                _mm256_loadu_si256(wb.as_ptr() as *const __m256i),
-                                _mm256_loadu_si256(ab.as_ptr() as *const __m256i),
-                            )
-                        };
-                        s = _mm256_add_epi32(s, dot32(wv, av));
                     }
                 }
                 _ if group.is_multiple_of(64) => {
                     // 64-element nibble blocks: 32 packed bytes, low nibbles meet the first 32
                     // activations, high nibbles the next 32.
-                    let m = _mm256_set1_epi8(15);
-                    for (wb, ab) in w.chunks_exact(32).zip(a.chunks_exact(64)) {
-                        // SAFETY: `wb` holds 32 bytes, `ab` 64.
-                        let (v, a0, a1) = unsafe {
-                            (
-                                _mm256_loadu_si256(wb.as_ptr() as *const __m256i),
-                                _mm256_loadu_si256(ab.as_ptr() as *const __m256i),
-                                _mm256_loadu_si256(ab[32..].as_ptr() as *const __m256i),
-                            )
-                        };
-                        let lo = _mm256_sub_epi8(_mm256_and_si256(v, m), eight);
-                        let hi =
-                            _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), m), eight);
-                        s = _mm256_add_epi32(s, _mm256_add_epi32(dot32(lo, a0), dot32(hi, a1)));
+                    for c in 0..group / 64 {
+                        let a0: [__m256i; T] = std::array::from_fn(|t| lda(t, base + 64 * c));
+                        let a1: [__m256i; T] = std::array::from_fn(|t| lda(t, base + 64 * c + 32));
+                        for r in 0..R {
+                            // SAFETY: see above.
+                            let v = ld(unsafe { wp[r].add(wo + 32 * c) });
+                            let lo = _mm256_sub_epi8(_mm256_and_si256(v, m), eight);
+                            let hi = _mm256_sub_epi8(
+                                _mm256_and_si256(_mm256_srli_epi16(v, 4), m),
+                                eight,
+                            );
+                            let (alo, ahi) = (_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(hi, hi));
+                            for t in 0..T {
+                                let d = _mm256_add_epi32(
+                                    dot32_abs(alo, lo, a0[t]),
+                                    dot32_abs(ahi, hi, a1[t]),
+                                );
+                                s[r][t] = _mm256_add_epi32(s[r][t], d);
+                            }
+                        }
                     }
                 }
                 _ => {
-                    for (wb, ab) in w.chunks_exact(16).zip(a.chunks_exact(32)) {
-                        // SAFETY: `wb` holds 16 bytes, `ab` 32.
-                        let (v, av) = unsafe {
-                            (
-                                _mm_loadu_si128(wb.as_ptr() as *const __m128i),
-                                _mm256_loadu_si256(ab.as_ptr() as *const __m256i),
-                            )
-                        };
-                        let lo = _mm_and_si128(v, m);
-                        let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
-                        let wv = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight);
-                        s = _mm256_add_epi32(s, dot32(wv, av));
+                    let m = _mm_set1_epi8(15);
+                    for c in 0..group / 32 {
+                        let av: [__m256i; T] = std::array::from_fn(|t| lda(t, base + 32 * c));
+                        for r in 0..R {
+                            // SAFETY: see above (16 bytes).
+                            let v = unsafe {
+                                _mm_loadu_si128(wp[r].add(wo + 16 * c) as *const __m128i)
+                            };
+                            let lo = _mm_and_si128(v, m);
+                            let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
+                            let wv = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight);
+                            let aw = _mm256_sign_epi8(wv, wv);
+                            for t in 0..T {
+                                s[r][t] = _mm256_add_epi32(s[r][t], dot32_abs(aw, wv, av[t]));
+                            }
+                        }
                     }
                 }
             }
-            acc = _mm256_fmadd_ps(
-                _mm256_set1_ps(sc[g] * ascale[g]),
-                _mm256_cvtepi32_ps(s),
-                acc,
-            );
+            for r in 0..R {
+                for t in 0..T {
+                    acc[r][t] = _mm256_fmadd_ps(
+                        _mm256_set1_ps(sc[r][g] * ascale[t][g]),
+                        _mm256_cvtepi32_ps(s[r][t]),
+                        acc[r][t],
+                    );
+                }
+            }
         }
-        hsum_tree(acc)
+        acc.map(|row| row.map(|v| hsum_tree(v)))
     }
 
     /// Decodes a packed row into f32 codes.
@@ -1132,157 +1128,111 @@ mod avx512 {
 
     use super::{QuantKind, QuantizedActs};
 
-    /// VNNI twin of [`super::scalar::row_dot_i8`] for groups that are multiples of 64. `vpdpbusd`
-    /// multiplies unsigned bytes by signed ones: int4 feeds the stored nibbles (`q + 8`) and
-    /// subtracts `8 *` the activations' per-lane sums; int8 feeds `a + 128` and subtracts `128 *`
-    /// the weights' per-lane sums. Its 16 lanes cover two 32-byte blocks, so lanes `m` and `m + 8`
-    /// are added to give the 8 lanes of the other paths: integer sums are exact, the float steps
-    /// are the same, and so are the results.
+    /// VNNI twin of [`super::scalar::row_dot_i8`] for `R` rows and `T` tokens (see
+    /// [`super::block_dot_i8`]) and groups that are multiples of 64. `vpdpbusd` multiplies
+    /// unsigned bytes by signed ones: int4 feeds the stored nibbles (`q + 8`) and subtracts `8 *`
+    /// the activations' per-lane sums; int8 feeds `a + 128` and subtracts `128 *` the weights'
+    /// per-lane sums. Its 16 lanes cover two 32-byte blocks, so lanes `m` and `m + 8` are added to
+    /// give the 8 lanes of the other paths: integer sums are exact, the float steps are the same,
+    /// and so are the results.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    pub(super) fn row_dot_i8(
+    pub(super) fn block_dot_i8<const R: usize, const T: usize>(
         kind: QuantKind,
         group: usize,
-        row: &[u8],
-        sc: &[f32],
-        aq: &[i8],
-        ascale: &[f32],
-        lane_sums: &[i32],
-    ) -> f32 {
-        let gb = group * kind.bits() / 8;
-        let m = _mm256_set1_epi8(15);
-        let bias = _mm512_set1_epi8(-128);
-        let ones = _mm512_set1_epi8(1);
-        let mut acc = _mm256_setzero_ps();
-        let fold = |v: __m512i| {
-            _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1))
-        };
-        for g in 0..aq.len() / group {
-            let (w, a) = (&row[g * gb..(g + 1) * gb], &aq[g * group..(g + 1) * group]);
-            let isum = match kind {
-                QuantKind::Int8 => {
-                    let (mut s, mut sw) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                    for (wb, ab) in w.chunks_exact(64).zip(a.chunks_exact(64)) {
-                        // SAFETY: both chunks hold 64 bytes.
-                        let (wv, av) = unsafe {
-                            (
-                                _mm512_loadu_si512(wb.as_ptr() as *const _),
-                                _mm512_loadu_si512(ab.as_ptr() as *const _),
-                            )
-                        };
-                        s = _mm512_dpbusd_epi32(s, _mm512_xor_si512(av, bias), wv);
-                        sw = _mm512_dpbusd_epi32(sw, ones, wv);
-                    }
-                    _mm256_sub_epi32(fold(s), _mm256_slli_epi32(fold(sw), 7))
-                }
-                _ => {
-                    let mut s = _mm512_setzero_si512();
-                    for (wb, ab) in w.chunks_exact(32).zip(a.chunks_exact(64)) {
-                        // SAFETY: `wb` holds 32 bytes, `ab` 64.
-                        let (v, av) = unsafe {
-                            (
-                                _mm256_loadu_si256(wb.as_ptr() as *const __m256i),
-                                _mm512_loadu_si512(ab.as_ptr() as *const _),
-                            )
-                        };
-                        // 64-element nibble block: low nibbles meet activations 0..32, high
-                        // nibbles 32..64, so the halves go in as they are.
-                        let lo = _mm256_and_si256(v, m);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-                        let nib = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                        s = _mm512_dpbusd_epi32(s, nib, av);
-                    }
-                    let ls = &lane_sums[g * 8..g * 8 + 8];
-                    // SAFETY: `ls` holds 8 i32.
-                    let lv = unsafe { _mm256_loadu_si256(ls.as_ptr() as *const __m256i) };
-                    _mm256_sub_epi32(fold(s), _mm256_slli_epi32(lv, 3))
-                }
-            };
-            acc = _mm256_fmadd_ps(
-                _mm256_set1_ps(sc[g] * ascale[g]),
-                _mm256_cvtepi32_ps(isum),
-                acc,
-            );
-        }
-        super::avx2::hsum_tree(acc)
-    }
-
-    /// 64 activation bytes of token `a` from element `i`.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    fn load64(a: &[i8], i: usize) -> __m512i {
-        let b = &a[i..i + 64];
-        // SAFETY: `b` holds 64 bytes.
-        unsafe { _mm512_loadu_si512(b.as_ptr() as *const _) }
-    }
-
-    /// Tiled twin of [`row_dot_i8`]: `T` tokens against one row, each 64-byte block of weights
-    /// loaded (and unpacked) once, and int8's weight-sum correction computed once; per token the
-    /// same integer sums and float steps, so the same results.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    pub(super) fn row_dot_i8_tile<const T: usize>(
-        kind: QuantKind,
-        group: usize,
-        row: &[u8],
-        sc: &[f32],
+        rows: [&[u8]; R],
+        sc: [&[f32]; R],
         a: [&QuantizedActs; T],
-    ) -> [f32; T] {
+        ahead: &[u8],
+    ) -> [[f32; T]; R] {
         let gb = group * kind.bits() / 8;
+        let ng = a[0].q.len() / group;
+        let pf = super::Prefetch::new(ahead, ng);
+        for r in 0..R {
+            assert!(rows[r].len() >= ng * gb && sc[r].len() >= ng);
+        }
+        for x in a {
+            assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.sum.len() >= 8 * ng);
+        }
+        let (wp, ap) = (rows.map(|r| r.as_ptr()), a.map(|x| x.q.as_ptr()));
+        // SAFETY (every load below): weight offsets stay below `ng * gb`, activation offsets
+        // below `ng * group` and lane-sum offsets below `8 * ng`, the lengths asserted above.
+        let lda = |t: usize, i: usize| unsafe { _mm512_loadu_si512(ap[t].add(i) as *const _) };
         let m = _mm256_set1_epi8(15);
         let bias = _mm512_set1_epi8(-128);
         let ones = _mm512_set1_epi8(1);
-        let mut acc = [_mm256_setzero_ps(); T];
         let fold = |v: __m512i| {
             _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1))
         };
-        for g in 0..row.len() / gb {
-            let (w, base) = (&row[g * gb..(g + 1) * gb], g * group);
-            let mut s = [_mm512_setzero_si512(); T];
-            let mut isum = [_mm256_setzero_si256(); T];
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        for g in 0..ng {
+            pf.step(g);
+            let (wo, base) = (g * gb, g * group);
+            let mut s = [[_mm512_setzero_si512(); T]; R];
+            let mut isum = [[_mm256_setzero_si256(); T]; R];
             match kind {
                 QuantKind::Int8 => {
-                    let mut sw = _mm512_setzero_si512();
-                    for (c, wb) in w.chunks_exact(64).enumerate() {
-                        // SAFETY: `wb` holds 64 bytes.
-                        let wv = unsafe { _mm512_loadu_si512(wb.as_ptr() as *const _) };
-                        sw = _mm512_dpbusd_epi32(sw, ones, wv);
-                        for t in 0..T {
-                            let av = _mm512_xor_si512(load64(&a[t].q, base + 64 * c), bias);
-                            s[t] = _mm512_dpbusd_epi32(s[t], av, wv);
+                    let mut sw = [_mm512_setzero_si512(); R];
+                    for c in 0..group / 64 {
+                        let av: [__m512i; T] =
+                            std::array::from_fn(|t| _mm512_xor_si512(lda(t, base + 64 * c), bias));
+                        for r in 0..R {
+                            // SAFETY: see above.
+                            let wv =
+                                unsafe { _mm512_loadu_si512(wp[r].add(wo + 64 * c) as *const _) };
+                            sw[r] = _mm512_dpbusd_epi32(sw[r], ones, wv);
+                            for t in 0..T {
+                                s[r][t] = _mm512_dpbusd_epi32(s[r][t], av[t], wv);
+                            }
                         }
                     }
-                    let corr = _mm256_slli_epi32(fold(sw), 7);
-                    for t in 0..T {
-                        isum[t] = _mm256_sub_epi32(fold(s[t]), corr);
+                    for r in 0..R {
+                        let corr = _mm256_slli_epi32(fold(sw[r]), 7);
+                        for t in 0..T {
+                            isum[r][t] = _mm256_sub_epi32(fold(s[r][t]), corr);
+                        }
                     }
                 }
                 _ => {
-                    for (c, wb) in w.chunks_exact(32).enumerate() {
-                        // SAFETY: `wb` holds 32 bytes.
-                        let v = unsafe { _mm256_loadu_si256(wb.as_ptr() as *const __m256i) };
-                        let lo = _mm256_and_si256(v, m);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-                        let nib = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                        for t in 0..T {
-                            s[t] = _mm512_dpbusd_epi32(s[t], nib, load64(&a[t].q, base + 64 * c));
+                    for c in 0..group / 64 {
+                        let av: [__m512i; T] = std::array::from_fn(|t| lda(t, base + 64 * c));
+                        for r in 0..R {
+                            // SAFETY: see above (32 bytes).
+                            let v = unsafe {
+                                _mm256_loadu_si256(wp[r].add(wo + 32 * c) as *const __m256i)
+                            };
+                            // 64-element nibble block: low nibbles meet activations 0..32, high
+                            // nibbles 32..64, so the halves go in as they are.
+                            let lo = _mm256_and_si256(v, m);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+                            let nib = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                            for t in 0..T {
+                                s[r][t] = _mm512_dpbusd_epi32(s[r][t], nib, av[t]);
+                            }
                         }
                     }
                     for t in 0..T {
-                        let ls = &a[t].sum[g * 8..g * 8 + 8];
-                        // SAFETY: `ls` holds 8 i32.
-                        let lv = unsafe { _mm256_loadu_si256(ls.as_ptr() as *const __m256i) };
-                        isum[t] = _mm256_sub_epi32(fold(s[t]), _mm256_slli_epi32(lv, 3));
+                        // SAFETY: see above.
+                        let lv = unsafe {
+                            _mm256_loadu_si256(a[t].sum.as_ptr().add(8 * g) as *const __m256i)
+                        };
+                        let corr = _mm256_slli_epi32(lv, 3);
+                        for r in 0..R {
+                            isum[r][t] = _mm256_sub_epi32(fold(s[r][t]), corr);
+                        }
                     }
                 }
             }
-            for t in 0..T {
-                acc[t] = _mm256_fmadd_ps(
-                    _mm256_set1_ps(sc[g] * a[t].scale[g]),
-                    _mm256_cvtepi32_ps(isum[t]),
-                    acc[t],
-                );
+            for r in 0..R {
+                for t in 0..T {
+                    acc[r][t] = _mm256_fmadd_ps(
+                        _mm256_set1_ps(sc[r][g] * a[t].scale[g]),
+                        _mm256_cvtepi32_ps(isum[r][t]),
+                        acc[r][t],
+                    );
+                }
             }
         }
-        acc.map(|v| super::avx2::hsum_tree(v))
+        acc.map(|row| row.map(|v| super::avx2::hsum_tree(v)))
     }
 }
 
