@@ -4,7 +4,7 @@
 //! attend causally to everything cached.
 
 use charm_shared::config::{AttentionSpec, GqaSpec, IndexerKind, MlaSpec};
-use charm_shared::kernels::{dot, layer_norm, rms_norm, softmax, Linear};
+use charm_shared::kernels::{axpy, dot, layer_norm, rms_norm, softmax, Linear};
 use charm_shared::routing::{route, top_k};
 use charm_worker::{ExpertBatch, ExpertError};
 use rayon::prelude::*;
@@ -468,20 +468,14 @@ impl Model {
                         for (&j, &pj) in keys.iter().zip(&scores) {
                             let vj = &kv[j * nh * stride + hh * stride + nope
                                 ..j * nh * stride + hh * stride + stride];
-                            for (oi, vi) in o.iter_mut().zip(vj) {
-                                *oi += pj * vi;
-                            }
+                            axpy(o, pj, vj);
                         }
                     }
                     None => {
                         // q_abs[c] = sum_d q_nope[d] * W_uk[h][d][c]
                         let mut q_abs = vec![0.0f32; kvr];
                         for d in 0..nope {
-                            let wr = w.kv_b.row(hh * stride + d);
-                            let qd = q_nope[d];
-                            for (qa, wv) in q_abs.iter_mut().zip(wr) {
-                                *qa += qd * wv;
-                            }
+                            axpy(&mut q_abs, q_nope[d], w.kv_b.row(hh * stride + d));
                         }
                         for &j in &keys {
                             let e = cache.entry(j);
@@ -490,9 +484,7 @@ impl Model {
                         softmax(&mut scores);
                         let mut ctx = vec![0.0f32; kvr];
                         for (&j, &pj) in keys.iter().zip(&scores) {
-                            for (c, l) in ctx.iter_mut().zip(&cache.entry(j)[..kvr]) {
-                                *c += pj * l;
-                            }
+                            axpy(&mut ctx, pj, &cache.entry(j)[..kvr]);
                         }
                         for (d, oi) in o.iter_mut().enumerate() {
                             *oi = dot(w.kv_b.row(hh * stride + nope + d), &ctx);
@@ -629,10 +621,7 @@ fn gqa(
             let o = &mut out[(t * nh + hh) * hd..(t * nh + hh + 1) * hd];
             for (j, &pj) in scores.iter().enumerate() {
                 let e = cache.entry(j);
-                let vj = &e[nkv * hd + kvh * hd..nkv * hd + (kvh + 1) * hd];
-                for (oi, vi) in o.iter_mut().zip(vj) {
-                    *oi += pj * vi;
-                }
+                axpy(o, pj, &e[nkv * hd + kvh * hd..nkv * hd + (kvh + 1) * hd]);
             }
         }
     }

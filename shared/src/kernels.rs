@@ -115,18 +115,43 @@ pub fn par_row_blocks(
     if n == 1 {
         return yt;
     }
+    // [rows, n] -> [n, rows] in blocks of 16 rows, so that both sides move through memory in
+    // runs rather than one element per cache line.
     let mut y = vec![0.0f32; n * rows];
-    for r in 0..rows {
+    for r0 in (0..rows).step_by(16) {
+        let rs = 16.min(rows - r0);
+        let src = &yt[r0 * n..(r0 + rs) * n];
         for t in 0..n {
-            y[t * rows + r] = yt[r * n + t];
+            let dst = &mut y[t * rows + r0..t * rows + r0 + rs];
+            for (k, d) in dst.iter_mut().enumerate() {
+                *d = src[k * n + t];
+            }
         }
     }
     y
 }
 
-/// Dot product with a fixed reduction order.
+/// Dot product with a fixed reduction order: 8 lanes of unfused multiply-then-add, the fixed tree
+/// over them, then the tail. Where AVX2 is present the same code is compiled 8 lanes wide (Rust
+/// never fuses a multiply and an add on its own), so the bits are the same on every CPU.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present.
+        return unsafe { dot_avx2(a, b) };
+    }
+    dot_body(a, b)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    dot_body(a, b)
+}
+
+#[inline(always)]
+fn dot_body(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0.0f32; 8];
     let ca = a.chunks_exact(8);
@@ -142,6 +167,30 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         tail += x * y;
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// `y[i] += a * x[i]` (unfused, element by element: the same bits however wide it runs).
+#[inline]
+pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present.
+        return unsafe { axpy_avx2(y, a, x) };
+    }
+    axpy_body(y, a, x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn axpy_avx2(y: &mut [f32], a: f32, x: &[f32]) {
+    axpy_body(y, a, x)
+}
+
+#[inline(always)]
+fn axpy_body(y: &mut [f32], a: f32, x: &[f32]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi += a * xi;
+    }
 }
 
 /// RMSNorm in place over rows of width `w.len()`: `x * rsqrt(mean(x^2) + eps) * w`.
