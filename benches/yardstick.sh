@@ -29,6 +29,7 @@ convert() { # name experts dense embedding
   [ -f "$work/$1/charm.json" ] || "$bin" convert --model "$hf" --out "$work/$1" --experts "$2" --dense "$3" --embedding "$4" --mtp "$3" 2>/dev/null
 }
 convert int4-default int4 int8 int8
+convert int4-all int4 int4 int4
 convert int8-all int8 int8 int8
 convert bf16-all bf16 bf16 bf16
 
@@ -41,3 +42,5 @@ run "int8 / int8 / int8" "$work/int8-all" f32
 run "int8 / int8 / int8" "$work/int8-all" int8
 run "int4 / int8 / int8 (default)" "$work/int4-default" f32
 run "int4 / int8 / int8 (default)" "$work/int4-default" int8
+run "int4 / int4 / int4" "$work/int4-all" f32
+run "int4 / int4 / int4" "$work/int4-all" int8

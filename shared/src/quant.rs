@@ -418,17 +418,18 @@ impl QMatrix {
                 Vec::new()
             }
         };
+        let (data, scales, mins): (&[u8], &[f32], &[f32]) = (&self.data, &self.scales, &self.mins);
         par_rows(self.rows, n, scratch, |codes, r, out| {
-            let row = &self.data[r * rb..(r + 1) * rb];
-            let sc = if self.scales.is_empty() {
+            let row = &data[r * rb..(r + 1) * rb];
+            let sc = if scales.is_empty() {
                 &[][..]
             } else {
-                &self.scales[r * ng..(r + 1) * ng]
+                &scales[r * ng..(r + 1) * ng]
             };
-            let mn = if self.mins.is_empty() {
+            let mn = if mins.is_empty() {
                 &[][..]
             } else {
-                &self.mins[r * ng..(r + 1) * ng]
+                &mins[r * ng..(r + 1) * ng]
             };
             let xs_of = |t: usize| {
                 if xsum.is_empty() {
@@ -478,16 +479,18 @@ impl QMatrix {
             .map(|t| QuantizedActs::new(&x[t * cols..(t + 1) * cols], group, int4, isa))
             .collect();
         let rb = self.row_bytes();
-        let row = |r: usize| &self.data[r * rb..(r + 1) * rb];
-        let sc = |r: usize| &self.scales[r * ng..(r + 1) * ng];
+        // plain slices once (the weights may live in a shared I/O buffer behind a handle)
+        let (data, scales): (&[u8], &[f32]) = (&self.data, &self.scales);
+        let row = |r: usize| &data[r * rb..(r + 1) * rb];
+        let sc = |r: usize| &scales[r * ng..(r + 1) * ng];
         // Computes rows `r0..r0 + R` (`k0` within this chunk) against tokens `t0..t0 + T`.
         let block = |out: &mut [f32], k0: usize, r0: usize, t0: usize, r_t: (usize, usize)| {
             macro_rules! run {
                 ($r:literal, $t:literal) => {{
                     // the weights of the block after this one
-                    let from = ((r0 + $r) * rb).min(self.data.len());
-                    let to = ((r0 + 2 * $r) * rb).min(self.data.len());
-                    let ahead = &self.data[from..to];
+                    let from = ((r0 + $r) * rb).min(data.len());
+                    let to = ((r0 + 2 * $r) * rb).min(data.len());
+                    let ahead = &data[from..to];
                     let res = block_dot_i8::<$r, $t>(
                         self.kind,
                         group,
