@@ -471,7 +471,8 @@ impl QMatrix {
 
 impl QMatrix {
     /// The integer path: activations quantized per group, exact i32 dot products per group, then
-    /// `acc = fma(scale_w[g] * scale_x[g], isum[g], acc)` in group order (the same on every ISA).
+    /// `acc = fma(scale_w[g] * scale_x[g], isum[g], acc)` in group order, one accumulator per row
+    /// and token (the same on every ISA, for any number of rows and tokens computed together).
     fn matmul_int8(&self, x: &[f32], n: usize, isa: Isa) -> Vec<f32> {
         let (cols, group, ng) = (self.cols, self.group, self.groups());
         let int4 = self.kind == QuantKind::Int4;
@@ -481,6 +482,31 @@ impl QMatrix {
         let rb = self.row_bytes();
         // plain slices once (the weights may live in a shared I/O buffer behind a handle)
         let (data, scales): (&[u8], &[f32]) = (&self.data, &self.scales);
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512Vnni && group.is_multiple_of(64) && n >= LANE_ROWS_MIN_TOKENS {
+            // Many tokens: 16 rows at a time, one row per lane (weights transposed once per block).
+            return par_row_blocks(self.rows, n, 16, |r0, out| {
+                let k = out.len() / n;
+                let mut scratch = Vec::new();
+                for i in (0..k).step_by(16) {
+                    let nr = 16.min(k - i);
+                    let r = r0 + i;
+                    // SAFETY: `Isa::Avx512Vnni` is only constructed after checking
+                    // avx512f/bw/vnni and avx2.
+                    unsafe {
+                        avx512::rows16_dot_i8(
+                            self.kind,
+                            group,
+                            &data[r * rb..(r + nr) * rb],
+                            &scales[r * ng..(r + nr) * ng],
+                            &qx,
+                            &mut scratch,
+                            &mut out[i * n..(i + nr) * n],
+                        )
+                    };
+                }
+            });
+        }
         let row = |r: usize| &data[r * rb..(r + 1) * rb];
         let sc = |r: usize| &scales[r * ng..(r + 1) * ng];
         // Computes rows `r0..r0 + R` (`k0` within this chunk) against tokens `t0..t0 + T`.
@@ -506,7 +532,6 @@ impl QMatrix {
                 }};
             }
             match r_t {
-                (2, 4) => run!(2, 4),
                 (1, 4) => run!(1, 4),
                 (4, 1) => run!(4, 1),
                 _ => run!(1, 1),
@@ -514,14 +539,11 @@ impl QMatrix {
         };
         par_row_blocks(self.rows, n, ROW_BLOCK, |r0, out| {
             let k = out.len() / n;
-            // Tiles of 4 tokens, 2 rows at a time; the remaining tokens 4 rows at a time.
+            // Tiles of 4 tokens a row at a time; the remaining tokens 4 rows at a time.
             let full = n - n % 4;
-            for t0 in (0..full).step_by(4) {
-                let mut i = 0;
-                while i < k {
-                    let r = if k - i >= 2 { 2 } else { 1 };
-                    block(out, i, r0 + i, t0, (r, 4));
-                    i += r;
+            for i in 0..k {
+                for t0 in (0..full).step_by(4) {
+                    block(out, i, r0 + i, t0, (1, 4));
                 }
             }
             for t0 in full..n {
@@ -552,9 +574,9 @@ fn nibble_block(group: usize) -> usize {
 struct QuantizedActs {
     q: Vec<i8>,
     scale: Vec<f32>,
-    /// Per group and lane (`[groups, 8]`): the sum of the int8 activations that lane `m` meets
-    /// (positions `p` with `(p % 32) / 4 == m`), the VNNI path's offset correction.
-    sum: Vec<i32>,
+    /// Per group: the sum of its int8 activations, for the offset correction of kernels that
+    /// feed weights as unsigned bytes (`q + 8` for int4, `w + 128` for int8).
+    gsum: Vec<i32>,
 }
 
 impl QuantizedActs {
@@ -578,14 +600,11 @@ impl QuantizedActs {
                 qg.copy_from_slice(&codes);
             }
         }
-        let mut sum = vec![0i32; 8 * (x.len() / group)];
-        for (k, blk) in q.chunks_exact(32).enumerate() {
-            let ls = &mut sum[(k * 32 / group) * 8..][..8];
-            for (m, quad) in blk.chunks_exact(4).enumerate() {
-                ls[m] += quad.iter().map(|&v| v as i32).sum::<i32>();
-            }
-        }
-        Self { q, scale, sum }
+        let gsum = q
+            .chunks_exact(group)
+            .map(|c| c.iter().map(|&v| v as i32).sum())
+            .collect();
+        Self { q, scale, gsum }
     }
 }
 
@@ -603,14 +622,18 @@ fn quantize_group(xs: &[f32], out: &mut [i8], isa: Isa) -> f32 {
     }
 }
 
-/// Rows per block of the integer path's parallel split (its row kernels take 1, 2 or 4 rows).
+/// Rows per block of the integer path's parallel split (its row kernels take 1 or 4 rows).
 const ROW_BLOCK: usize = 4;
 
-/// `R` rows against `T` tokens' int8 activations: per row, token and group an exact i32 dot
-/// product of the packed weights (int8, or int4 nibbles stored as `q + 8`) with the activations
-/// in matching order, then `acc += (scale_w[g] * scale_x[g]) * isum` in group order (8 lanes,
-/// fused, on every ISA), so each result is the same whatever `R` and `T` are: several rows and
-/// tokens only share loads, unpacking and the loop, and keep independent accumulator chains.
+/// From this many tokens the VNNI integer path computes 16 rows at a time, one per lane.
+#[cfg(target_arch = "x86_64")]
+const LANE_ROWS_MIN_TOKENS: usize = 8;
+
+/// `R` rows against `T` tokens' int8 activations (`R * T` is 1 or 4): per row, token and group an
+/// exact i32 dot product of the packed weights (int8, or int4 nibbles stored as `q + 8`) with the
+/// activations in matching order, then `acc = fma(scale_w[g] * scale_x[g], isum, acc)` in group
+/// order, so each result is the same whatever `R` and `T` are: several rows and tokens only share
+/// loads, unpacking, the reduction and the loop, and keep independent accumulator chains.
 /// `ahead` (the weights computed next, possibly empty) is prefetched into cache along the way: the
 /// rows' interleaved reads hide the order from the hardware prefetchers.
 #[allow(clippy::too_many_arguments)]
@@ -787,10 +810,8 @@ pub mod scalar {
         c
     }
 
-    /// Reference twin of the integer path (see [`super::block_dot_i8`]): per group, exact i32 sums
-    /// in 8 lanes (lane `m` takes bytes `4m..4m+4` of each 32-byte block, as `vpmaddubsw` +
-    /// `vpmaddwd` do); each lane accumulates `fma(scale_w[g] * scale_x[g], isum, acc)`; the fixed
-    /// tree over the 8 lanes at the end.
+    /// Reference twin of the integer path (see [`super::block_dot_i8`]): per group the exact i32
+    /// dot product, then `acc = fma(scale_w[g] * scale_x[g], isum, acc)` in group order.
     pub(super) fn row_dot_i8(
         kind: QuantKind,
         group: usize,
@@ -800,34 +821,26 @@ pub mod scalar {
         ascale: &[f32],
     ) -> f32 {
         let gb = group * kind.bits() / 8;
-        let mut acc = [0.0f32; 8];
+        // int4: nibble blocks (low nibbles meet the block's first half, high nibbles the second)
+        let nb = super::nibble_block(group);
+        let mut acc = 0.0f32;
         for g in 0..aq.len() / group {
             let (w, a) = (&row[g * gb..(g + 1) * gb], &aq[g * group..(g + 1) * group]);
-            let mut lane = [0i32; 8];
-            // int8: 32-element blocks; int4: nibble blocks (low nibbles, then high ones)
-            let nb = if kind == QuantKind::Int8 {
-                32
-            } else {
-                super::nibble_block(group)
-            };
-            for (c, ab) in a.chunks_exact(nb).enumerate() {
-                for (j, &x) in ab.iter().enumerate() {
-                    let wv = match kind {
-                        QuantKind::Int8 => (w[c * 32 + j] as i8) as i32,
-                        _ => {
-                            let b = w[c * nb / 2 + j % (nb / 2)];
-                            (if j < nb / 2 { b & 15 } else { b >> 4 }) as i32 - 8
-                        }
-                    };
-                    lane[(j % 32) / 4] += wv * x as i32;
-                }
+            let mut isum = 0i32;
+            for (j, &x) in a.iter().enumerate() {
+                let wv = match kind {
+                    QuantKind::Int8 => (w[j] as i8) as i32,
+                    _ => {
+                        let (c, i) = (j / nb, j % nb);
+                        let b = w[c * nb / 2 + i % (nb / 2)];
+                        (if i < nb / 2 { b & 15 } else { b >> 4 }) as i32 - 8
+                    }
+                };
+                isum += wv * x as i32;
             }
-            let s = sc[g] * ascale[g];
-            for m in 0..8 {
-                acc[m] = s.mul_add(lane[m] as f32, acc[m]);
-            }
+            acc = (sc[g] * ascale[g]).mul_add(isum as f32, acc);
         }
-        tree(&acc)
+        acc
     }
 
     /// `sum_g (scale[g] * sum_{i in g} q_i x_i + min[g] * xsum[g])`, or the plain dot for bf16.
@@ -971,9 +984,54 @@ mod avx2 {
         _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), _mm256_set1_epi16(1))
     }
 
-    /// AVX2 twin of [`super::scalar::row_dot_i8`] for `R` rows and `T` tokens (see
-    /// [`super::block_dot_i8`]): the same lanes, integer sums and fused float steps, so the same
-    /// results.
+    /// The four sums `[sum(a), sum(b), sum(c), sum(d)]` of 8-lane i32 vectors (exact).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn reduce4(v: [__m256i; 4]) -> __m128i {
+        let ab = _mm256_hadd_epi32(v[0], v[1]);
+        let cd = _mm256_hadd_epi32(v[2], v[3]);
+        let abcd = _mm256_hadd_epi32(ab, cd);
+        _mm_add_epi32(
+            _mm256_castsi256_si128(abcd),
+            _mm256_extracti128_si256(abcd, 1),
+        )
+    }
+
+    /// The float step of the integer path for the `R * T <= 4` (row, token) pairs of a block, pair
+    /// `p = r * T + t` in lane `p`: `acc = fma(sc[r][g] * ascale[t][g], isum, acc)`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn fma_step<const R: usize, const T: usize>(
+        acc: __m128,
+        isum: __m128i,
+        sc: [&[f32]; R],
+        ascale: [&[f32]; T],
+        g: usize,
+    ) -> __m128 {
+        let mut p = [0.0f32; 4];
+        for r in 0..R {
+            for t in 0..T {
+                p[r * T + t] = sc[r][g] * ascale[t][g];
+            }
+        }
+        // SAFETY: `p` holds 4 floats.
+        let pv = unsafe { _mm_loadu_ps(p.as_ptr()) };
+        _mm_fmadd_ps(pv, _mm_cvtepi32_ps(isum), acc)
+    }
+
+    /// Unpacks `acc` (pair `r * T + t` in lane `r * T + t`) into `[rows][tokens]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn unpack<const R: usize, const T: usize>(acc: __m128) -> [[f32; T]; R] {
+        let mut v = [0.0f32; 4];
+        // SAFETY: `v` has room for 4 floats.
+        unsafe { _mm_storeu_ps(v.as_mut_ptr(), acc) };
+        std::array::from_fn(|r| std::array::from_fn(|t| v[r * T + t]))
+    }
+
+    /// AVX2 twin of [`super::scalar::row_dot_i8`] for `R` rows and `T` tokens, `R * T` being 1 or
+    /// 4 (see [`super::block_dot_i8`]): the same exact integer sums and fused float steps, so the
+    /// same results.
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn block_dot_i8<const R: usize, const T: usize>(
         kind: QuantKind,
@@ -984,6 +1042,7 @@ mod avx2 {
         ascale: [&[f32]; T],
         ahead: &[u8],
     ) -> [[f32; T]; R] {
+        assert!(R * T <= 4);
         let gb = group * kind.bits() / 8;
         let ng = aq[0].len() / group;
         let pf = super::Prefetch::new(ahead, ng);
@@ -997,11 +1056,10 @@ mod avx2 {
         // SAFETY (every load below): weight offsets stay below `ng * gb` and activation offsets
         // below `ng * group`, the lengths asserted above.
         let ld = |p: *const u8| unsafe { _mm256_loadu_si256(p as *const __m256i) };
-        let lda =
-            |t: usize, i: usize| unsafe { _mm256_loadu_si256(ap[t].add(i) as *const __m256i) };
+        let lda = |t: usize, i: usize| unsafe { _mm256_loadu_si256(ap[t].add(i) as *const __m256i) };
         let eight = _mm256_set1_epi8(8);
         let m = _mm256_set1_epi8(15);
-        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let mut acc = _mm_setzero_ps();
         for g in 0..ng {
             pf.step(g);
             let (wo, base) = (g * gb, g * group);
@@ -1051,9 +1109,7 @@ mod avx2 {
                         let av: [__m256i; T] = std::array::from_fn(|t| lda(t, base + 32 * c));
                         for r in 0..R {
                             // SAFETY: see above (16 bytes).
-                            let v = unsafe {
-                                _mm_loadu_si128(wp[r].add(wo + 16 * c) as *const __m128i)
-                            };
+                            let v = unsafe { _mm_loadu_si128(wp[r].add(wo + 16 * c) as *const __m128i) };
                             let lo = _mm_and_si128(v, m);
                             let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
                             let wv = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight);
@@ -1065,17 +1121,15 @@ mod avx2 {
                     }
                 }
             }
+            let mut v = [_mm256_setzero_si256(); 4];
             for r in 0..R {
                 for t in 0..T {
-                    acc[r][t] = _mm256_fmadd_ps(
-                        _mm256_set1_ps(sc[r][g] * ascale[t][g]),
-                        _mm256_cvtepi32_ps(s[r][t]),
-                        acc[r][t],
-                    );
+                    v[r * T + t] = s[r][t];
                 }
             }
+            acc = fma_step(acc, reduce4(v), sc, ascale, g);
         }
-        acc.map(|row| row.map(|v| hsum_tree(v)))
+        unpack(acc)
     }
 
     /// Decodes a packed row into f32 codes.
@@ -1131,13 +1185,12 @@ mod avx512 {
 
     use super::{QuantKind, QuantizedActs};
 
-    /// VNNI twin of [`super::scalar::row_dot_i8`] for `R` rows and `T` tokens (see
-    /// [`super::block_dot_i8`]) and groups that are multiples of 64. `vpdpbusd` multiplies
-    /// unsigned bytes by signed ones: int4 feeds the stored nibbles (`q + 8`) and subtracts `8 *`
-    /// the activations' per-lane sums; int8 feeds `a + 128` and subtracts `128 *` the weights'
-    /// per-lane sums. Its 16 lanes cover two 32-byte blocks, so lanes `m` and `m + 8` are added to
-    /// give the 8 lanes of the other paths: integer sums are exact, the float steps are the same,
-    /// and so are the results.
+    /// VNNI twin of [`super::scalar::row_dot_i8`] for `R` rows and `T` tokens, `R * T` being 1
+    /// or 4 (see [`super::block_dot_i8`]), for groups that are multiples of 64. `vpdpbusd`
+    /// multiplies unsigned bytes by signed ones, so the weights go in unsigned (int4: the stored
+    /// nibbles `q + 8`; int8: `w + 128`) and `8 *` (`128 *`) the group's activation sum is
+    /// subtracted: the integer sums are exact, the float steps the scalar twin's, and so are the
+    /// results.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
     pub(super) fn block_dot_i8<const R: usize, const T: usize>(
         kind: QuantKind,
@@ -1147,6 +1200,7 @@ mod avx512 {
         a: [&QuantizedActs; T],
         ahead: &[u8],
     ) -> [[f32; T]; R] {
+        assert!(R * T <= 4);
         let gb = group * kind.bits() / 8;
         let ng = a[0].q.len() / group;
         let pf = super::Prefetch::new(ahead, ng);
@@ -1154,51 +1208,34 @@ mod avx512 {
             assert!(rows[r].len() >= ng * gb && sc[r].len() >= ng);
         }
         for x in a {
-            assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.sum.len() >= 8 * ng);
+            assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.gsum.len() >= ng);
         }
         let (wp, ap) = (rows.map(|r| r.as_ptr()), a.map(|x| x.q.as_ptr()));
-        // SAFETY (every load below): weight offsets stay below `ng * gb`, activation offsets
-        // below `ng * group` and lane-sum offsets below `8 * ng`, the lengths asserted above.
+        // SAFETY (every load below): weight offsets stay below `ng * gb` and activation offsets
+        // below `ng * group`, the lengths asserted above.
         let lda = |t: usize, i: usize| unsafe { _mm512_loadu_si512(ap[t].add(i) as *const _) };
+        let bias = if kind == QuantKind::Int8 { 128 } else { 8 };
         let m = _mm256_set1_epi8(15);
-        let bias = _mm512_set1_epi8(-128);
-        let ones = _mm512_set1_epi8(1);
+        let flip = _mm512_set1_epi8(-128);
         let fold = |v: __m512i| {
             _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1))
         };
-        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let ascale = a.map(|x| &x.scale[..]);
+        let mut acc = _mm_setzero_ps();
         for g in 0..ng {
             pf.step(g);
             let (wo, base) = (g * gb, g * group);
             let mut s = [[_mm512_setzero_si512(); T]; R];
-            let mut isum = [[_mm256_setzero_si256(); T]; R];
-            match kind {
-                QuantKind::Int8 => {
-                    let mut sw = [_mm512_setzero_si512(); R];
-                    for c in 0..group / 64 {
-                        let av: [__m512i; T] =
-                            std::array::from_fn(|t| _mm512_xor_si512(lda(t, base + 64 * c), bias));
-                        for r in 0..R {
-                            // SAFETY: see above.
-                            let wv =
-                                unsafe { _mm512_loadu_si512(wp[r].add(wo + 64 * c) as *const _) };
-                            sw[r] = _mm512_dpbusd_epi32(sw[r], ones, wv);
-                            for t in 0..T {
-                                s[r][t] = _mm512_dpbusd_epi32(s[r][t], av[t], wv);
-                            }
-                        }
-                    }
-                    for r in 0..R {
-                        let corr = _mm256_slli_epi32(fold(sw[r]), 7);
-                        for t in 0..T {
-                            isum[r][t] = _mm256_sub_epi32(fold(s[r][t]), corr);
-                        }
-                    }
-                }
-                _ => {
-                    for c in 0..group / 64 {
-                        let av: [__m512i; T] = std::array::from_fn(|t| lda(t, base + 64 * c));
-                        for r in 0..R {
+            for c in 0..group / 64 {
+                let av: [__m512i; T] = std::array::from_fn(|t| lda(t, base + 64 * c));
+                for r in 0..R {
+                    let w = match kind {
+                        // SAFETY: see above (64 bytes).
+                        QuantKind::Int8 => _mm512_xor_si512(
+                            unsafe { _mm512_loadu_si512(wp[r].add(wo + 64 * c) as *const _) },
+                            flip,
+                        ),
+                        _ => {
                             // SAFETY: see above (32 bytes).
                             let v = unsafe {
                                 _mm256_loadu_si256(wp[r].add(wo + 32 * c) as *const __m256i)
@@ -1207,35 +1244,168 @@ mod avx512 {
                             // nibbles 32..64, so the halves go in as they are.
                             let lo = _mm256_and_si256(v, m);
                             let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-                            let nib = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                            for t in 0..T {
-                                s[r][t] = _mm512_dpbusd_epi32(s[r][t], nib, av[t]);
-                            }
+                            _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
                         }
-                    }
+                    };
                     for t in 0..T {
-                        // SAFETY: see above.
-                        let lv = unsafe {
-                            _mm256_loadu_si256(a[t].sum.as_ptr().add(8 * g) as *const __m256i)
-                        };
-                        let corr = _mm256_slli_epi32(lv, 3);
-                        for r in 0..R {
-                            isum[r][t] = _mm256_sub_epi32(fold(s[r][t]), corr);
-                        }
+                        s[r][t] = _mm512_dpbusd_epi32(s[r][t], w, av[t]);
                     }
                 }
             }
+            let mut v = [_mm256_setzero_si256(); 4];
+            let mut corr = [0i32; 4];
             for r in 0..R {
                 for t in 0..T {
-                    acc[r][t] = _mm256_fmadd_ps(
-                        _mm256_set1_ps(sc[r][g] * a[t].scale[g]),
-                        _mm256_cvtepi32_ps(isum[r][t]),
-                        acc[r][t],
-                    );
+                    v[r * T + t] = fold(s[r][t]);
+                    corr[r * T + t] = bias * a[t].gsum[g];
                 }
             }
+            // SAFETY: `corr` holds 4 i32.
+            let cv = unsafe { _mm_loadu_si128(corr.as_ptr() as *const __m128i) };
+            let isum = _mm_sub_epi32(super::avx2::reduce4(v), cv);
+            acc = super::avx2::fma_step(acc, isum, sc, ascale, g);
         }
-        acc.map(|row| row.map(|v| super::avx2::hsum_tree(v)))
+        super::avx2::unpack(acc)
+    }
+
+    /// `out[r][t] = w[r] . dword k`, i.e. the 16x16 transpose of 16 rows of 16 dwords.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    fn transpose16(u: [__m512i; 16]) -> [__m512i; 16] {
+        // rows (2i, 2i+1) interleaved by dword, then rows 4i..4i+4 by dword pairs: q[4i + m] has,
+        // in each 128-bit lane L, dword 4L + m of rows 4i..4i+4
+        let t: [__m512i; 16] = std::array::from_fn(|j| {
+            let (a, b) = (u[j & !1], u[j | 1]);
+            if j % 2 == 0 {
+                _mm512_unpacklo_epi32(a, b)
+            } else {
+                _mm512_unpackhi_epi32(a, b)
+            }
+        });
+        let q: [__m512i; 16] = std::array::from_fn(|j| {
+            let (i, m) = (j / 4, j % 4);
+            let (a, b) = (t[4 * i + m / 2], t[4 * i + 2 + m / 2]);
+            if m % 2 == 0 {
+                _mm512_unpacklo_epi64(a, b)
+            } else {
+                _mm512_unpackhi_epi64(a, b)
+            }
+        });
+        let mut out = [_mm512_setzero_si512(); 16];
+        for m in 0..4 {
+            let v = _mm512_shuffle_i32x4::<0x88>(q[m], q[4 + m]);
+            let v2 = _mm512_shuffle_i32x4::<0xdd>(q[m], q[4 + m]);
+            let w = _mm512_shuffle_i32x4::<0x88>(q[8 + m], q[12 + m]);
+            let w2 = _mm512_shuffle_i32x4::<0xdd>(q[8 + m], q[12 + m]);
+            out[m] = _mm512_shuffle_i32x4::<0x88>(v, w);
+            out[8 + m] = _mm512_shuffle_i32x4::<0xdd>(v, w);
+            out[4 + m] = _mm512_shuffle_i32x4::<0x88>(v2, w2);
+            out[12 + m] = _mm512_shuffle_i32x4::<0xdd>(v2, w2);
+        }
+        out
+    }
+
+    /// Up to 16 consecutive rows (`rows`, `sc`: theirs, row-major) against every token in
+    /// `acts`, one row per lane: the rows' unsigned weight bytes are transposed once into
+    /// `scratch` so that each `vpdpbusd` takes 4 weights of 16 rows and 4 activations broadcast,
+    /// and the float step runs once per group for all 16 rows. Per row the same exact integer sums
+    /// and float steps as [`super::scalar::row_dot_i8`]. `out` is `[rows, tokens]`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    pub(super) fn rows16_dot_i8(
+        kind: QuantKind,
+        group: usize,
+        rows: &[u8],
+        sc: &[f32],
+        acts: &[QuantizedActs],
+        scratch: &mut Vec<__m512i>,
+        out: &mut [f32],
+    ) {
+        let n = acts.len();
+        let gb = group * kind.bits() / 8;
+        let ng = acts[0].q.len() / group;
+        let rb = ng * gb;
+        let nr = rows.len() / rb;
+        assert!((1..=16).contains(&nr) && rows.len() == nr * rb);
+        assert!(sc.len() == nr * ng && out.len() == nr * n);
+        for x in acts {
+            assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.gsum.len() >= ng);
+        }
+        let kq = group / 4; // dwords per group
+        let m = _mm256_set1_epi8(15);
+        let flip = _mm512_set1_epi8(-128);
+        scratch.clear();
+        scratch.resize(ng * kq, _mm512_setzero_si512());
+        for g in 0..ng {
+            for c in 0..group / 64 {
+                let mut u = [_mm512_setzero_si512(); 16];
+                for (r, ur) in u.iter_mut().enumerate().take(nr) {
+                    let p = &rows[r * rb + g * gb..r * rb + (g + 1) * gb];
+                    *ur = match kind {
+                        QuantKind::Int8 => {
+                            let b = &p[64 * c..64 * c + 64];
+                            // SAFETY: `b` holds 64 bytes.
+                            _mm512_xor_si512(
+                                unsafe { _mm512_loadu_si512(b.as_ptr() as *const _) },
+                                flip,
+                            )
+                        }
+                        _ => {
+                            let b = &p[32 * c..32 * c + 32];
+                            // SAFETY: `b` holds 32 bytes.
+                            let v = unsafe { _mm256_loadu_si256(b.as_ptr() as *const __m256i) };
+                            let lo = _mm256_and_si256(v, m);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+                            _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+                        }
+                    };
+                }
+                let t = transpose16(u);
+                scratch[g * kq + 16 * c..g * kq + 16 * c + 16].copy_from_slice(&t);
+            }
+        }
+        let mut sct = vec![[0.0f32; 16]; ng];
+        for r in 0..nr {
+            for g in 0..ng {
+                sct[g][r] = sc[r * ng + g];
+            }
+        }
+        let bias = if kind == QuantKind::Int8 { 128 } else { 8 };
+        let mut res = [0.0f32; 16];
+        for (t, x) in acts.iter().enumerate() {
+            let qp = x.q.as_ptr();
+            let mut acc = _mm512_setzero_ps();
+            for g in 0..ng {
+                let w = &scratch[g * kq..(g + 1) * kq];
+                // SAFETY: `g * group + 4 * k + 4 <= ng * group` for `k < kq`, asserted above.
+                let bc = |k: usize| unsafe {
+                    _mm512_set1_epi32((qp.add(g * group + 4 * k) as *const i32).read_unaligned())
+                };
+                // four independent chains (kq is a multiple of 16)
+                let (mut s0, mut s1, mut s2, mut s3) = (
+                    _mm512_setzero_si512(),
+                    _mm512_setzero_si512(),
+                    _mm512_setzero_si512(),
+                    _mm512_setzero_si512(),
+                );
+                for (j, w4) in w.chunks_exact(4).enumerate() {
+                    s0 = _mm512_dpbusd_epi32(s0, w4[0], bc(4 * j));
+                    s1 = _mm512_dpbusd_epi32(s1, w4[1], bc(4 * j + 1));
+                    s2 = _mm512_dpbusd_epi32(s2, w4[2], bc(4 * j + 2));
+                    s3 = _mm512_dpbusd_epi32(s3, w4[3], bc(4 * j + 3));
+                }
+                let sum = _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));
+                let isum = _mm512_sub_epi32(sum, _mm512_set1_epi32(bias * x.gsum[g]));
+                // SAFETY: `sct[g]` holds 16 floats.
+                let sw = unsafe { _mm512_loadu_ps(sct[g].as_ptr()) };
+                let scale = _mm512_mul_ps(sw, _mm512_set1_ps(x.scale[g]));
+                acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc);
+            }
+            // SAFETY: `res` has room for 16 floats.
+            unsafe { _mm512_storeu_ps(res.as_mut_ptr(), acc) };
+            for r in 0..nr {
+                out[r * n + t] = res[r];
+            }
+        }
     }
 }
 
