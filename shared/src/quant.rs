@@ -1056,7 +1056,8 @@ mod avx2 {
         // SAFETY (every load below): weight offsets stay below `ng * gb` and activation offsets
         // below `ng * group`, the lengths asserted above.
         let ld = |p: *const u8| unsafe { _mm256_loadu_si256(p as *const __m256i) };
-        let lda = |t: usize, i: usize| unsafe { _mm256_loadu_si256(ap[t].add(i) as *const __m256i) };
+        let lda =
+            |t: usize, i: usize| unsafe { _mm256_loadu_si256(ap[t].add(i) as *const __m256i) };
         let eight = _mm256_set1_epi8(8);
         let m = _mm256_set1_epi8(15);
         let mut acc = _mm_setzero_ps();
@@ -1109,7 +1110,9 @@ mod avx2 {
                         let av: [__m256i; T] = std::array::from_fn(|t| lda(t, base + 32 * c));
                         for r in 0..R {
                             // SAFETY: see above (16 bytes).
-                            let v = unsafe { _mm_loadu_si128(wp[r].add(wo + 16 * c) as *const __m128i) };
+                            let v = unsafe {
+                                _mm_loadu_si128(wp[r].add(wo + 16 * c) as *const __m128i)
+                            };
                             let lo = _mm_and_si128(v, m);
                             let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
                             let wv = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight);
@@ -1370,42 +1373,69 @@ mod avx512 {
             }
         }
         let bias = if kind == QuantKind::Int8 { 128 } else { 8 };
-        let mut res = [0.0f32; 16];
-        for (t, x) in acts.iter().enumerate() {
-            let qp = x.q.as_ptr();
-            let mut acc = _mm512_setzero_ps();
-            for g in 0..ng {
-                let w = &scratch[g * kq..(g + 1) * kq];
-                // SAFETY: `g * group + 4 * k + 4 <= ng * group` for `k < kq`, asserted above.
-                let bc = |k: usize| unsafe {
-                    _mm512_set1_epi32((qp.add(g * group + 4 * k) as *const i32).read_unaligned())
-                };
-                // four independent chains (kq is a multiple of 16)
-                let (mut s0, mut s1, mut s2, mut s3) = (
-                    _mm512_setzero_si512(),
-                    _mm512_setzero_si512(),
-                    _mm512_setzero_si512(),
-                    _mm512_setzero_si512(),
-                );
-                for (j, w4) in w.chunks_exact(4).enumerate() {
-                    s0 = _mm512_dpbusd_epi32(s0, w4[0], bc(4 * j));
-                    s1 = _mm512_dpbusd_epi32(s1, w4[1], bc(4 * j + 1));
-                    s2 = _mm512_dpbusd_epi32(s2, w4[2], bc(4 * j + 2));
-                    s3 = _mm512_dpbusd_epi32(s3, w4[3], bc(4 * j + 3));
+        // tokens in pairs: each weight vector loaded from the scratch serves two tokens
+        let mut t = 0;
+        while t < n {
+            let res = if t + 1 < n {
+                lanes_dot::<2>(group, ng, bias, scratch, &sct, [&acts[t], &acts[t + 1]])
+            } else {
+                let [a] = lanes_dot::<1>(group, ng, bias, scratch, &sct, [&acts[t]]);
+                [a, _mm512_setzero_ps()]
+            };
+            for (i, v) in res.iter().enumerate().take((n - t).min(2)) {
+                let mut lanes = [0.0f32; 16];
+                // SAFETY: `lanes` has room for 16 floats.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *v) };
+                for (r, l) in lanes.iter().enumerate().take(nr) {
+                    out[r * n + t + i] = *l;
                 }
-                let sum = _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));
-                let isum = _mm512_sub_epi32(sum, _mm512_set1_epi32(bias * x.gsum[g]));
-                // SAFETY: `sct[g]` holds 16 floats.
-                let sw = unsafe { _mm512_loadu_ps(sct[g].as_ptr()) };
-                let scale = _mm512_mul_ps(sw, _mm512_set1_ps(x.scale[g]));
-                acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc);
             }
-            // SAFETY: `res` has room for 16 floats.
-            unsafe { _mm512_storeu_ps(res.as_mut_ptr(), acc) };
-            for r in 0..nr {
-                out[r * n + t] = res[r];
+            t += 2;
+        }
+    }
+
+    /// The per-token loop of [`rows16_dot_i8`] for `P` tokens sharing each weight load: per
+    /// group, the exact integer sums of 16 rows (two chains per token), the activation-sum
+    /// correction, then `acc = fma(scale_w * scale_x, isum, acc)` per lane.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    fn lanes_dot<const P: usize>(
+        group: usize,
+        ng: usize,
+        bias: i32,
+        wt: &[__m512i],
+        sct: &[[f32; 16]],
+        acts: [&QuantizedActs; P],
+    ) -> [__m512; P] {
+        let kq = group / 4;
+        assert!(wt.len() >= ng * kq && sct.len() >= ng && kq.is_multiple_of(2));
+        let qp = acts.map(|x| x.q.as_ptr());
+        let mut acc = [_mm512_setzero_ps(); P];
+        for g in 0..ng {
+            let w = &wt[g * kq..(g + 1) * kq];
+            // SAFETY: `g * group + 4 * k + 4 <= ng * group` for `k < kq` (the callers assert the
+            // activations' lengths).
+            let bc = |t: usize, k: usize| unsafe {
+                _mm512_set1_epi32((qp[t].add(g * group + 4 * k) as *const i32).read_unaligned())
+            };
+            let mut s0 = [_mm512_setzero_si512(); P];
+            let mut s1 = [_mm512_setzero_si512(); P];
+            for (j, w2) in w.chunks_exact(2).enumerate() {
+                for t in 0..P {
+                    s0[t] = _mm512_dpbusd_epi32(s0[t], w2[0], bc(t, 2 * j));
+                    s1[t] = _mm512_dpbusd_epi32(s1[t], w2[1], bc(t, 2 * j + 1));
+                }
+            }
+            // SAFETY: `sct[g]` holds 16 floats.
+            let sw = unsafe { _mm512_loadu_ps(sct[g].as_ptr()) };
+            for t in 0..P {
+                let sum = _mm512_add_epi32(s0[t], s1[t]);
+                let isum = _mm512_sub_epi32(sum, _mm512_set1_epi32(bias * acts[t].gsum[g]));
+                let scale = _mm512_mul_ps(sw, _mm512_set1_ps(acts[t].scale[g]));
+                acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc[t]);
             }
         }
+        acc
     }
 }
 
