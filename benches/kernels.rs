@@ -3,7 +3,8 @@
 //! measured in the same run.
 //!
 //! `cargo bench --bench kernels` (criterion's report) and, for the summary table with ratios to the
-//! memory bandwidth, `cargo bench --bench kernels -- --summary`.
+//! memory bandwidth, `cargo bench --bench kernels -- --summary`; `-- --compute` measures the
+//! integer path with the weights cache-resident (compute, not memory, as the limit).
 
 use std::time::{Duration, Instant};
 
@@ -149,6 +150,44 @@ fn summary(quick: bool) {
     }
 }
 
+/// Compute throughput with the weights cache-resident (one thread, a 512x1024 matrix, GLM-like
+/// row length of the yardstick model): weight bytes times tokens per second, int8 activations.
+fn compute_summary() {
+    let (r, c) = (512, 1024);
+    let m = Matrix::new(r, c, data(r * c, 7));
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    println!("\ncompute, 1 thread, {r}x{c} weights resident in cache, int8 activations");
+    println!(
+        "{:<6} {:<10} {:>6} {:>22}",
+        "format", "isa", "tokens", "GB/s (bytes x tokens)"
+    );
+    for kind in [QuantKind::Int4, QuantKind::Int8] {
+        let q = QMatrix::quantize(&m, kind, 64).unwrap();
+        for isa in Isa::available().into_iter().filter(|i| *i != Isa::Scalar) {
+            for n in [1usize, 16, 64] {
+                let x = data(n * c, 3);
+                let reps = (4000 / n).max(20);
+                let s = pool.install(|| {
+                    time_it(|| {
+                        for _ in 0..reps {
+                            drop(black_box(q.matmul_with(&x, n, isa, Activations::Int8)));
+                        }
+                    })
+                }) / reps as f64;
+                let gbs = (n as u64 * weight_bytes(&q)) as f64 / s / 1e9;
+                println!(
+                    "{:<6} {:<10} {n:>6} {gbs:>22.2}",
+                    kind.name(),
+                    format!("{isa:?}")
+                );
+            }
+        }
+    }
+}
+
 fn criterion_benches(c: &mut Criterion) {
     let isa = Isa::detect();
     for (name, r, cols) in SHAPES {
@@ -173,6 +212,10 @@ fn criterion_benches(c: &mut Criterion) {
 }
 
 fn main() {
+    if std::env::args().any(|a| a == "--compute") {
+        compute_summary();
+        return;
+    }
     if std::env::args().any(|a| a == "--summary") {
         summary(std::env::args().any(|a| a == "--quick"));
         return;
