@@ -66,6 +66,7 @@ impl Matrix {
         par_rows(
             self.rows,
             n,
+            4 * self.cols,
             || (),
             |_, r, out| {
                 let w = self.row(r);
@@ -84,10 +85,11 @@ impl Matrix {
 pub fn par_rows<S>(
     rows: usize,
     n: usize,
+    row_bytes: usize,
     init: impl Fn() -> S + Sync,
     row: impl Fn(&mut S, usize, &mut [f32]) + Sync,
 ) -> Vec<f32> {
-    par_row_blocks(rows, n, 1, |r0, out| {
+    par_row_blocks(rows, n, 1, row_bytes, |r0, out| {
         let mut state = init();
         for (k, o) in out.chunks_mut(n).enumerate() {
             row(&mut state, r0 + k, o);
@@ -95,23 +97,34 @@ pub fn par_rows<S>(
     })
 }
 
+/// Below this many weight bytes times tokens a matmul runs on the calling thread: waking another
+/// thread costs more than the work.
+const PAR_MIN_WORK: usize = 1 << 17;
+
 /// [`par_rows`] for kernels that take several rows at once: `block(r0, out)` computes rows
 /// `r0..r0 + out.len() / n` into `out` (`[rows, n]`), and every block but the last starts at a
-/// multiple of `align` rows and holds a multiple of `align` rows. Returns `[n, rows]`.
+/// multiple of `align` rows and holds a multiple of `align` rows. `row_bytes` (the weight bytes
+/// of one row) sizes the work: small products run as one block on the calling thread. Returns
+/// `[n, rows]`.
 pub fn par_row_blocks(
     rows: usize,
     n: usize,
     align: usize,
+    row_bytes: usize,
     block: impl Fn(usize, &mut [f32]) + Sync,
 ) -> Vec<f32> {
-    let per = rows
-        .div_ceil(8 * rayon::current_num_threads())
-        .max(16)
-        .next_multiple_of(align.max(1));
     let mut yt = vec![0.0f32; n * rows]; // [rows, n] while computing
-    yt.par_chunks_mut(n * per)
-        .enumerate()
-        .for_each(|(b, out)| block(b * per, out));
+    if rows * row_bytes * n < PAR_MIN_WORK {
+        block(0, &mut yt);
+    } else {
+        let per = rows
+            .div_ceil(8 * rayon::current_num_threads())
+            .max(16)
+            .next_multiple_of(align.max(1));
+        yt.par_chunks_mut(n * per)
+            .enumerate()
+            .for_each(|(b, out)| block(b * per, out));
+    }
     if n == 1 {
         return yt;
     }

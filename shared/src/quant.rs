@@ -419,7 +419,7 @@ impl QMatrix {
             }
         };
         let (data, scales, mins): (&[u8], &[f32], &[f32]) = (&self.data, &self.scales, &self.mins);
-        par_rows(self.rows, n, scratch, |codes, r, out| {
+        par_rows(self.rows, n, rb, scratch, |codes, r, out| {
             let row = &data[r * rb..(r + 1) * rb];
             let sc = if scales.is_empty() {
                 &[][..]
@@ -485,7 +485,7 @@ impl QMatrix {
         #[cfg(target_arch = "x86_64")]
         if isa == Isa::Avx512Vnni && group.is_multiple_of(64) && n >= LANE_ROWS_MIN_TOKENS {
             // Many tokens: 16 rows at a time, one row per lane (weights transposed once per block).
-            return par_row_blocks(self.rows, n, 16, |r0, out| {
+            return par_row_blocks(self.rows, n, 16, rb, |r0, out| {
                 let k = out.len() / n;
                 let mut scratch = Vec::new();
                 for i in (0..k).step_by(16) {
@@ -537,7 +537,7 @@ impl QMatrix {
                 _ => run!(1, 1),
             }
         };
-        par_row_blocks(self.rows, n, ROW_BLOCK, |r0, out| {
+        par_row_blocks(self.rows, n, ROW_BLOCK, rb, |r0, out| {
             let k = out.len() / n;
             // Tiles of 4 tokens a row at a time; the remaining tokens 4 rows at a time.
             let full = n - n % 4;
