@@ -491,6 +491,9 @@ impl QMatrix {
                 for i in (0..k).step_by(16) {
                     let nr = 16.min(k - i);
                     let r = r0 + i;
+                    // the next block's weights, prefetched while this one is transposed
+                    let ahead = &data
+                        [((r + nr) * rb).min(data.len())..((r + nr + 16) * rb).min(data.len())];
                     // SAFETY: `Isa::Avx512Vnni` is only constructed after checking
                     // avx512f/bw/vnni and avx2.
                     unsafe {
@@ -502,6 +505,7 @@ impl QMatrix {
                             &qx,
                             &mut scratch,
                             &mut out[i * n..(i + nr) * n],
+                            ahead,
                         )
                     };
                 }
@@ -1312,7 +1316,8 @@ mod avx512 {
     /// `acts`, one row per lane: the rows' unsigned weight bytes are transposed once into
     /// `scratch` so that each `vpdpbusd` takes 4 weights of 16 rows and 4 activations broadcast,
     /// and the float step runs once per group for all 16 rows. Per row the same exact integer sums
-    /// and float steps as [`super::scalar::row_dot_i8`]. `out` is `[rows, tokens]`.
+    /// and float steps as [`super::scalar::row_dot_i8`]. `out` is `[rows, tokens]`; `ahead` (the
+    /// next block's weights) is prefetched during the transpose.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
     pub(super) fn rows16_dot_i8(
         kind: QuantKind,
@@ -1322,6 +1327,7 @@ mod avx512 {
         acts: &[QuantizedActs],
         scratch: &mut Vec<__m512i>,
         out: &mut [f32],
+        ahead: &[u8],
     ) {
         let n = acts.len();
         let gb = group * kind.bits() / 8;
@@ -1338,7 +1344,9 @@ mod avx512 {
         let flip = _mm512_set1_epi8(-128);
         scratch.clear();
         scratch.resize(ng * kq, _mm512_setzero_si512());
+        let pf = super::Prefetch::new(ahead, ng);
         for g in 0..ng {
+            pf.step(g);
             for c in 0..group / 64 {
                 let mut u = [_mm512_setzero_si512(); 16];
                 for (r, ur) in u.iter_mut().enumerate().take(nr) {
