@@ -631,7 +631,7 @@ const ROW_BLOCK: usize = 4;
 
 /// From this many tokens the VNNI integer path computes 16 rows at a time, one per lane.
 #[cfg(target_arch = "x86_64")]
-const LANE_ROWS_MIN_TOKENS: usize = 8;
+const LANE_ROWS_MIN_TOKENS: usize = 4;
 
 /// `R` rows against `T` tokens' int8 activations (`R * T` is 1 or 4): per row, token and group an
 /// exact i32 dot product of the packed weights (int8, or int4 nibbles stored as `q + 8`) with the
