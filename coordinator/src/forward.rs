@@ -4,7 +4,7 @@
 //! attend causally to everything cached.
 
 use charm_shared::config::{AttentionSpec, GqaSpec, IndexerKind, MlaSpec};
-use charm_shared::kernels::{axpy, dot, layer_norm, rms_norm, softmax, Linear};
+use charm_shared::kernels::{axpy, dot, dots, layer_norm, rms_norm, softmax, Linear};
 use charm_shared::routing::{route, top_k};
 use charm_worker::{ExpertBatch, ExpertError};
 use rayon::prelude::*;
@@ -477,7 +477,17 @@ impl Model {
                         for d in 0..nope {
                             axpy(&mut q_abs, q_nope[d], w.kv_b.row(hh * stride + d));
                         }
-                        for &j in &keys {
+                        // four keys at a time: the same dot products, interleaved
+                        let mut kc = keys.chunks_exact(4);
+                        for k4 in &mut kc {
+                            let e: [&[f32]; 4] = std::array::from_fn(|i| cache.entry(k4[i]));
+                            let lat = dots(e.map(|e| &e[..kvr]), &q_abs);
+                            let rot = dots(e.map(|e| &e[kvr..]), q_rope);
+                            for i in 0..4 {
+                                scores.push((lat[i] + rot[i]) * scale);
+                            }
+                        }
+                        for &j in kc.remainder() {
                             let e = cache.entry(j);
                             scores.push((dot(&q_abs, &e[..kvr]) + dot(q_rope, &e[kvr..])) * scale);
                         }
@@ -486,8 +496,15 @@ impl Model {
                         for (&j, &pj) in keys.iter().zip(&scores) {
                             axpy(&mut ctx, pj, &cache.entry(j)[..kvr]);
                         }
-                        for (d, oi) in o.iter_mut().enumerate() {
-                            *oi = dot(w.kv_b.row(hh * stride + nope + d), &ctx);
+                        let mut oc = o.chunks_exact_mut(4);
+                        for (c, o4) in (&mut oc).enumerate() {
+                            let rows: [&[f32]; 4] =
+                                std::array::from_fn(|i| w.kv_b.row(hh * stride + nope + 4 * c + i));
+                            o4.copy_from_slice(&dots(rows, &ctx));
+                        }
+                        let done = vd - vd % 4;
+                        for (d, oi) in oc.into_remainder().iter_mut().enumerate() {
+                            *oi = dot(w.kv_b.row(hh * stride + nope + done + d), &ctx);
                         }
                     }
                 }

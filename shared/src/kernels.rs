@@ -48,33 +48,29 @@ impl Matrix {
     }
 
     /// `y[t, o] = sum_i x[t, i] * self[o, i]` for `n` tokens: `x` is `[n, cols]`, `y` is `[n, rows]`.
+    /// Every element is [`dot`] of its row and token, whatever the split into threads and blocks.
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
         assert_eq!(x.len(), n * self.cols, "matmul input is not [n, cols]");
-        let mut y = vec![0.0f32; n * self.rows];
-        let work = n * self.rows * self.cols;
-        if work < 1 << 16 {
-            for t in 0..n {
-                let xt = &x[t * self.cols..(t + 1) * self.cols];
-                for (o, yo) in y[t * self.rows..(t + 1) * self.rows].iter_mut().enumerate() {
-                    *yo = dot(self.row(o), xt);
+        let cols = self.cols;
+        par_row_blocks(self.rows, n, 4, 4 * cols, |r0, out| {
+            let k = out.len() / n.max(1);
+            let full = k - k % 4;
+            for i in (0..full).step_by(4) {
+                let rows: [&[f32]; 4] = std::array::from_fn(|j| self.row(r0 + i + j));
+                for t in 0..n {
+                    let v = dots(rows, &x[t * cols..(t + 1) * cols]);
+                    for (j, vj) in v.into_iter().enumerate() {
+                        out[(i + j) * n + t] = vj;
+                    }
                 }
             }
-            return y;
-        }
-        // Parallel over output rows; each (token, row) dot product is the same code either way.
-        let cols = self.cols;
-        par_rows(
-            self.rows,
-            n,
-            4 * self.cols,
-            || (),
-            |_, r, out| {
-                let w = self.row(r);
-                for (t, v) in out.iter_mut().enumerate() {
-                    *v = dot(w, &x[t * cols..(t + 1) * cols]);
+            for i in full..k {
+                let w = self.row(r0 + i);
+                for t in 0..n {
+                    out[i * n + t] = dot(w, &x[t * cols..(t + 1) * cols]);
                 }
-            },
-        )
+            }
+        })
     }
 }
 
@@ -180,6 +176,52 @@ fn dot_body(a: &[f32], b: &[f32]) -> f32 {
         tail += x * y;
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// `[dot(xs[0], y), ..., dot(xs[N - 1], y)]`, each with exactly [`dot`]'s arithmetic; computing
+/// them together only interleaves their independent addition chains (a lone `dot` waits on its
+/// adder's latency).
+#[inline]
+pub fn dots<const N: usize>(xs: [&[f32]; N], y: &[f32]) -> [f32; N] {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present.
+        return unsafe { dots_avx2(xs, y) };
+    }
+    dots_body(xs, y)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn dots_avx2<const N: usize>(xs: [&[f32]; N], y: &[f32]) -> [f32; N] {
+    dots_body(xs, y)
+}
+
+#[inline(always)]
+fn dots_body<const N: usize>(xs: [&[f32]; N], y: &[f32]) -> [f32; N] {
+    let len = y.len();
+    for x in xs {
+        assert_eq!(x.len(), len);
+    }
+    let mut acc = [[0.0f32; 8]; N];
+    let full = len - len % 8;
+    for j in (0..full).step_by(8) {
+        let yj = &y[j..j + 8];
+        for i in 0..N {
+            let xj = &xs[i][j..j + 8];
+            for k in 0..8 {
+                acc[i][k] += xj[k] * yj[k];
+            }
+        }
+    }
+    std::array::from_fn(|i| {
+        let mut tail = 0.0f32;
+        for (x, y) in xs[i][full..].iter().zip(&y[full..]) {
+            tail += x * y;
+        }
+        let a = &acc[i];
+        ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) + tail
+    })
 }
 
 /// `y[i] += a * x[i]` (unfused, element by element: the same bits however wide it runs).
@@ -375,6 +417,33 @@ mod tests {
                         "{r}x{c} t{t} o{o}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn dots_and_matmul_are_dot_bit_for_bit() {
+        for len in [0, 1, 7, 8, 9, 64, 100, 129] {
+            let y = lcg(len as u64 + 3, len);
+            let xs: Vec<Vec<f32>> = (0..4).map(|i| lcg(i + 50, len)).collect();
+            let got = dots(std::array::from_fn::<_, 4, _>(|i| &xs[i][..]), &y);
+            for i in 0..4 {
+                assert_eq!(
+                    got[i].to_bits(),
+                    dot(&xs[i], &y).to_bits(),
+                    "len {len} x{i}"
+                );
+                assert_eq!(got[i].to_bits(), dot_body(&xs[i], &y).to_bits());
+            }
+        }
+        let (r, c) = (37, 129);
+        let w = Matrix::new(r, c, lcg(7, r * c));
+        let x = lcg(8, 3 * c);
+        let y = w.matmul(&x, 3);
+        for t in 0..3 {
+            for o in 0..r {
+                let want = dot_body(w.row(o), &x[t * c..(t + 1) * c]);
+                assert_eq!(y[t * r + o].to_bits(), want.to_bits(), "t{t} o{o}");
             }
         }
     }
