@@ -444,21 +444,31 @@ impl Model {
         let cache = &*cache;
         // Every (query, head) pair is independent: run them in parallel, each with the same
         // arithmetic as alone.
-        out.par_chunks_mut(vd)
-            .enumerate()
-            .with_min_len(4)
-            .for_each(|(idx, o)| {
-                let (t, hh) = (idx / nh, idx % nh);
-                let p = pos0 + t;
-                let keys: Vec<usize> = match sel {
-                    Some(s) => s[t].iter().map(|&j| j as usize).collect(),
-                    None => (0..=p).collect(),
-                };
+        // Units of `g` heads of one query: enough units to share among the threads, and each
+        // unit reads the cached latents once for all its heads. Every (query, head) pair keeps the
+        // arithmetic it has alone, so the split never changes a bit.
+        let g = if n >= 8 {
+            nh
+        } else {
+            (1..=4).rev().find(|d| nh % d == 0).unwrap_or(1)
+        };
+        out.par_chunks_mut(vd * g).enumerate().for_each(|(u, og)| {
+            let (t, h0) = ((u * g) / nh, (u * g) % nh);
+            let p = pos0 + t;
+            let keys: Vec<usize> = match sel {
+                Some(s) => s[t].iter().map(|&j| j as usize).collect(),
+                None => (0..=p).collect(),
+            };
+            let qh = |hh: usize| {
                 let qh = &q[t * nh * qkd + hh * qkd..t * nh * qkd + (hh + 1) * qkd];
-                let (q_nope, q_rope) = qh.split_at(nope);
-                let mut scores = Vec::with_capacity(keys.len());
-                match &expanded {
-                    Some(kv) => {
+                qh.split_at(nope)
+            };
+            match &expanded {
+                Some(kv) => {
+                    for (k, o) in og.chunks_mut(vd).enumerate() {
+                        let hh = h0 + k;
+                        let (q_nope, q_rope) = qh(hh);
+                        let mut scores = Vec::with_capacity(keys.len());
                         for &j in &keys {
                             let kvj = &kv[j * nh * stride + hh * stride..];
                             let s = dot(q_nope, &kvj[..nope]) + dot(q_rope, &cache.entry(j)[kvr..]);
@@ -471,44 +481,67 @@ impl Model {
                             axpy(o, pj, vj);
                         }
                     }
-                    None => {
-                        // q_abs[c] = sum_d q_nope[d] * W_uk[h][d][c]
-                        let mut q_abs = vec![0.0f32; kvr];
-                        for d in 0..nope {
-                            axpy(&mut q_abs, q_nope[d], w.kv_b.row(hh * stride + d));
-                        }
-                        // four keys at a time: the same dot products, interleaved
-                        let mut kc = keys.chunks_exact(4);
-                        for k4 in &mut kc {
-                            let e: [&[f32]; 4] = std::array::from_fn(|i| cache.entry(k4[i]));
-                            let lat = dots(e.map(|e| &e[..kvr]), &q_abs);
-                            let rot = dots(e.map(|e| &e[kvr..]), q_rope);
+                }
+                None => {
+                    // q_abs[c] = sum_d q_nope[d] * W_uk[h][d][c], per head of the unit
+                    let q_abs: Vec<Vec<f32>> = (0..g)
+                        .map(|k| {
+                            let (q_nope, _) = qh(h0 + k);
+                            let mut qa = vec![0.0f32; kvr];
+                            for (d, &qd) in q_nope.iter().enumerate() {
+                                axpy(&mut qa, qd, w.kv_b.row((h0 + k) * stride + d));
+                            }
+                            qa
+                        })
+                        .collect();
+                    let mut scores = vec![Vec::with_capacity(keys.len()); g];
+                    // four keys at a time (the same dot products, interleaved), every head
+                    // of the unit against each cached latent while it is in cache
+                    let mut kc = keys.chunks_exact(4);
+                    for k4 in &mut kc {
+                        let e: [&[f32]; 4] = std::array::from_fn(|i| cache.entry(k4[i]));
+                        let (lat_e, rot_e) = (e.map(|e| &e[..kvr]), e.map(|e| &e[kvr..]));
+                        for (k, sk) in scores.iter_mut().enumerate() {
+                            let lat = dots(lat_e, &q_abs[k]);
+                            let rot = dots(rot_e, qh(h0 + k).1);
                             for i in 0..4 {
-                                scores.push((lat[i] + rot[i]) * scale);
+                                sk.push((lat[i] + rot[i]) * scale);
                             }
                         }
-                        for &j in kc.remainder() {
-                            let e = cache.entry(j);
-                            scores.push((dot(&q_abs, &e[..kvr]) + dot(q_rope, &e[kvr..])) * scale);
+                    }
+                    for &j in kc.remainder() {
+                        let e = cache.entry(j);
+                        for (k, sk) in scores.iter_mut().enumerate() {
+                            let s = dot(&q_abs[k], &e[..kvr]) + dot(qh(h0 + k).1, &e[kvr..]);
+                            sk.push(s * scale);
                         }
-                        softmax(&mut scores);
-                        let mut ctx = vec![0.0f32; kvr];
-                        for (&j, &pj) in keys.iter().zip(&scores) {
-                            axpy(&mut ctx, pj, &cache.entry(j)[..kvr]);
+                    }
+                    for sk in &mut scores {
+                        softmax(sk);
+                    }
+                    let mut ctx = vec![vec![0.0f32; kvr]; g];
+                    for (i, &j) in keys.iter().enumerate() {
+                        let lat = &cache.entry(j)[..kvr];
+                        for (c, sk) in ctx.iter_mut().zip(&scores) {
+                            axpy(c, sk[i], lat);
                         }
+                    }
+                    for (k, o) in og.chunks_mut(vd).enumerate() {
+                        let hh = h0 + k;
                         let mut oc = o.chunks_exact_mut(4);
                         for (c, o4) in (&mut oc).enumerate() {
                             let rows: [&[f32]; 4] =
                                 std::array::from_fn(|i| w.kv_b.row(hh * stride + nope + 4 * c + i));
-                            o4.copy_from_slice(&dots(rows, &ctx));
+                            o4.copy_from_slice(&dots(rows, &ctx[k]));
                         }
                         let done = vd - vd % 4;
                         for (d, oi) in oc.into_remainder().iter_mut().enumerate() {
-                            *oi = dot(w.kv_b.row(hh * stride + nope + done + d), &ctx);
+                            *oi = dot(w.kv_b.row(hh * stride + nope + done + d), &ctx[k]);
                         }
                     }
                 }
-            });
+            }
+        });
         w.o.matmul(&out, n)
     }
 }
