@@ -156,7 +156,8 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    dot_body(a, b)
+    let [d] = dots_avx2([a], b);
+    d
 }
 
 #[inline(always)]
@@ -191,10 +192,37 @@ pub fn dots<const N: usize>(xs: [&[f32]; N], y: &[f32]) -> [f32; N] {
     dots_body(xs, y)
 }
 
+/// [`dots_body`] written out in AVX2: lane `k` of each accumulator is `acc[k] += x[k] * y[k]`
+/// (multiply, then add: two roundings, as the portable body), then the same tree and tail.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn dots_avx2<const N: usize>(xs: [&[f32]; N], y: &[f32]) -> [f32; N] {
-    dots_body(xs, y)
+    use std::arch::x86_64::*;
+    let len = y.len();
+    for x in xs {
+        assert_eq!(x.len(), len);
+    }
+    let full = len - len % 8;
+    let mut acc = [_mm256_setzero_ps(); N];
+    for j in (0..full).step_by(8) {
+        // SAFETY: `j + 8 <= full <= len`, the length of `y` and of every `xs[i]`.
+        let yv = unsafe { _mm256_loadu_ps(y.as_ptr().add(j)) };
+        for i in 0..N {
+            // SAFETY: as above.
+            let xv = unsafe { _mm256_loadu_ps(xs[i].as_ptr().add(j)) };
+            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(xv, yv));
+        }
+    }
+    std::array::from_fn(|i| {
+        let mut a = [0.0f32; 8];
+        // SAFETY: `a` has room for 8 floats.
+        unsafe { _mm256_storeu_ps(a.as_mut_ptr(), acc[i]) };
+        let mut tail = 0.0f32;
+        for (x, y) in xs[i][full..].iter().zip(&y[full..]) {
+            tail += x * y;
+        }
+        ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) + tail
+    })
 }
 
 #[inline(always)]
