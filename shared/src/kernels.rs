@@ -213,16 +213,35 @@ fn dots_avx2<const N: usize>(xs: [&[f32]; N], y: &[f32]) -> [f32; N] {
             acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(xv, yv));
         }
     }
-    std::array::from_fn(|i| {
-        let mut a = [0.0f32; 8];
-        // SAFETY: `a` has room for 8 floats.
-        unsafe { _mm256_storeu_ps(a.as_mut_ptr(), acc[i]) };
+    let tails: [f32; N] = std::array::from_fn(|i| {
         let mut tail = 0.0f32;
         for (x, y) in xs[i][full..].iter().zip(&y[full..]) {
             tail += x * y;
         }
-        ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) + tail
-    })
+        tail
+    });
+    // The tree ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)): halves added, then pairs.
+    let half = |v: __m256| _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let mut out = [0.0f32; N];
+    let mut i = 0;
+    while i + 4 <= N {
+        // hadd(hadd(h0, h1), hadd(h2, h3)) = the four trees, one per lane
+        let ab = _mm_hadd_ps(half(acc[i]), half(acc[i + 1]));
+        let cd = _mm_hadd_ps(half(acc[i + 2]), half(acc[i + 3]));
+        // SAFETY: `tails[i..i + 4]` holds 4 floats.
+        let t = unsafe { _mm_loadu_ps(tails.as_ptr().add(i)) };
+        let r = _mm_add_ps(_mm_hadd_ps(ab, cd), t);
+        // SAFETY: `out[i..i + 4]` has room for 4 floats.
+        unsafe { _mm_storeu_ps(out.as_mut_ptr().add(i), r) };
+        i += 4;
+    }
+    while i < N {
+        let h = half(acc[i]);
+        let p = _mm_hadd_ps(h, h);
+        out[i] = _mm_cvtss_f32(_mm_add_ss(_mm_add_ss(p, _mm_movehdup_ps(p)), _mm_set_ss(tails[i])));
+        i += 1;
+    }
+    out
 }
 
 #[inline(always)]
