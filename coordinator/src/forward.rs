@@ -4,7 +4,9 @@
 //! attend causally to everything cached.
 
 use charm_shared::config::{AttentionSpec, GqaSpec, IndexerKind, MlaSpec};
-use charm_shared::kernels::{axpy, dot, dots, layer_norm, rms_norm, softmax, Linear};
+use charm_shared::kernels::{
+    axpy, dot, dots, layer_norm, rms_norm, softmax, weighted_rows, Linear,
+};
 use charm_shared::routing::{route, top_k};
 use charm_worker::{ExpertBatch, ExpertError};
 use rayon::prelude::*;
@@ -519,11 +521,16 @@ impl Model {
                     for sk in &mut scores {
                         softmax(sk);
                     }
+                    // ctx[h] = sum over keys, in order, of p[h][j] * latent[j]
+                    let lats: Vec<&[f32]> = keys.iter().map(|&j| &cache.entry(j)[..kvr]).collect();
                     let mut ctx = vec![vec![0.0f32; kvr]; g];
-                    for (i, &j) in keys.iter().enumerate() {
-                        let lat = &cache.entry(j)[..kvr];
-                        for (c, sk) in ctx.iter_mut().zip(&scores) {
-                            axpy(c, sk[i], lat);
+                    for (c4, s4) in ctx.chunks_mut(4).zip(scores.chunks(4)) {
+                        if let ([a, b, c, d], [pa, pb, pc, pd]) = (&mut *c4, s4) {
+                            weighted_rows([a, b, c, d], [pa, pb, pc, pd], &lats);
+                        } else {
+                            for (c, sk) in c4.iter_mut().zip(s4) {
+                                weighted_rows([c], [sk], &lats);
+                            }
                         }
                     }
                     for (k, o) in og.chunks_mut(vd).enumerate() {

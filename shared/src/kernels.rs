@@ -238,7 +238,10 @@ fn dots_avx2<const N: usize>(xs: [&[f32]; N], y: &[f32]) -> [f32; N] {
     while i < N {
         let h = half(acc[i]);
         let p = _mm_hadd_ps(h, h);
-        out[i] = _mm_cvtss_f32(_mm_add_ss(_mm_add_ss(p, _mm_movehdup_ps(p)), _mm_set_ss(tails[i])));
+        out[i] = _mm_cvtss_f32(_mm_add_ss(
+            _mm_add_ss(p, _mm_movehdup_ps(p)),
+            _mm_set_ss(tails[i]),
+        ));
         i += 1;
     }
     out
@@ -269,6 +272,79 @@ fn dots_body<const N: usize>(xs: [&[f32]; N], y: &[f32]) -> [f32; N] {
         let a = &acc[i];
         ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) + tail
     })
+}
+
+/// `out[h][c] += p[h][j] * rows[j][c]` for every head `h < H` and row `j` in order: each element
+/// gets exactly the sequence of unfused multiply-adds that `axpy(out[h], p[h][j], rows[j])` for
+/// `j = 0, 1, ...` gives it, but the sums stay in registers across rows and each row is loaded once
+/// for all `H` heads.
+pub fn weighted_rows<const H: usize>(out: [&mut [f32]; H], p: [&[f32]; H], rows: &[&[f32]]) {
+    let len = out.first().map_or(0, |o| o.len());
+    for h in 0..H {
+        assert!(out[h].len() == len && p[h].len() == rows.len());
+    }
+    for r in rows {
+        assert_eq!(r.len(), len);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present; the lengths are checked above.
+        return unsafe { weighted_rows_avx2(out, p, rows) };
+    }
+    let out = out;
+    for (j, r) in rows.iter().enumerate() {
+        for h in 0..H {
+            axpy_body(out[h], p[h][j], r);
+        }
+    }
+}
+
+/// [`weighted_rows`] in AVX2, 16 columns at a time. The caller has checked the lengths.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn weighted_rows_avx2<const H: usize>(out: [&mut [f32]; H], p: [&[f32]; H], rows: &[&[f32]]) {
+    use std::arch::x86_64::*;
+    let len = out.first().map_or(0, |o| o.len());
+    let full = len - len % 16;
+    for c in (0..full).step_by(16) {
+        let mut acc: [[__m256; 2]; H] = std::array::from_fn(|h| {
+            // SAFETY: `c + 16 <= len`.
+            unsafe {
+                [
+                    _mm256_loadu_ps(out[h].as_ptr().add(c)),
+                    _mm256_loadu_ps(out[h].as_ptr().add(c + 8)),
+                ]
+            }
+        });
+        for (j, r) in rows.iter().enumerate() {
+            // SAFETY: every row has `len` floats.
+            let (l0, l1) = unsafe {
+                (
+                    _mm256_loadu_ps(r.as_ptr().add(c)),
+                    _mm256_loadu_ps(r.as_ptr().add(c + 8)),
+                )
+            };
+            for h in 0..H {
+                let pv = _mm256_set1_ps(p[h][j]);
+                acc[h][0] = _mm256_add_ps(acc[h][0], _mm256_mul_ps(pv, l0));
+                acc[h][1] = _mm256_add_ps(acc[h][1], _mm256_mul_ps(pv, l1));
+            }
+        }
+        for h in 0..H {
+            // SAFETY: as above.
+            unsafe {
+                _mm256_storeu_ps(out[h].as_mut_ptr().add(c), acc[h][0]);
+                _mm256_storeu_ps(out[h].as_mut_ptr().add(c + 8), acc[h][1]);
+            }
+        }
+    }
+    for (j, r) in rows.iter().enumerate() {
+        for h in 0..H {
+            for (o, x) in out[h][full..].iter_mut().zip(&r[full..]) {
+                *o += p[h][j] * x;
+            }
+        }
+    }
 }
 
 /// `y[i] += a * x[i]` (unfused, element by element: the same bits however wide it runs).
@@ -491,6 +567,37 @@ mod tests {
             for o in 0..r {
                 let want = dot_body(w.row(o), &x[t * c..(t + 1) * c]);
                 assert_eq!(y[t * r + o].to_bits(), want.to_bits(), "t{t} o{o}");
+            }
+        }
+    }
+
+    #[test]
+    fn weighted_rows_is_repeated_axpy_bit_for_bit() {
+        for len in [0, 5, 16, 37, 128] {
+            let rows: Vec<Vec<f32>> = (0..9).map(|j| lcg(j + 100, len)).collect();
+            let rr: Vec<&[f32]> = rows.iter().map(|r| &r[..]).collect();
+            let p: Vec<Vec<f32>> = (0..3).map(|h| lcg(h + 200, 9)).collect();
+            let mut want: Vec<Vec<f32>> = (0..3).map(|h| lcg(h + 300, len)).collect();
+            let mut got = want.clone();
+            for (j, r) in rr.iter().enumerate() {
+                for h in 0..3 {
+                    axpy_body(&mut want[h], p[h][j], r);
+                }
+            }
+            let [g0, g1, g2] = &mut got[..] else {
+                unreachable!()
+            };
+            weighted_rows(
+                [&mut g0[..], &mut g1[..], &mut g2[..]],
+                [&p[0], &p[1], &p[2]],
+                &rr,
+            );
+            for h in 0..3 {
+                let (a, b): (Vec<u32>, Vec<u32>) = (
+                    got[h].iter().map(|v| v.to_bits()).collect(),
+                    want[h].iter().map(|v| v.to_bits()).collect(),
+                );
+                assert_eq!(a, b, "len {len} head {h}");
             }
         }
     }
