@@ -291,7 +291,6 @@ pub fn weighted_rows<const H: usize>(out: [&mut [f32]; H], p: [&[f32]; H], rows:
         // SAFETY: AVX2 is present; the lengths are checked above.
         return unsafe { weighted_rows_avx2(out, p, rows) };
     }
-    let out = out;
     for (j, r) in rows.iter().enumerate() {
         for h in 0..H {
             axpy_body(out[h], p[h][j], r);
