@@ -141,42 +141,12 @@ pub fn par_row_blocks(
 }
 
 /// Dot product with a fixed reduction order: 8 lanes of unfused multiply-then-add, the fixed tree
-/// over them, then the tail. Where AVX2 is present the same code is compiled 8 lanes wide (Rust
-/// never fuses a multiply and an add on its own), so the bits are the same on every CPU.
+/// `((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7))` over them, then the tail. The AVX2 path
+/// performs the same roundings in the same order, so the bits are the same on every CPU.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 is present.
-        return unsafe { dot_avx2(a, b) };
-    }
-    dot_body(a, b)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    let [d] = dots_avx2([a], b);
+    let [d] = dots([a], b);
     d
-}
-
-#[inline(always)]
-fn dot_body(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    let mut acc = [0.0f32; 8];
-    let ca = a.chunks_exact(8);
-    let cb = b.chunks_exact(8);
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for k in 0..8 {
-            acc[k] += x[k] * y[k];
-        }
-    }
-    let mut tail = 0.0f32;
-    for (x, y) in ra.iter().zip(rb) {
-        tail += x * y;
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
 /// `[dot(xs[0], y), ..., dot(xs[N - 1], y)]`, each with exactly [`dot`]'s arithmetic; computing
@@ -251,7 +221,7 @@ fn dots_avx2<const N: usize>(xs: [&[f32]; N], y: &[f32]) -> [f32; N] {
 fn dots_body<const N: usize>(xs: [&[f32]; N], y: &[f32]) -> [f32; N] {
     let len = y.len();
     for x in xs {
-        assert_eq!(x.len(), len);
+        assert_eq!(x.len(), len, "dot product of slices of different lengths");
     }
     let mut acc = [[0.0f32; 8]; N];
     let full = len - len % 8;
@@ -543,6 +513,20 @@ mod tests {
         }
     }
 
+    /// The documented arithmetic of [`dot`], written plainly.
+    fn dot_reference(a: &[f32], b: &[f32]) -> f32 {
+        let mut l = [0.0f32; 8];
+        let full = a.len() - a.len() % 8;
+        for j in 0..full {
+            l[j % 8] += a[j] * b[j];
+        }
+        let mut tail = 0.0f32;
+        for j in full..a.len() {
+            tail += a[j] * b[j];
+        }
+        ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7])) + tail
+    }
+
     #[test]
     fn dots_and_matmul_are_dot_bit_for_bit() {
         for len in [0, 1, 7, 8, 9, 64, 100, 129] {
@@ -555,7 +539,8 @@ mod tests {
                     dot(&xs[i], &y).to_bits(),
                     "len {len} x{i}"
                 );
-                assert_eq!(got[i].to_bits(), dot_body(&xs[i], &y).to_bits());
+                assert_eq!(got[i].to_bits(), dot_reference(&xs[i], &y).to_bits());
+                assert_eq!(got[i].to_bits(), dots_body([&xs[i][..]], &y)[0].to_bits());
             }
         }
         let (r, c) = (37, 129);
@@ -564,7 +549,7 @@ mod tests {
         let y = w.matmul(&x, 3);
         for t in 0..3 {
             for o in 0..r {
-                let want = dot_body(w.row(o), &x[t * c..(t + 1) * c]);
+                let want = dot_reference(w.row(o), &x[t * c..(t + 1) * c]);
                 assert_eq!(y[t * r + o].to_bits(), want.to_bits(), "t{t} o{o}");
             }
         }
