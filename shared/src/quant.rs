@@ -419,6 +419,54 @@ impl QMatrix {
             }
         };
         let (data, scales, mins): (&[u8], &[f32], &[f32]) = (&self.data, &self.scales, &self.mins);
+        #[cfg(target_arch = "x86_64")]
+        if n == 1 && matches!(isa, Isa::Avx2 | Isa::Avx512Vnni) {
+            // One token: 4 rows at a time with independent accumulator chains (each row's
+            // arithmetic is the one-row kernel's), the next block's weights prefetched.
+            fn part(v: &[f32], r: usize, ng: usize) -> &[f32] {
+                if v.is_empty() {
+                    v
+                } else {
+                    &v[r * ng..(r + 1) * ng]
+                }
+            }
+            return par_row_blocks(self.rows, 1, 4, rb, |r0, out| {
+                let k = out.len();
+                let full = k - k % 4;
+                for i in (0..full).step_by(4) {
+                    let r = r0 + i;
+                    let ahead =
+                        &data[((r + 4) * rb).min(data.len())..((r + 8) * rb).min(data.len())];
+                    // SAFETY: `Isa::Avx2` is only constructed after checking avx2 and fma.
+                    let v = unsafe {
+                        avx2::rows_dot::<4>(
+                            self.kind,
+                            self.group,
+                            std::array::from_fn(|j| &data[(r + j) * rb..(r + j + 1) * rb]),
+                            std::array::from_fn(|j| part(scales, r + j, ng)),
+                            std::array::from_fn(|j| part(mins, r + j, ng)),
+                            x,
+                            &xsum,
+                            ahead,
+                        )
+                    };
+                    out[i..i + 4].copy_from_slice(&v);
+                }
+                for i in full..k {
+                    let r = r0 + i;
+                    out[i] = row_dot(
+                        self.kind,
+                        self.group,
+                        Codes::Packed(&data[r * rb..(r + 1) * rb]),
+                        part(scales, r, ng),
+                        part(mins, r, ng),
+                        x,
+                        &xsum,
+                        isa,
+                    );
+                }
+            });
+        }
         par_rows(self.rows, n, rb, scratch, |codes, r, out| {
             let row = &data[r * rb..(r + 1) * rb];
             let sc = if scales.is_empty() {
@@ -1147,6 +1195,50 @@ mod avx2 {
             // SAFETY: `o` holds 8 floats.
             unsafe { _mm256_storeu_ps(o.as_mut_ptr(), codes8(kind, row, i)) };
         }
+    }
+
+    /// [`row_dot`] of `R` packed rows against one token, their accumulator chains interleaved (each
+    /// row's arithmetic is exactly `row_dot`'s); `ahead` is prefetched along the way.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn rows_dot<const R: usize>(
+        kind: QuantKind,
+        group: usize,
+        rows: [&[u8]; R],
+        sc: [&[f32]; R],
+        mn: [&[f32]; R],
+        x: &[f32],
+        xs: &[f32],
+        ahead: &[u8],
+    ) -> [f32; R] {
+        let ng = x.len() / group;
+        let pf = super::Prefetch::new(ahead, ng);
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut offs = [0.0f32; R];
+        for g in 0..ng {
+            pf.step(g);
+            let mut l = [_mm256_setzero_ps(); R];
+            for i in (g * group..(g + 1) * group).step_by(8) {
+                let xv = &x[i..i + 8];
+                // SAFETY: `xv` holds 8 floats.
+                let xv = unsafe { _mm256_loadu_ps(xv.as_ptr()) };
+                for r in 0..R {
+                    l[r] = _mm256_fmadd_ps(codes8(kind, rows[r], i), xv, l[r]);
+                }
+            }
+            for r in 0..R {
+                let s = if kind == QuantKind::Bf16 {
+                    1.0
+                } else {
+                    sc[r][g]
+                };
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s), l[r], acc[r]);
+                if kind == QuantKind::Int2 {
+                    offs[r] = mn[r][g].mul_add(xs[g], offs[r]);
+                }
+            }
+        }
+        std::array::from_fn(|r| hsum_tree(acc[r]) + offs[r])
     }
 
     /// AVX2 twin of [`super::scalar::row_dot`]: the same lanes, order and fused multiply-adds, so
