@@ -499,6 +499,41 @@ impl QMatrix {
                 );
             } else {
                 decode_row(self.kind, row, codes, isa);
+                #[cfg(target_arch = "x86_64")]
+                if matches!(isa, Isa::Avx2 | Isa::Avx512Vnni) {
+                    // 4 tokens at a time over the decoded codes, chains interleaved; per token
+                    // the one-token arithmetic
+                    let full = n - n % 4;
+                    for t0 in (0..full).step_by(4) {
+                        // SAFETY: `Isa::Avx2` is only constructed after checking avx2 and fma.
+                        let v = unsafe {
+                            avx2::codes_dot::<4>(
+                                self.kind,
+                                self.group,
+                                codes,
+                                sc,
+                                mn,
+                                std::array::from_fn(|i| &x[(t0 + i) * cols..(t0 + i + 1) * cols]),
+                                std::array::from_fn(|i| xs_of(t0 + i)),
+                            )
+                        };
+                        out[t0..t0 + 4].copy_from_slice(&v);
+                    }
+                    for t in full..n {
+                        let xt = &x[t * cols..(t + 1) * cols];
+                        out[t] = row_dot(
+                            self.kind,
+                            self.group,
+                            Codes::Decoded(codes),
+                            sc,
+                            mn,
+                            xt,
+                            xs_of(t),
+                            isa,
+                        );
+                    }
+                    return;
+                }
                 for (t, v) in out.iter_mut().enumerate() {
                     let xt = &x[t * cols..(t + 1) * cols];
                     *v = row_dot(
@@ -1239,6 +1274,46 @@ mod avx2 {
             }
         }
         std::array::from_fn(|r| hsum_tree(acc[r]) + offs[r])
+    }
+
+    /// [`row_dot`] over a row's decoded codes for `T` tokens, their accumulator chains interleaved
+    /// (each token's arithmetic is exactly `row_dot`'s).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn codes_dot<const T: usize>(
+        kind: QuantKind,
+        group: usize,
+        codes: &[f32],
+        sc: &[f32],
+        mn: &[f32],
+        x: [&[f32]; T],
+        xs: [&[f32]; T],
+    ) -> [f32; T] {
+        let ng = codes.len() / group;
+        for xt in x {
+            assert_eq!(xt.len(), codes.len());
+        }
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut offs = [0.0f32; T];
+        for g in 0..ng {
+            let mut l = [_mm256_setzero_ps(); T];
+            for i in (g * group..(g + 1) * group).step_by(8) {
+                // SAFETY: `i + 8 <= codes.len()`, the length of every `x[t]` too (asserted).
+                let c = unsafe { _mm256_loadu_ps(codes.as_ptr().add(i)) };
+                for t in 0..T {
+                    // SAFETY: as above.
+                    let xv = unsafe { _mm256_loadu_ps(x[t].as_ptr().add(i)) };
+                    l[t] = _mm256_fmadd_ps(c, xv, l[t]);
+                }
+            }
+            let s = if kind == QuantKind::Bf16 { 1.0 } else { sc[g] };
+            for t in 0..T {
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(s), l[t], acc[t]);
+                if kind == QuantKind::Int2 {
+                    offs[t] = mn[g].mul_add(xs[t][g], offs[t]);
+                }
+            }
+        }
+        std::array::from_fn(|t| hsum_tree(acc[t]) + offs[t])
     }
 
     /// AVX2 twin of [`super::scalar::row_dot`]: the same lanes, order and fused multiply-adds, so
