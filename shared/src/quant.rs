@@ -420,9 +420,10 @@ impl QMatrix {
         };
         let (data, scales, mins): (&[u8], &[f32], &[f32]) = (&self.data, &self.scales, &self.mins);
         #[cfg(target_arch = "x86_64")]
-        if n == 1 && matches!(isa, Isa::Avx2 | Isa::Avx512Vnni) {
+        if n == 1 && self.kind != QuantKind::Bf16 && matches!(isa, Isa::Avx2 | Isa::Avx512Vnni) {
             // One token: 4 rows at a time with independent accumulator chains (each row's
-            // arithmetic is the one-row kernel's), the next block's weights prefetched.
+            // arithmetic is the one-row kernel's), the next block's weights prefetched. (bf16 rows
+            // are cheap to decode and twice as long: one row at a time streams them faster.)
             fn part(v: &[f32], r: usize, ng: usize) -> &[f32] {
                 if v.is_empty() {
                     v
