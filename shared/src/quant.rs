@@ -500,12 +500,15 @@ impl QMatrix {
                 );
             } else {
                 decode_row(self.kind, row, codes, isa);
+                // the tokens left to the one-token kernel
+                #[allow(unused_mut)]
+                let mut start = 0;
                 #[cfg(target_arch = "x86_64")]
                 if matches!(isa, Isa::Avx2 | Isa::Avx512Vnni) {
                     // 4 tokens at a time over the decoded codes, chains interleaved; per token
                     // the one-token arithmetic
-                    let full = n - n % 4;
-                    for t0 in (0..full).step_by(4) {
+                    start = n - n % 4;
+                    for t0 in (0..start).step_by(4) {
                         // SAFETY: `Isa::Avx2` is only constructed after checking avx2 and fma.
                         let v = unsafe {
                             avx2::codes_dot::<4>(
@@ -520,22 +523,8 @@ impl QMatrix {
                         };
                         out[t0..t0 + 4].copy_from_slice(&v);
                     }
-                    for t in full..n {
-                        let xt = &x[t * cols..(t + 1) * cols];
-                        out[t] = row_dot(
-                            self.kind,
-                            self.group,
-                            Codes::Decoded(codes),
-                            sc,
-                            mn,
-                            xt,
-                            xs_of(t),
-                            isa,
-                        );
-                    }
-                    return;
                 }
-                for (t, v) in out.iter_mut().enumerate() {
+                for (t, v) in out.iter_mut().enumerate().skip(start) {
                     let xt = &x[t * cols..(t + 1) * cols];
                     *v = row_dot(
                         self.kind,
