@@ -424,13 +424,6 @@ impl QMatrix {
             // One token: 4 rows at a time with independent accumulator chains (each row's
             // arithmetic is the one-row kernel's), the next block's weights prefetched. (bf16 rows
             // are cheap to decode and twice as long: one row at a time streams them faster.)
-            fn part(v: &[f32], r: usize, ng: usize) -> &[f32] {
-                if v.is_empty() {
-                    v
-                } else {
-                    &v[r * ng..(r + 1) * ng]
-                }
-            }
             return par_row_blocks(self.rows, 1, 4, rb, |r0, out| {
                 let k = out.len();
                 let full = k - k % 4;
@@ -470,16 +463,7 @@ impl QMatrix {
         }
         par_rows(self.rows, n, rb, scratch, |codes, r, out| {
             let row = &data[r * rb..(r + 1) * rb];
-            let sc = if scales.is_empty() {
-                &[][..]
-            } else {
-                &scales[r * ng..(r + 1) * ng]
-            };
-            let mn = if mins.is_empty() {
-                &[][..]
-            } else {
-                &mins[r * ng..(r + 1) * ng]
-            };
+            let (sc, mn) = (part(scales, r, ng), part(mins, r, ng));
             let xs_of = |t: usize| {
                 if xsum.is_empty() {
                     &[][..]
@@ -810,6 +794,25 @@ fn lane_sum_scalar(x: &[f32]) -> f32 {
         }
     }
     tree(&l)
+}
+
+/// Row `r`'s `ng` per-group values (scales or offsets), or nothing for a format without them.
+fn part(v: &[f32], r: usize, ng: usize) -> &[f32] {
+    if v.is_empty() {
+        v
+    } else {
+        &v[r * ng..(r + 1) * ng]
+    }
+}
+
+/// The offset of the unsigned bytes the VNNI kernels feed `vpdpbusd` as weights: int4 nibbles are
+/// stored as `q + 8`, int8 weights go in as `w + 128`; `offset * sum(activations)` is subtracted.
+fn unsigned_offset(kind: QuantKind) -> i32 {
+    if kind == QuantKind::Int8 {
+        128
+    } else {
+        8
+    }
 }
 
 /// Where a row's integer codes come from: its packed bytes, or already decoded to f32.
@@ -1378,7 +1381,7 @@ mod avx512 {
         // SAFETY (every load below): weight offsets stay below `ng * gb` and activation offsets
         // below `ng * group`, the lengths asserted above.
         let lda = |t: usize, i: usize| unsafe { _mm512_loadu_si512(ap[t].add(i) as *const _) };
-        let bias = if kind == QuantKind::Int8 { 128 } else { 8 };
+        let bias = super::unsigned_offset(kind);
         let m = _mm256_set1_epi8(15);
         let flip = _mm512_set1_epi8(-128);
         let fold = |v: __m512i| {
@@ -1537,7 +1540,7 @@ mod avx512 {
                 sct[g][r] = sc[r * ng + g];
             }
         }
-        let bias = if kind == QuantKind::Int8 { 128 } else { 8 };
+        let bias = super::unsigned_offset(kind);
         // tokens in pairs: each weight vector loaded from the scratch serves two tokens
         let mut t = 0;
         while t < n {
