@@ -544,7 +544,7 @@ impl QMatrix {
             // Many tokens: 16 rows at a time, one row per lane (weights transposed once per block).
             return par_row_blocks(self.rows, n, 16, rb, |r0, out| {
                 let k = out.len() / n;
-                let mut scratch = Vec::new();
+                let mut scratch = avx512::LaneScratch::default();
                 for i in (0..k).step_by(16) {
                     let nr = 16.min(k - i);
                     let r = r0 + i;
@@ -1472,9 +1472,17 @@ mod avx512 {
         out
     }
 
+    /// Buffers [`rows16_dot_i8`] reuses from block to block: the transposed weights and the
+    /// rows' scales by group (16 lanes).
+    #[derive(Default)]
+    pub(super) struct LaneScratch {
+        w: Vec<__m512i>,
+        sc: Vec<[f32; 16]>,
+    }
+
     /// Up to 16 consecutive rows (`rows`, `sc`: theirs, row-major) against every token in
     /// `acts`, one row per lane: the rows' unsigned weight bytes are transposed once into
-    /// `scratch` so that each `vpdpbusd` takes 4 weights of 16 rows and 4 activations broadcast,
+    /// `scratch` (with the scales) so that each `vpdpbusd` takes 4 weights of 16 rows and 4 activations broadcast,
     /// and the float step runs once per group for all 16 rows. Per row the same exact integer sums
     /// and float steps as [`super::scalar::row_dot_i8`]. `out` is `[rows, tokens]`; `ahead` (the
     /// next block's weights) is prefetched during the transpose.
@@ -1485,7 +1493,7 @@ mod avx512 {
         rows: &[u8],
         sc: &[f32],
         acts: &[QuantizedActs],
-        scratch: &mut Vec<__m512i>,
+        scratch: &mut LaneScratch,
         out: &mut [f32],
         ahead: &[u8],
     ) {
@@ -1502,6 +1510,10 @@ mod avx512 {
         let kq = group / 4; // dwords per group
         let m = _mm256_set1_epi8(15);
         let flip = _mm512_set1_epi8(-128);
+        let LaneScratch {
+            w: scratch,
+            sc: sct,
+        } = scratch;
         scratch.clear();
         scratch.resize(ng * kq, _mm512_setzero_si512());
         let pf = super::Prefetch::new(ahead, ng);
@@ -1534,7 +1546,8 @@ mod avx512 {
                 scratch[g * kq + 16 * c..g * kq + 16 * c + 16].copy_from_slice(&t);
             }
         }
-        let mut sct = vec![[0.0f32; 16]; ng];
+        sct.clear();
+        sct.resize(ng, [0.0; 16]);
         for r in 0..nr {
             for g in 0..ng {
                 sct[g][r] = sc[r * ng + g];
@@ -1545,9 +1558,9 @@ mod avx512 {
         let mut t = 0;
         while t < n {
             let res = if t + 1 < n {
-                lanes_dot::<2>(group, ng, bias, scratch, &sct, [&acts[t], &acts[t + 1]])
+                lanes_dot::<2>(group, ng, bias, scratch, sct, [&acts[t], &acts[t + 1]])
             } else {
-                let [a] = lanes_dot::<1>(group, ng, bias, scratch, &sct, [&acts[t]]);
+                let [a] = lanes_dot::<1>(group, ng, bias, scratch, sct, [&acts[t]]);
                 [a, _mm512_setzero_ps()]
             };
             for (i, v) in res.iter().enumerate().take((n - t).min(2)) {
