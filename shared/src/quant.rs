@@ -1482,8 +1482,8 @@ mod avx512 {
 
     /// Up to 16 consecutive rows (`rows`, `sc`: theirs, row-major) against every token in
     /// `acts`, one row per lane: the rows' unsigned weight bytes are transposed once into
-    /// `scratch` (with the scales) so that each `vpdpbusd` takes 4 weights of 16 rows and 4 activations broadcast,
-    /// and the float step runs once per group for all 16 rows. Per row the same exact integer sums
+    /// `scratch` (with the scales) so that each `vpdpbusd` takes 4 weights of 16 rows and 4
+    /// activations broadcast, and the float step runs once per group for all 16 rows. Per row the same exact integer sums
     /// and float steps as [`super::scalar::row_dot_i8`]. `out` is `[rows, tokens]`; `ahead` (the
     /// next block's weights) is prefetched during the transpose.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
