@@ -36,35 +36,60 @@ fn weight_bytes(q: &QMatrix) -> u64 {
     (q.data.len() + 4 * (q.scales.len() + q.mins.len())) as u64
 }
 
-/// Memory read bandwidth over a buffer far larger than the caches, read by `threads` threads.
-fn read_bandwidth(threads: usize) -> f64 {
-    let n = 256 << 20; // 1 GiB of f32
-    let buf = vec![1.0f32; n];
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap();
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t = Instant::now();
-        let s: f32 = pool.install(|| {
-            use rayon::prelude::*;
-            buf.par_chunks(1 << 20)
-                .map(|c| {
-                    let mut l = [0.0f32; 16];
-                    for ch in c.chunks_exact(16) {
-                        for k in 0..16 {
-                            l[k] += ch[k];
-                        }
-                    }
-                    l.iter().sum::<f32>()
-                })
-                .sum()
-        });
-        black_box(s);
-        best = best.min(t.elapsed().as_secs_f64());
+/// Sum of 64-bit words, 8 independent lanes (integer adds: the loop is bound by loads, not by
+/// add latency).
+#[inline(always)]
+fn sum_words(c: &[u64]) -> u64 {
+    let mut l = [0u64; 8];
+    for ch in c.chunks_exact(8) {
+        for k in 0..8 {
+            l[k] = l[k].wrapping_add(ch[k]);
+        }
     }
-    (4 * n) as f64 / best / 1e9
+    l.iter().fold(0, |a, v| a.wrapping_add(*v))
+}
+
+/// [`sum_words`] compiled for AVX2 (32-byte loads).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn sum_words_avx2(c: &[u64]) -> u64 {
+    sum_words(c)
+}
+
+/// Memory read bandwidth over a buffer far larger than the caches (1 GiB), read with the widest
+/// loads the CPU has by the threads of the current rayon pool: the best of `passes` passes.
+struct Probe(Vec<u64>);
+
+impl Probe {
+    fn new() -> Self {
+        Self((0..128u64 << 20).collect())
+    }
+
+    fn measure(&self, passes: usize) -> f64 {
+        #[cfg(target_arch = "x86_64")]
+        let avx2 = is_x86_feature_detected!("avx2");
+        let mut best = f64::MAX;
+        for _ in 0..passes {
+            let t = Instant::now();
+            let s: u64 = {
+                use rayon::prelude::*;
+                self.0
+                    .par_chunks(1 << 18)
+                    .map(|c| {
+                        #[cfg(target_arch = "x86_64")]
+                        if avx2 {
+                            // SAFETY: avx2 was detected above.
+                            return unsafe { sum_words_avx2(c) };
+                        }
+                        sum_words(c)
+                    })
+                    .reduce(|| 0, |a, b| a.wrapping_add(b))
+            };
+            black_box(s);
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        (8 * self.0.len()) as f64 / best / 1e9
+    }
 }
 
 fn time_it(f: impl Fn()) -> f64 {
@@ -91,19 +116,22 @@ fn summary(quick: bool) {
     ];
     let kinds = if quick { &kinds[..2] } else { &kinds[..] };
     let shapes = if quick { &SHAPES[..1] } else { &SHAPES[..] };
+    let probe = Probe::new();
     for threads in [1, 2] {
-        let bw = read_bandwidth(threads);
-        println!(
-            "\n{threads} thread(s): memory read bandwidth {bw:.1} GB/s (1 GiB buffer, best of 5)"
-        );
-        println!(
-            "{:<28} {:<6} {:<7} {:<5} {:>6} {:>10} {:>8}",
-            "shape", "format", "isa", "acts", "tokens", "GB/s", "of bw"
-        );
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
             .unwrap();
+        let bw = pool.install(|| probe.measure(5));
+        println!(
+            "\n{threads} thread(s): memory read bandwidth {bw:.1} GB/s (1 GiB buffer, best of 5); \
+             each row's ratio is to the higher of two probes taken just before and just after it \
+             (the bandwidth of a shared machine drifts)"
+        );
+        println!(
+            "{:<28} {:<6} {:<10} {:<6} {:<5} {:>6} {:>10} {:>9} {:>8}",
+            "shape", "format", "isa", "layout", "acts", "tokens", "GB/s", "probe", "of bw"
+        );
         for &(name, r, c) in shapes {
             let m = Matrix::new(r, c, data(r * c, 7));
             for &kind in kinds {
@@ -111,37 +139,51 @@ fn summary(quick: bool) {
                 let q = QMatrix::quantize(&m, kind, group).unwrap();
                 // Copies totalling over 1 GiB, used in turn, so weights come from DRAM and not
                 // from the (large) last-level cache, as a model's weights do.
-                let copies: Vec<QMatrix> = (0..((1u64 << 30) / weight_bytes(&q) + 1).min(512))
-                    .map(|_| q.clone())
-                    .collect();
+                let count = ((1u64 << 30) / weight_bytes(&q) + 1).min(512);
+                let copies: Vec<QMatrix> = (0..count).map(|_| q.clone()).collect();
+                // the layout the model loader gives the VNNI integer path
+                let lanes: Vec<QMatrix> = q
+                    .to_lanes()
+                    .map(|l| (0..count).map(|_| l.clone()).collect())
+                    .unwrap_or_default();
                 let turn = std::sync::atomic::AtomicUsize::new(0);
                 for isa in Isa::available() {
                     for act in [Activations::F32, Activations::Int8] {
                         if act == Activations::Int8 && !q.integer_path() {
                             continue;
                         }
-                        for n in [1usize, 8] {
-                            let x = data(n * c, 3);
-                            let s = pool.install(|| {
-                                time_it(|| {
-                                    let i = turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                                    drop(black_box(
-                                        copies[i % copies.len()].matmul_with(&x, n, isa, act),
-                                    ))
-                                })
-                            });
-                            let gbs = weight_bytes(&q) as f64 / s / 1e9;
-                            let a = if act == Activations::F32 {
-                                "f32"
-                            } else {
-                                "int8"
-                            };
-                            println!(
-                                "{name:<28} {:<6} {:<7} {a:<5} {n:>6} {gbs:>10.2} {:>7.0}%",
-                                kind.name(),
-                                format!("{isa:?}"),
-                                100.0 * gbs / bw
-                            );
+                        let mut layouts = vec![("rows", &copies)];
+                        if act == Activations::Int8 && isa == Isa::Avx512Vnni && !lanes.is_empty()
+                        {
+                            layouts.push(("lanes", &lanes));
+                        }
+                        for (layout, mats) in layouts {
+                            for n in [1usize, 8] {
+                                let x = data(n * c, 3);
+                                let before = pool.install(|| probe.measure(2));
+                                let s = pool.install(|| {
+                                    time_it(|| {
+                                        let i =
+                                            turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                        drop(black_box(
+                                            mats[i % mats.len()].matmul_with(&x, n, isa, act),
+                                        ))
+                                    })
+                                });
+                                let bw = before.max(pool.install(|| probe.measure(2)));
+                                let gbs = weight_bytes(&q) as f64 / s / 1e9;
+                                let a = if act == Activations::F32 {
+                                    "f32"
+                                } else {
+                                    "int8"
+                                };
+                                println!(
+                                    "{name:<28} {:<6} {:<10} {layout:<6} {a:<5} {n:>6} {gbs:>10.2} {bw:>9.1} {:>7.0}%",
+                                    kind.name(),
+                                    format!("{isa:?}"),
+                                    100.0 * gbs / bw
+                                );
+                            }
                         }
                     }
                 }

@@ -21,7 +21,7 @@ use crate::checkpoint::Checkpoint;
 use crate::dtype::DType;
 use crate::error::LoadError;
 use crate::kernels::{Linear, Matrix};
-use crate::quant::{QMatrix, QuantKind};
+use crate::quant::{Layout, QMatrix, QuantKind};
 
 /// Whether `dir` looks like a colibrì conversion (an `out-*.safetensors` shard).
 pub fn is_colibri(dir: &std::path::Path) -> bool {
@@ -123,5 +123,6 @@ pub fn linear(ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<L
         data: codes.to_vec().into(),
         scales: scales.into(),
         mins: mins.into(),
+        layout: Layout::RowMajor,
     }))
 }

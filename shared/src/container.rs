@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::LoadError;
 use crate::kernels::{Linear, Matrix};
-use crate::quant::{QMatrix, QuantKind, SharedBytes, WeightBytes, WeightFloats};
+use crate::quant::{Layout, QMatrix, QuantKind, SharedBytes, WeightBytes, WeightFloats};
 
 /// Format name in the manifest.
 pub const FORMAT: &str = "charm-container";
@@ -445,6 +445,7 @@ impl Container {
             },
             scales,
             mins,
+            layout: Layout::RowMajor,
         }))
     }
 

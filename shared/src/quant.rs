@@ -224,6 +224,20 @@ impl<T: Plain> std::fmt::Debug for SharedSlice<T> {
     }
 }
 
+/// How a [`QMatrix`] keeps its weights and scales in memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Layout {
+    /// Row after row (`row_bytes()` each), scales `[rows, groups]`: the container's layout.
+    #[default]
+    RowMajor,
+    /// Blocks of 16 rows, within a block group after group, within a group the rows' dword `d`
+    /// (4 bytes of packed weights) side by side for each `d`: one 64-byte load holds the same 4
+    /// (int8) or 8 (int4) weights of 16 rows, one per 32-bit lane. Scales: per block and group
+    /// the 16 rows' scales side by side. The same bytes as [`Layout::RowMajor`], permuted (see
+    /// [`QMatrix::to_lanes`]); the VNNI kernels then need no transpose, even for one token.
+    Lanes16,
+}
+
 /// A quantized `[rows, cols]` matrix in `nn.Linear` layout.
 #[derive(Clone, PartialEq)]
 pub struct QMatrix {
@@ -231,12 +245,13 @@ pub struct QMatrix {
     pub cols: usize,
     pub kind: QuantKind,
     pub group: usize,
-    /// Packed weights, `row_bytes()` per row.
+    /// Packed weights, `row_bytes()` per row, arranged as `layout` says.
     pub data: WeightBytes,
-    /// `[rows, cols / group]` scales (unused for bf16).
+    /// `[rows, cols / group]` scales (unused for bf16), arranged as `layout` says.
     pub scales: WeightFloats,
     /// `[rows, cols / group]` offsets (int2 only).
     pub mins: WeightFloats,
+    pub layout: Layout,
 }
 
 impl std::fmt::Debug for QMatrix {
@@ -280,6 +295,7 @@ impl QMatrix {
             data: WeightBytes::default(),
             scales: WeightFloats::default(),
             mins: WeightFloats::default(),
+            layout: Layout::RowMajor,
         };
         let (mut scales, mut mins) = (Vec::new(), Vec::new());
         let mut data: Vec<u8> = Vec::with_capacity(rows * q.row_bytes());
@@ -350,8 +366,102 @@ impl QMatrix {
         Ok(q)
     }
 
+    /// Whether [`QMatrix::to_lanes`] applies: int8 or int4 in groups of a multiple of 64, rows
+    /// a multiple of 16, row-major now.
+    pub fn lanes_apply(&self) -> bool {
+        matches!(self.kind, QuantKind::Int8 | QuantKind::Int4)
+            && self.group.is_multiple_of(64)
+            && self.rows.is_multiple_of(16)
+            && self.layout == Layout::RowMajor
+    }
+
+    /// This matrix in [`Layout::Lanes16`] (the same bytes, permuted), or `None` where that does
+    /// not apply (see [`QMatrix::lanes_apply`]). Multiplied with int8 activations on the VNNI
+    /// path it gives bit-identical results, faster; any other path converts it back per call.
+    pub fn to_lanes(&self) -> Option<QMatrix> {
+        if !self.lanes_apply() {
+            return None;
+        }
+        let (ng, dpg) = (self.groups(), self.group * self.kind.bits() / 32);
+        let mut data = vec![0u8; self.data.len()];
+        let mut scales = vec![0.0f32; self.scales.len()];
+        for r in 0..self.rows {
+            for g in 0..ng {
+                scales[lanes_index(r, g, 0, ng, 1)] = self.scales[r * ng + g];
+                for d in 0..dpg {
+                    let (from, to) = (4 * ((r * ng + g) * dpg + d), 4 * lanes_index(r, g, d, ng, dpg));
+                    data[to..to + 4].copy_from_slice(&self.data[from..from + 4]);
+                }
+            }
+        }
+        Some(QMatrix {
+            data: data.into(),
+            scales: scales.into(),
+            layout: Layout::Lanes16,
+            ..self.clone_shape()
+        })
+    }
+
+    /// This matrix in [`Layout::RowMajor`] (borrowed when it already is).
+    pub fn to_row_major(&self) -> std::borrow::Cow<'_, QMatrix> {
+        if self.layout == Layout::RowMajor {
+            return std::borrow::Cow::Borrowed(self);
+        }
+        let (ng, dpg) = (self.groups(), self.group * self.kind.bits() / 32);
+        let mut data = vec![0u8; self.data.len()];
+        let mut scales = vec![0.0f32; self.scales.len()];
+        for r in 0..self.rows {
+            for g in 0..ng {
+                scales[r * ng + g] = self.scales[lanes_index(r, g, 0, ng, 1)];
+                for d in 0..dpg {
+                    let (from, to) = (4 * lanes_index(r, g, d, ng, dpg), 4 * ((r * ng + g) * dpg + d));
+                    data[to..to + 4].copy_from_slice(&self.data[from..from + 4]);
+                }
+            }
+        }
+        std::borrow::Cow::Owned(QMatrix {
+            data: data.into(),
+            scales: scales.into(),
+            layout: Layout::RowMajor,
+            ..self.clone_shape()
+        })
+    }
+
+    /// Shape and format, no weights.
+    fn clone_shape(&self) -> QMatrix {
+        QMatrix {
+            rows: self.rows,
+            cols: self.cols,
+            kind: self.kind,
+            group: self.group,
+            data: WeightBytes::default(),
+            scales: WeightFloats::default(),
+            mins: self.mins.clone(),
+            layout: self.layout,
+        }
+    }
+
     /// Row `r` as f32 (the exact values the kernels multiply by).
     pub fn dequantize_row(&self, r: usize) -> Vec<f32> {
+        if self.layout != Layout::RowMajor {
+            // gather the row's dwords and scales
+            let (ng, dpg) = (self.groups(), self.group * self.kind.bits() / 32);
+            let mut one = self.clone_shape();
+            one.rows = 1;
+            one.layout = Layout::RowMajor;
+            let mut data = Vec::with_capacity(self.row_bytes());
+            let mut scales = Vec::with_capacity(ng);
+            for g in 0..ng {
+                scales.push(self.scales[lanes_index(r, g, 0, ng, 1)]);
+                for d in 0..dpg {
+                    let at = 4 * lanes_index(r, g, d, ng, dpg);
+                    data.extend_from_slice(&self.data[at..at + 4]);
+                }
+            }
+            one.data = data.into();
+            one.scales = scales.into();
+            return one.dequantize_row(0);
+        }
         let b = &self.data[r * self.row_bytes()..(r + 1) * self.row_bytes()];
         let ng = self.groups();
         (0..self.cols)
@@ -375,6 +485,9 @@ impl QMatrix {
 
     /// The whole matrix as f32.
     pub fn dequantize(&self) -> Matrix {
+        if self.layout != Layout::RowMajor {
+            return self.to_row_major().dequantize();
+        }
         Matrix::new(
             self.rows,
             self.cols,
@@ -397,6 +510,11 @@ impl QMatrix {
     /// [`QMatrix::matmul`] with an explicit activation mode.
     pub fn matmul_with(&self, x: &[f32], n: usize, isa: Isa, act: Activations) -> Vec<f32> {
         assert_eq!(x.len(), n * self.cols, "matmul input is not [n, cols]");
+        if self.layout != Layout::RowMajor && !(act == Activations::Int8 && isa == Isa::Avx512Vnni)
+        {
+            // the lane layout has kernels on the VNNI integer path only
+            return self.to_row_major().matmul_with(x, n, isa, act);
+        }
         if act == Activations::Int8 && self.integer_path() {
             return self.matmul_int8(x, n, isa);
         }
@@ -540,6 +658,27 @@ impl QMatrix {
         // plain slices once (the weights may live in a shared I/O buffer behind a handle)
         let (data, scales): (&[u8], &[f32]) = (&self.data, &self.scales);
         #[cfg(target_arch = "x86_64")]
+        if self.layout == Layout::Lanes16 {
+            // 16 rows at a time straight from the lane layout, any number of tokens
+            return par_row_blocks(self.rows, n, 16, rb, |r0, out| {
+                for (i, o) in out.chunks_exact_mut(16 * n).enumerate() {
+                    let r = r0 + 16 * i;
+                    // SAFETY: a `Lanes16` matrix reaches here only with `Isa::Avx512Vnni`, which
+                    // is only constructed after checking avx512f/bw/vnni and avx2.
+                    unsafe {
+                        avx512::lanes16_dot_i8(
+                            self.kind,
+                            group,
+                            &data[r * rb..(r + 16) * rb],
+                            &scales[r * ng..(r + 16) * ng],
+                            &qx,
+                            o,
+                        )
+                    };
+                }
+            });
+        }
+        #[cfg(target_arch = "x86_64")]
         if isa == Isa::Avx512Vnni && group.is_multiple_of(64) && n >= LANE_ROWS_MIN_TOKENS {
             // Many tokens: 16 rows at a time, one row per lane (weights transposed once per block).
             return par_row_blocks(self.rows, n, 16, rb, |r0, out| {
@@ -681,6 +820,13 @@ fn quantize_group(xs: &[f32], out: &mut [i8], isa: Isa) -> f32 {
         },
         _ => scalar::quantize_group(xs, out),
     }
+}
+
+/// Where dword `d` of group `g` of row `r` sits in [`Layout::Lanes16`] (`dpg` dwords per group,
+/// `ng` groups per row); with `dpg = 1`, where scale `(r, g)` sits.
+#[inline]
+fn lanes_index(r: usize, g: usize, d: usize, ng: usize, dpg: usize) -> usize {
+    (((r / 16) * ng + g) * dpg + d) * 16 + r % 16
 }
 
 /// Rows per block of the integer path's parallel split (its row kernels take 1 or 4 rows).
@@ -1575,6 +1721,109 @@ mod avx512 {
         }
     }
 
+    /// 16 rows stored in [`super::Layout::Lanes16`] (`blk`, `sc`: one block's weights and
+    /// scales) against every token in `acts`, one row per lane, tokens in pairs: the arithmetic
+    /// of [`rows16_dot_i8`] (and so of [`super::scalar::row_dot_i8`]) without its transpose.
+    /// `out` is `[16, tokens]`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    pub(super) fn lanes16_dot_i8(
+        kind: QuantKind,
+        group: usize,
+        blk: &[u8],
+        sc: &[f32],
+        acts: &[QuantizedActs],
+        out: &mut [f32],
+    ) {
+        let n = acts.len();
+        let ng = acts[0].q.len() / group;
+        assert!(blk.len() == 16 * ng * group * kind.bits() / 8 && sc.len() == 16 * ng);
+        assert!(out.len() == 16 * n && group.is_multiple_of(64));
+        for x in acts {
+            assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.gsum.len() >= ng);
+        }
+        let mut t = 0;
+        while t < n {
+            let res = if t + 1 < n {
+                packed_dot::<2>(kind, group, ng, blk, sc, [&acts[t], &acts[t + 1]])
+            } else {
+                let [a] = packed_dot::<1>(kind, group, ng, blk, sc, [&acts[t]]);
+                [a, _mm512_setzero_ps()]
+            };
+            for (i, v) in res.iter().enumerate().take((n - t).min(2)) {
+                let mut lanes = [0.0f32; 16];
+                // SAFETY: `lanes` has room for 16 floats.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *v) };
+                for (r, l) in lanes.iter().enumerate() {
+                    out[r * n + t + i] = *l;
+                }
+            }
+            t += 2;
+        }
+    }
+
+    /// The per-token loop of [`lanes16_dot_i8`] for `P` tokens sharing each weight load (the
+    /// callers check the lengths).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    fn packed_dot<const P: usize>(
+        kind: QuantKind,
+        group: usize,
+        ng: usize,
+        blk: &[u8],
+        sc: &[f32],
+        acts: [&QuantizedActs; P],
+    ) -> [__m512; P] {
+        let gb = group * kind.bits() / 8;
+        let bias = super::unsigned_offset(kind);
+        let qp = acts.map(|x| x.q.as_ptr());
+        let (m, flip) = (_mm512_set1_epi8(15), _mm512_set1_epi8(-128));
+        let mut acc = [_mm512_setzero_ps(); P];
+        for g in 0..ng {
+            // SAFETY (loads below): dword `d < gb / 4` of group `g` lies at `16 * (g * gb + 4 *
+            // d)` in `blk`, which holds `16 * ng * gb` bytes; activation offsets stay below
+            // `(g + 1) * group <= ng * group`.
+            let w = unsafe { blk.as_ptr().add(16 * g * gb) };
+            let ld = |d: usize| unsafe { _mm512_loadu_si512(w.add(64 * d) as *const _) };
+            let bc = |t: usize, i: usize| unsafe {
+                _mm512_set1_epi32((qp[t].add(g * group + i) as *const i32).read_unaligned())
+            };
+            let mut s0 = [_mm512_setzero_si512(); P];
+            let mut s1 = [_mm512_setzero_si512(); P];
+            if kind == QuantKind::Int8 {
+                for d in (0..gb / 4).step_by(2) {
+                    let (w0, w1) = (_mm512_xor_si512(ld(d), flip), _mm512_xor_si512(ld(d + 1), flip));
+                    for t in 0..P {
+                        s0[t] = _mm512_dpbusd_epi32(s0[t], w0, bc(t, 4 * d));
+                        s1[t] = _mm512_dpbusd_epi32(s1[t], w1, bc(t, 4 * d + 4));
+                    }
+                }
+            } else {
+                // int4: dword j of a 32-byte nibble block holds elements 4j.. (low nibbles, the
+                // block's first half of activations) and 32 + 4j.. (high nibbles)
+                for c in 0..group / 64 {
+                    for j in 0..8 {
+                        let p = ld(8 * c + j);
+                        let lo = _mm512_and_si512(p, m);
+                        let hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), m);
+                        for t in 0..P {
+                            s0[t] = _mm512_dpbusd_epi32(s0[t], lo, bc(t, 64 * c + 4 * j));
+                            s1[t] = _mm512_dpbusd_epi32(s1[t], hi, bc(t, 64 * c + 32 + 4 * j));
+                        }
+                    }
+                }
+            }
+            // SAFETY: `sc` holds `16 * ng` floats.
+            let sw = unsafe { _mm512_loadu_ps(sc.as_ptr().add(16 * g)) };
+            for t in 0..P {
+                let sum = _mm512_add_epi32(s0[t], s1[t]);
+                let isum = _mm512_sub_epi32(sum, _mm512_set1_epi32(bias * acts[t].gsum[g]));
+                let scale = _mm512_mul_ps(sw, _mm512_set1_ps(acts[t].scale[g]));
+                acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc[t]);
+            }
+        }
+        acc
+    }
+
     /// The per-token loop of [`rows16_dot_i8`] for `P` tokens sharing each weight load: per
     /// group, the exact integer sums of 16 rows (two chains per token), the activation-sum
     /// correction, then `acc = fma(scale_w * scale_x, isum, acc)` per lane.
@@ -1775,6 +2024,60 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn lane_layout_is_a_lossless_permutation_with_bit_identical_products() {
+        for kind in [QuantKind::Int8, QuantKind::Int4] {
+            // 1, 3 and 6 blocks of 16 rows; groups of 64 and 128; a row of 3 groups
+            for (r, c, g) in [(16, 64, 64), (48, 192, 64), (96, 256, 128)] {
+                let q = QMatrix::quantize(&Matrix::new(r, c, data(r as u64 + 7, r * c)), kind, g)
+                    .unwrap();
+                let l = q.to_lanes().expect("lane layout applies");
+                assert_eq!(l.layout, Layout::Lanes16);
+                assert!(l.to_lanes().is_none(), "already in lanes");
+                assert_ne!(&l.data[..], &q.data[..], "the bytes move");
+                assert!(*l.to_row_major() == q, "{kind:?} {r}x{c}: round trip");
+                for row in [0, 1, 15, r - 1] {
+                    assert_eq!(l.dequantize_row(row), q.dequantize_row(row));
+                }
+                assert_eq!(l.dequantize(), q.dequantize());
+                // 1 to 9 tokens (pairs and a lone token), on 1 and 2 threads, against the scalar
+                // twin on the row-major matrix, bit for bit; every other path converts back
+                let x = data(9, 9 * c);
+                for threads in [1, 2] {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    for n in [1, 2, 3, 4, 9] {
+                        let x = &x[..n * c];
+                        let want = q.matmul_with(x, n, Isa::Scalar, Activations::Int8);
+                        for isa in Isa::available() {
+                            for act in [Activations::Int8, Activations::F32] {
+                                let got = pool.install(|| l.matmul_with(x, n, isa, act));
+                                let row_major = q.matmul_with(x, n, isa, act);
+                                assert_eq!(
+                                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                                    row_major.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                                    "{kind:?} {r}x{c} g{g} {isa:?} {act:?} n={n} {threads}t"
+                                );
+                                if act == Activations::Int8 {
+                                    assert_eq!(got, want, "{kind:?} {isa:?} n={n}: scalar twin");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // what does not tile into 16-row blocks of 64-wide groups stays row-major
+        let m = Matrix::new(17, 64, data(3, 17 * 64));
+        assert!(QMatrix::quantize(&m, QuantKind::Int8, 64).unwrap().to_lanes().is_none());
+        let m = Matrix::new(16, 64, data(3, 16 * 64));
+        assert!(QMatrix::quantize(&m, QuantKind::Int8, 32).unwrap().to_lanes().is_none());
+        assert!(QMatrix::quantize(&m, QuantKind::Int2, 64).unwrap().to_lanes().is_none());
+        assert!(QMatrix::quantize(&m, QuantKind::Bf16, 64).unwrap().to_lanes().is_none());
     }
 
     #[test]
