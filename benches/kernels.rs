@@ -153,8 +153,7 @@ fn summary(quick: bool) {
                             continue;
                         }
                         let mut layouts = vec![("rows", &copies)];
-                        if act == Activations::Int8 && isa == Isa::Avx512Vnni && !lanes.is_empty()
-                        {
+                        if act == Activations::Int8 && isa == Isa::Avx512Vnni && !lanes.is_empty() {
                             layouts.push(("lanes", &lanes));
                         }
                         for (layout, mats) in layouts {

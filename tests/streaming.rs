@@ -266,6 +266,56 @@ fn synthetic_model_streams_within_its_budget_with_identical_output() {
 }
 
 #[test]
+fn int8_activations_give_identical_logits_on_every_isa_and_budget() {
+    // The tiny preset's weights tile into the VNNI lane layout (16-row blocks, groups of 64):
+    // there, dense weights are rearranged at load and each expert record right after it is read
+    // (all resident, or streamed with no expert cache). The row-major kernels of the other ISA
+    // paths must give the same bits.
+    let dir = scratch("stream-lanes");
+    synth(&dir, &["--layers", "2"]);
+    let d = dir.to_str().unwrap();
+    let prompt = "5,17,3,99,100,7,8,9,200,31,4";
+    let resident = plan(&dir, 11)["resident_bytes"].as_u64().unwrap() as f64 / GIB + 1e-9;
+    let mut files = Vec::new();
+    for (isa, ram) in [
+        ("", None),
+        ("", Some(resident)),
+        ("avx2", None),
+        ("avx2", Some(resident)),
+        ("scalar", None),
+    ] {
+        let out = dir.join(format!("logits-{isa}-{}.safetensors", ram.is_some()));
+        let mut args = vec![
+            "logits",
+            "--model",
+            d,
+            "--ids",
+            prompt,
+            "--out",
+            out.to_str().unwrap(),
+            "--activations",
+            "int8",
+            "--history",
+            "none",
+        ];
+        let r = ram.map(|g: f64| g.to_string());
+        if let Some(r) = &r {
+            args.extend_from_slice(&["--ram", r]);
+        }
+        let (ok, _, err) = charm_env(&args, &[("CHARM_ISA", isa.to_string())]);
+        assert!(ok, "{isa} {ram:?}: {err}");
+        files.push((isa, ram, std::fs::read(&out).unwrap()));
+    }
+    for (isa, ram, f) in &files[1..] {
+        assert!(
+            *f == files[0].2,
+            "logits differ: CHARM_ISA={isa:?} ram {ram:?}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn plan_and_doctor_report_json_with_stable_ids_and_exit_codes() {
     let dir = scratch("stream-doctor");
     synth(&dir, &["--layers", "2"]);

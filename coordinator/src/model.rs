@@ -307,7 +307,7 @@ impl Loader<'_> {
         self.src.matrix(name, rows, cols)
     }
     fn lin(&self, name: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
-        self.src.linear(name, rows, cols)
+        self.src.linear(name, rows, cols).map(Linear::prepared)
     }
     fn mlp(&self, p: &str, inter: usize) -> Result<SwiGlu, LoadError> {
         let h = self.spec.hidden_size;

@@ -240,19 +240,89 @@ pub fn decode_expert(
     path: &Path,
     verify: bool,
 ) -> Result<(Linear, Linear, Linear), LoadError> {
-    decode_expert_in(l, e, rec, path, verify, None)
+    if verify {
+        check_expert(l, e, rec, path)?;
+    }
+    decode_expert_in(l, e, rec, path, None, false)
+}
+
+/// Checks expert `e`'s record `rec` of layer `l` against its CRC-32.
+pub fn check_expert(l: &ExpertLayer, e: usize, rec: &[u8], path: &Path) -> Result<(), LoadError> {
+    let payload = rec.get(..l.payload_bytes as usize);
+    match (l.crc32.get(e), payload) {
+        (Some(c), Some(p)) if crc32fast::hash(p) == *c => Ok(()),
+        _ => Err(LoadError::Tensor {
+            path: path.to_path_buf(),
+            tensor: format!("layer {} expert {e}", l.layer),
+            reason: "CRC-32 mismatch: the expert record is damaged".into(),
+        }),
+    }
+}
+
+/// Rearranges the int8/int4 weights of an expert record of layer `l` (and their scales) into
+/// [`Layout::Lanes16`] in place, for each part where that layout fits; then
+/// [`decode_expert_shared`] with `lanes` reads them so. Parts whose regions do not lie in `rec`
+/// are left alone (decoding reports them). `scratch` is reused between calls.
+pub fn expert_to_lanes(l: &ExpertLayer, rec: &mut [u8], scratch: &mut Vec<u8>) {
+    for part in [&l.gate, &l.up, &l.down] {
+        let Some((kind, cols, group)) = lanes_part(part) else {
+            continue;
+        };
+        let region = |r: Option<[u64; 2]>, len: usize| {
+            let [o, n] = r?;
+            let (o, n) = (usize::try_from(o).ok()?, usize::try_from(n).ok()?);
+            (o.checked_add(n)? <= len).then_some(o..o + n)
+        };
+        let (Some(d), Some(sc)) = (
+            region(Some(part.data), rec.len()),
+            region(part.scales, rec.len()),
+        ) else {
+            continue;
+        };
+        let rows = part.shape[0];
+        if d.len() != rows * cols * kind.bits() / 8 || sc.len() != 4 * rows * (cols / group) {
+            continue;
+        }
+        crate::quant::lanes_in_place(kind, cols, group, &mut rec[d], scratch);
+        crate::quant::lanes_in_place(
+            QuantKind::Int8,
+            4 * (cols / group),
+            4,
+            &mut rec[sc],
+            scratch,
+        );
+    }
+}
+
+/// `(kind, cols, group)` of a part that has a [`Layout::Lanes16`] form.
+fn lanes_part(part: &Part) -> Option<(QuantKind, usize, usize)> {
+    let kind = part.format.quant()?;
+    let [rows, cols] = part.shape[..] else {
+        return None;
+    };
+    let group = part.group.unwrap_or(cols);
+    (crate::quant::lanes_fit(kind, rows, group)
+        && cols.is_multiple_of(group)
+        && part.mins.is_none())
+    .then_some((kind, cols, group))
 }
 
 /// [`decode_expert`] keeping the quantized weight bytes in `rec` itself (no copy): the expert
-/// holds the buffer until it is dropped.
+/// holds the buffer until it is dropped. With `lanes`, the record went through
+/// [`expert_to_lanes`] (after its CRC-32 was checked: `verify` must then be off).
 pub fn decode_expert_shared(
     l: &ExpertLayer,
     e: usize,
     rec: &SharedBytes,
     path: &Path,
     verify: bool,
+    lanes: bool,
 ) -> Result<(Linear, Linear, Linear), LoadError> {
-    decode_expert_in(l, e, (**rec).as_ref(), path, verify, Some(rec))
+    let bytes = (**rec).as_ref();
+    if verify {
+        check_expert(l, e, bytes, path)?;
+    }
+    decode_expert_in(l, e, bytes, path, Some(rec), lanes)
 }
 
 fn decode_expert_in(
@@ -260,28 +330,27 @@ fn decode_expert_in(
     e: usize,
     rec: &[u8],
     path: &Path,
-    verify: bool,
     shared: Option<&SharedBytes>,
+    lanes: bool,
 ) -> Result<(Linear, Linear, Linear), LoadError> {
     let name = format!("layer {} expert {e}", l.layer);
-    let crc = l.crc32.get(e).copied();
-    let payload = rec.get(..l.payload_bytes as usize);
-    match (crc, payload) {
-        (Some(_), Some(_)) if !verify => {}
-        (Some(c), Some(p)) if crc32fast::hash(p) == c => {}
-        _ => {
-            return Err(LoadError::Tensor {
-                path: path.to_path_buf(),
-                tensor: name,
-                reason: "CRC-32 mismatch: the expert record is damaged".into(),
-            })
-        }
+    if e >= l.crc32.len() || rec.len() < l.payload_bytes as usize {
+        return Err(LoadError::Tensor {
+            path: path.to_path_buf(),
+            tensor: name,
+            reason: "no such expert record".into(),
+        });
     }
-    Ok((
-        Container::decode(&l.gate, rec, path, &name, shared)?,
-        Container::decode(&l.up, rec, path, &name, shared)?,
-        Container::decode(&l.down, rec, path, &name, shared)?,
-    ))
+    let part = |p: &Part| -> Result<Linear, LoadError> {
+        let mut w = Container::decode(p, rec, path, &name, shared)?;
+        if let Linear::Quant(q) = &mut w {
+            if lanes && lanes_part(p).is_some() {
+                q.layout = Layout::Lanes16;
+            }
+        }
+        Ok(w)
+    };
+    Ok((part(&l.gate)?, part(&l.up)?, part(&l.down)?))
 }
 
 impl Container {

@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use crate::quant::{activations, active_isa, QMatrix};
+use crate::quant::{activations, active_isa, Activations, Isa, QMatrix};
 
 /// A row-major `[rows, cols]` f32 weight (PyTorch `nn.Linear.weight` layout: `[out, in]`).
 #[derive(Clone, PartialEq)]
@@ -384,6 +384,12 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
+/// Whether weights loaded now should take [`crate::quant::Layout::Lanes16`]: the process multiplies with int8
+/// activations on the VNNI path, the one kernel that reads that layout directly.
+pub fn lanes_wanted() -> bool {
+    active_isa() == Isa::Avx512Vnni && activations() == Activations::Int8
+}
+
 /// A linear layer's weight `[out, in]`: f32, or quantized ([`QMatrix`]) and multiplied by the
 /// kernel the CPU supports best.
 #[derive(Debug, Clone, PartialEq)]
@@ -410,6 +416,17 @@ impl Linear {
         match self {
             Self::F32(m) => m.matmul(x, n),
             Self::Quant(q) => q.matmul_with(x, n, active_isa(), activations()),
+        }
+    }
+    /// This weight in the memory layout the process's kernels run fastest on: quantized
+    /// weights go to [`crate::quant::Layout::Lanes16`] where [`lanes_wanted`] and the shape allows. The
+    /// products are bit-identical either way.
+    pub fn prepared(self) -> Self {
+        match self {
+            Self::Quant(q) if lanes_wanted() && q.lanes_apply() => {
+                Self::Quant(q.to_lanes().expect("lanes apply"))
+            }
+            other => other,
         }
     }
     /// Row `r` as f32 (embedding lookup).

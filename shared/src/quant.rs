@@ -366,13 +366,9 @@ impl QMatrix {
         Ok(q)
     }
 
-    /// Whether [`QMatrix::to_lanes`] applies: int8 or int4 in groups of a multiple of 64, rows
-    /// a multiple of 16, row-major now.
+    /// Whether [`QMatrix::to_lanes`] applies (see [`lanes_fit`]) and the matrix is row-major.
     pub fn lanes_apply(&self) -> bool {
-        matches!(self.kind, QuantKind::Int8 | QuantKind::Int4)
-            && self.group.is_multiple_of(64)
-            && self.rows.is_multiple_of(16)
-            && self.layout == Layout::RowMajor
+        lanes_fit(self.kind, self.rows, self.group) && self.layout == Layout::RowMajor
     }
 
     /// This matrix in [`Layout::Lanes16`] (the same bytes, permuted), or `None` where that does
@@ -382,21 +378,24 @@ impl QMatrix {
         if !self.lanes_apply() {
             return None;
         }
-        let (ng, dpg) = (self.groups(), self.group * self.kind.bits() / 32);
-        let mut data = vec![0u8; self.data.len()];
-        let mut scales = vec![0.0f32; self.scales.len()];
-        for r in 0..self.rows {
-            for g in 0..ng {
-                scales[lanes_index(r, g, 0, ng, 1)] = self.scales[r * ng + g];
-                for d in 0..dpg {
-                    let (from, to) = (4 * ((r * ng + g) * dpg + d), 4 * lanes_index(r, g, d, ng, dpg));
-                    data[to..to + 4].copy_from_slice(&self.data[from..from + 4]);
-                }
-            }
-        }
+        let mut data = self.data.to_vec();
+        let mut scales: Vec<u8> = self.scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut scratch = Vec::new();
+        lanes_in_place(self.kind, self.cols, self.group, &mut data, &mut scratch);
+        lanes_in_place(
+            QuantKind::Int8,
+            4 * self.groups(),
+            4,
+            &mut scales,
+            &mut scratch,
+        );
         Some(QMatrix {
             data: data.into(),
-            scales: scales.into(),
+            scales: scales
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect::<Vec<_>>()
+                .into(),
             layout: Layout::Lanes16,
             ..self.clone_shape()
         })
@@ -414,7 +413,10 @@ impl QMatrix {
             for g in 0..ng {
                 scales[r * ng + g] = self.scales[lanes_index(r, g, 0, ng, 1)];
                 for d in 0..dpg {
-                    let (from, to) = (4 * lanes_index(r, g, d, ng, dpg), 4 * ((r * ng + g) * dpg + d));
+                    let (from, to) = (
+                        4 * lanes_index(r, g, d, ng, dpg),
+                        4 * ((r * ng + g) * dpg + d),
+                    );
                     data[to..to + 4].copy_from_slice(&self.data[from..from + 4]);
                 }
             }
@@ -819,6 +821,42 @@ fn quantize_group(xs: &[f32], out: &mut [i8], isa: Isa) -> f32 {
             avx2::quantize_group(xs, out)
         },
         _ => scalar::quantize_group(xs, out),
+    }
+}
+
+/// Whether a `[rows, _]` matrix of `kind` in groups of `group` has a [`Layout::Lanes16`] form:
+/// int8 or int4, groups a multiple of 64, rows a multiple of 16.
+pub fn lanes_fit(kind: QuantKind, rows: usize, group: usize) -> bool {
+    matches!(kind, QuantKind::Int8 | QuantKind::Int4)
+        && group.is_multiple_of(64)
+        && rows > 0
+        && rows.is_multiple_of(16)
+}
+
+/// Rearranges row-major packed weights of `kind` (`cols` per row, in groups of `group`) into
+/// [`Layout::Lanes16`] in place; `scratch` is reused between calls. Scales go through the same
+/// call as bytes: `lanes_in_place(QuantKind::Int8, 4 * groups, 4, bytes, ..)` (one 4-byte scale
+/// per "group" of 4 bytes). Within each block of 16 rows this is the transpose of a
+/// `[16, dwords per row]` array of dwords.
+pub fn lanes_in_place(
+    kind: QuantKind,
+    cols: usize,
+    group: usize,
+    data: &mut [u8],
+    scratch: &mut Vec<u8>,
+) {
+    let rb = cols * kind.bits() / 8;
+    debug_assert!(group.is_multiple_of(4) && rb.is_multiple_of(4));
+    let rd = rb / 4; // dwords per row
+    for blk in data.chunks_exact_mut(16 * rb) {
+        scratch.clear();
+        scratch.extend_from_slice(blk);
+        for d in 0..rd {
+            for r in 0..16 {
+                let from = 4 * (r * rd + d);
+                blk[4 * (d * 16 + r)..][..4].copy_from_slice(&scratch[from..from + 4]);
+            }
+        }
     }
 }
 
@@ -1791,7 +1829,10 @@ mod avx512 {
             let mut s1 = [_mm512_setzero_si512(); P];
             if kind == QuantKind::Int8 {
                 for d in (0..gb / 4).step_by(2) {
-                    let (w0, w1) = (_mm512_xor_si512(ld(d), flip), _mm512_xor_si512(ld(d + 1), flip));
+                    let (w0, w1) = (
+                        _mm512_xor_si512(ld(d), flip),
+                        _mm512_xor_si512(ld(d + 1), flip),
+                    );
                     for t in 0..P {
                         s0[t] = _mm512_dpbusd_epi32(s0[t], w0, bc(t, 4 * d));
                         s1[t] = _mm512_dpbusd_epi32(s1[t], w1, bc(t, 4 * d + 4));
@@ -2073,11 +2114,23 @@ mod tests {
         }
         // what does not tile into 16-row blocks of 64-wide groups stays row-major
         let m = Matrix::new(17, 64, data(3, 17 * 64));
-        assert!(QMatrix::quantize(&m, QuantKind::Int8, 64).unwrap().to_lanes().is_none());
+        assert!(QMatrix::quantize(&m, QuantKind::Int8, 64)
+            .unwrap()
+            .to_lanes()
+            .is_none());
         let m = Matrix::new(16, 64, data(3, 16 * 64));
-        assert!(QMatrix::quantize(&m, QuantKind::Int8, 32).unwrap().to_lanes().is_none());
-        assert!(QMatrix::quantize(&m, QuantKind::Int2, 64).unwrap().to_lanes().is_none());
-        assert!(QMatrix::quantize(&m, QuantKind::Bf16, 64).unwrap().to_lanes().is_none());
+        assert!(QMatrix::quantize(&m, QuantKind::Int8, 32)
+            .unwrap()
+            .to_lanes()
+            .is_none());
+        assert!(QMatrix::quantize(&m, QuantKind::Int2, 64)
+            .unwrap()
+            .to_lanes()
+            .is_none());
+        assert!(QMatrix::quantize(&m, QuantKind::Bf16, 64)
+            .unwrap()
+            .to_lanes()
+            .is_none());
     }
 
     #[test]

@@ -28,8 +28,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use charm_shared::container::{decode_expert_shared, Container, ExpertLayer};
-use charm_shared::kernels::{Linear, SwiGlu};
+use charm_shared::container::{
+    check_expert, decode_expert_shared, expert_to_lanes, Container, ExpertLayer,
+};
+use charm_shared::kernels::{lanes_wanted, Linear, SwiGlu};
 use charm_shared::quant::SharedBytes;
 use rayon::prelude::*;
 use serde::Serialize;
@@ -488,6 +490,7 @@ impl Inner {
 
     /// Reader thread: takes keys by priority, reads and decodes them, and admits them.
     fn reader(&self) {
+        let mut scratch = Vec::new();
         loop {
             let key = {
                 let mut st = lock(&self.state);
@@ -517,19 +520,40 @@ impl Inner {
                 .file
                 .read_exact_at(&mut b, key.1 as u64 * src.meta.record_bytes, len);
             let read_s = t0.elapsed().as_secs_f64();
+            let seen = &src.verified[key.1 as usize];
+            let verify = !seen.load(std::sync::atomic::Ordering::Relaxed);
+            // The CRC is checked on the bytes as stored, then the weights are rearranged in
+            // place into the layout the kernels read fastest (when they have one).
+            let lanes = lanes_wanted();
+            let res = read
+                .map_err(|e| format!("{}: {e}", src.file.path.display()))
+                .and_then(|()| {
+                    if verify {
+                        check_expert(&src.meta, key.1 as usize, b.as_slice(), &src.file.path)
+                            .map_err(|e| e.to_string())?;
+                        seen.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    if lanes {
+                        expert_to_lanes(&src.meta, b.as_mut_slice(), &mut scratch);
+                    }
+                    Ok(())
+                });
             let rec: SharedBytes = Arc::new(PooledBuf {
                 buf: Some(b),
                 pool: self.pool.clone(),
             });
-            let seen = &src.verified[key.1 as usize];
-            let verify = !seen.load(std::sync::atomic::Ordering::Relaxed);
-            let res = read
-                .map_err(|e| format!("{}: {e}", src.file.path.display()))
+            let res = res
                 .and_then(|()| {
-                    decode_expert_shared(&src.meta, key.1 as usize, &rec, &src.file.path, verify)
-                        .map_err(|e| e.to_string())
+                    decode_expert_shared(
+                        &src.meta,
+                        key.1 as usize,
+                        &rec,
+                        &src.file.path,
+                        false,
+                        lanes,
+                    )
+                    .map_err(|e| e.to_string())
                 })
-                .inspect(|_| seen.store(true, std::sync::atomic::Ordering::Relaxed))
                 .and_then(|(gate, up, down)| self.check_shapes(key, gate, up, down));
             let mut st = lock(&self.state);
             st.stats.reads += 1;
