@@ -7,9 +7,11 @@
 # sampled (temperature 1, seed 1): the random weights would otherwise repeat one token, and one
 # token routes the same way every step. Every run decodes the same tokens.
 #
-# usage: benches/streaming.sh [WORK_DIR] [BUDGETS_GIB...]
+# usage: [ACTIVATIONS=f32|int8] benches/streaming.sh [WORK_DIR] [BUDGETS_GIB...]
 #   WORK_DIR defaults to /tmp/charm-streaming; the model is made there once with
 #   `charm synth --layers 3 --dense-layers 1 --vocab 32768` (about 15.5 GiB on disk).
+#   ACTIVATIONS (default f32) is passed to `charm generate --activations`: int8 computes faster,
+#   which leaves the disk as the limit of more of each step.
 set -euo pipefail
 work=${1:-/tmp/charm-streaming}
 shift || true
@@ -27,7 +29,8 @@ disk=$("$bin" iobench --model "$model" --seconds 10 --json | python3 -c "import 
 printf 'disk: %.3f GB/s O_DIRECT random reads of one expert record (charm iobench, 4 threads)\n' "$(python3 -c "print($disk/1e9)")"
 
 gen() { # ram-flag history -> json
-  "$bin" generate --model "$model" --ids "$ids" --max-tokens "$steps" --temperature 1 --seed 1 --json $1 --history "$2"
+  "$bin" generate --model "$model" --ids "$ids" --max-tokens "$steps" --temperature 1 --seed 1 --json $1 --history "$2" \
+    --activations "${ACTIVATIONS:-f32}"
 }
 
 row() { # label json

@@ -848,10 +848,18 @@ pub fn lanes_in_place(
     let rb = cols * kind.bits() / 8;
     debug_assert!(group.is_multiple_of(4) && rb.is_multiple_of(4));
     let rd = rb / 4; // dwords per row
+    #[cfg(target_arch = "x86_64")]
+    let simd = Isa::detect() == Isa::Avx512Vnni;
     for blk in data.chunks_exact_mut(16 * rb) {
         scratch.clear();
         scratch.extend_from_slice(blk);
-        for d in 0..rd {
+        let mut d0 = 0;
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            // SAFETY: `Isa::Avx512Vnni` is only detected with avx512f/bw/vnni and avx2.
+            d0 = unsafe { avx512::transpose_dwords(scratch, blk, rd) };
+        }
+        for d in d0..rd {
             for r in 0..16 {
                 let from = 4 * (r * rd + d);
                 blk[4 * (d * 16 + r)..][..4].copy_from_slice(&scratch[from..from + 4]);
@@ -1654,6 +1662,26 @@ mod avx512 {
             out[12 + m] = _mm512_shuffle_i32x4::<0xdd>(v2, w2);
         }
         out
+    }
+
+    /// `dst[d][r] = src[r][d]` for the dwords of 16 rows of `rd` dwords each (`src`, `dst`:
+    /// `64 * rd` bytes), 16 columns at a time; returns how many columns it did (the rest, fewer
+    /// than 16, is the caller's).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    pub(super) fn transpose_dwords(src: &[u8], dst: &mut [u8], rd: usize) -> usize {
+        assert!(src.len() == 64 * rd && dst.len() == 64 * rd);
+        let full = rd - rd % 16;
+        for d0 in (0..full).step_by(16) {
+            // SAFETY: row `r`'s dwords `d0..d0 + 16` end at `4 * (r * rd + d0 + 16) <= 64 * rd`.
+            let u: [__m512i; 16] = std::array::from_fn(|r| unsafe {
+                _mm512_loadu_si512(src.as_ptr().add(4 * (r * rd + d0)) as *const _)
+            });
+            for (k, v) in transpose16(u).iter().enumerate() {
+                // SAFETY: `64 * (d0 + k) + 64 <= 64 * rd`.
+                unsafe { _mm512_storeu_si512(dst.as_mut_ptr().add(64 * (d0 + k)) as *mut _, *v) };
+            }
+        }
+        full
     }
 
     /// Buffers [`rows16_dot_i8`] reuses from block to block: the transposed weights and the
