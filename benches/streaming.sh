@@ -25,7 +25,12 @@ mkdir -p "$work"
 ids=$(python3 -c "print(','.join(str((i * 37 + 11) % 32000 + 2) for i in range(16)))")
 steps=32
 
-disk=$("$bin" iobench --model "$model" --seconds 10 --json | python3 -c "import json,sys; print(json.load(sys.stdin)['bytes_per_s'])")
+# the disk's O_DIRECT bandwidth for expert-sized random reads, measured again before each run
+# (a shared machine's disk drifts)
+probe() {
+  "$bin" iobench --model "$model" --seconds 5 --json | python3 -c "import json,sys; print(json.load(sys.stdin)['bytes_per_s'])"
+}
+disk=$(probe)
 printf 'disk: %.3f GB/s O_DIRECT random reads of one expert record (charm iobench, 4 threads)\n' "$(python3 -c "print($disk/1e9)")"
 
 gen() { # ram-flag history -> json
@@ -42,22 +47,28 @@ secs = v["prefill_seconds"] + v["decode_seconds"]
 # delivered: bytes of experts the computation used (read-aheads never used are not counted)
 used = e.get("bytes_read", 0) - e.get("wasted_bytes", 0)
 delivered = used / secs if secs else 0
+busy = e.get("disk_busy_seconds", 0) / secs if secs else 0
 print(f"| {label:<24} | {v['decode_tok_s']:6.2f} | {v['prefill_tok_s']:6.2f} | {100*e.get('hit_rate',0):5.1f}% "
-      f"| {e.get('bytes_read',0)/1e9:6.2f} | {e.get('wasted_bytes',0)/1e9:5.2f} | {delivered/1e9:5.3f} | {100*delivered/disk:5.1f}% "
+      f"| {e.get('bytes_read',0)/1e9:6.2f} | {e.get('wasted_bytes',0)/1e9:5.2f} | {delivered/1e9:5.3f} "
+      f"| {disk/1e9:5.3f} | {100*delivered/disk:5.1f}% | {100*busy:5.1f}% "
       f"| {e.get('wait_seconds',0):6.2f} | {e.get('compute_seconds',0):6.2f} "
-      f"| {100*(e.get('lookahead_recall') or 0):5.1f}% | {v['stats']['peak_rss_bytes']/2**30:5.2f} |")
+      f"| {100*(e.get('lookahead_recall') or 0):5.1f}% | {e.get('early_used',0)}/{e.get('early_reads',0)} "
+      f"| {v['stats']['peak_rss_bytes']/2**30:5.2f} |")
 EOF
 }
 
-echo "| run | decode tok/s | prefill tok/s | hit rate | GB read | GB read ahead, unused | delivered GB/s | of disk | wait s | compute s | lookahead recall | peak RSS GiB |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+echo "| run | decode tok/s | prefill tok/s | hit rate | GB read | GB read ahead, unused | delivered GB/s | disk GB/s (just before) | of disk | disk busy | wait s | compute s | lookahead recall | early guesses used/read | peak RSS GiB |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 row "all resident" "$(gen "" none)"
 # no expert cache at all: every expert a step uses comes from the disk
 resident=$("$bin" plan --model "$model" --json --ram 64 --ctx $((16 + steps)) --history none | python3 -c "import json,sys; print(json.load(sys.stdin)['resident_bytes'] / 2**30 + 1e-6)")
+disk=$(probe)
 row "no expert cache" "$(gen "--ram $resident" none)"
 for b in $budgets; do
   h=$work/history-$b.json
   rm -f "$h"
+  disk=$(probe)
   row "budget $b GiB, cold" "$(gen "--ram $b" "$h")"
+  disk=$(probe)
   row "budget $b GiB, warm" "$(gen "--ram $b" "$h")"
 done

@@ -222,6 +222,17 @@ fn synthetic_model_streams_within_its_budget_with_identical_output() {
     let none = run(Some(resident as f64 / GIB + 1e-9));
     assert_eq!(none["ids"], all["ids"]);
     assert_eq!(none["stats"]["experts"]["hits"], 0, "{none}");
+    // with nothing cached the disk idles at the start of each step until the first MoE layer's
+    // lookahead: the dense layer's early guesses are read then, and some are used
+    let e = &none["stats"]["experts"];
+    let (early, early_used) = (
+        e["early_reads"].as_u64().unwrap(),
+        e["early_used"].as_u64().unwrap(),
+    );
+    assert!(early > 0 && early_used <= early, "{none}");
+    let busy = e["disk_busy_seconds"].as_f64().unwrap();
+    let wall = none["prefill_seconds"].as_f64().unwrap() + none["decode_seconds"].as_f64().unwrap();
+    assert!(busy > 0.0 && busy <= wall + 0.5, "{none}");
     assert!(none["stats"]["peak_rss_bytes"].as_u64().unwrap() <= resident + (1 << 20));
     // logits files are byte-identical across budgets
     let mut files = Vec::new();

@@ -261,6 +261,9 @@ impl Model {
         // while attention computes.
         if let Some(ids) = self.predict_experts(layer, x, n) {
             self.experts.prefetch(layer.index, &ids);
+        } else {
+            // a dense layer: guess at the next MoE layer already (read while the disk idles)
+            self.guess_next_moe(layer, x, n);
         }
         // --- attention ---
         let mut a = x.to_vec(); // [n, hidden]
@@ -295,6 +298,7 @@ impl Model {
         for (xi, ai) in x.iter_mut().zip(&attn_out) {
             *xi += ai;
         }
+        self.guess_next_moe(layer, x, n);
         // --- feed-forward ---
         let mut f = x.to_vec();
         rms_norm(&mut f, &layer.post_norm, spec.rms_norm_eps);
@@ -339,6 +343,25 @@ impl Model {
             *xi += oi;
         }
         Ok(())
+    }
+
+    /// An early guess at the experts of the next MoE layer after `layer`: its router on `x`, the
+    /// residual stream a layer or more before it, read by a streaming store only while its disk
+    /// would otherwise idle (between this layer's reads and that layer's own lookahead).
+    fn guess_next_moe(&self, layer: &LayerWeights, x: &[f32], n: usize) {
+        let next = self
+            .layers
+            .iter()
+            .find(|l| l.index > layer.index && matches!(l.ffn, FfnWeights::Moe { .. }));
+        if let Some(ids) = next.and_then(|l| self.predict_experts(l, x, n)) {
+            // by rank: every token's first choice, then every token's second, ...
+            let k = ids.len() / n.max(1);
+            let ranked: Vec<u32> = (0..k)
+                .flat_map(|r| ids.chunks_exact(k).map(move |t| t[r]))
+                .collect();
+            self.experts
+                .prefetch_early(next.map_or(0, |l| l.index), &ranked);
+        }
     }
 
     /// The experts MoE layer `layer` will probably choose for the residual stream `x`: its router

@@ -94,6 +94,13 @@ pub trait ExpertExecutor: Send + Sync + std::fmt::Debug {
         let _ = (layer, ids);
     }
 
+    /// An earlier, less reliable guess at MoE layer `layer`'s experts (made a layer or more
+    /// before it): read them only while the disk would otherwise be idle. A later
+    /// [`Self::prefetch`] or `prefetch_early` for the layer replaces the guesses not yet read.
+    fn prefetch_early(&self, layer: usize, ids: &[u32]) {
+        let _ = (layer, ids);
+    }
+
     /// A forward step (one token of decode, or one prefill) is complete: a safe point to update
     /// caching decisions.
     fn step_end(&self) {}

@@ -103,6 +103,12 @@ pub struct StoreStats {
     pub lookahead_reads: u64,
     pub lookahead_used: u64,
     pub lookahead_predicted_used: u64,
+    /// Early guesses (see [`ExpertExecutor::prefetch_early`]) read while the disk was otherwise
+    /// idle, and how many of them the layer then used.
+    pub early_reads: u64,
+    pub early_used: u64,
+    /// Seconds with at least one read in flight (the disk busy, as far as this process goes).
+    pub disk_busy_seconds: f64,
     pub cache_capacity_bytes: u64,
     pub cache_bytes: u64,
     pub cache_peak_bytes: u64,
@@ -144,6 +150,9 @@ impl StoreStats {
             lookahead_used: self.lookahead_used - earlier.lookahead_used,
             lookahead_predicted_used: self.lookahead_predicted_used
                 - earlier.lookahead_predicted_used,
+            early_reads: self.early_reads - earlier.early_reads,
+            early_used: self.early_used - earlier.early_used,
+            disk_busy_seconds: self.disk_busy_seconds - earlier.disk_busy_seconds,
             ..self.clone()
         }
     }
@@ -170,6 +179,13 @@ struct State {
     demand: VecDeque<Key>,
     lookahead: VecDeque<Key>,
     warm: VecDeque<Key>,
+    /// Early guesses, read only while no other read is in flight.
+    early: VecDeque<Key>,
+    /// Keys read as early guesses, until their layer runs (for `early_used`).
+    early_read: HashSet<Key>,
+    /// Bytes of records being read now, and since when some read has been.
+    inflight: u64,
+    busy_since: Option<Instant>,
     /// Keys in a queue or being read.
     pending: HashSet<Key>,
     /// Reservations by waiting runs, handed to the entry when it arrives.
@@ -333,6 +349,10 @@ impl StreamingExperts {
                 bytes: 0,
                 demand: VecDeque::new(),
                 lookahead: VecDeque::new(),
+                early: VecDeque::new(),
+                early_read: HashSet::new(),
+                inflight: 0,
+                busy_since: None,
                 warm: VecDeque::new(),
                 pending: HashSet::new(),
                 wanted: HashMap::new(),
@@ -498,12 +518,35 @@ impl Inner {
                     if st.shutdown {
                         return;
                     }
-                    let k = st
-                        .demand
-                        .pop_front()
-                        .or_else(|| st.lookahead.pop_front())
-                        .or_else(|| st.warm.pop_front());
+                    // A read-ahead starts only when what is cached, staged and being read
+                    // leaves room for it: read with no room, it would be dropped unused.
+                    let room = |st: &State, k: &Key| {
+                        st.bytes + st.inflight + self.layers[&k.0].meta.payload_bytes
+                            <= self.capacity + self.overflow
+                    };
+                    let k = st.demand.pop_front().or_else(|| {
+                        if st.lookahead.front().is_some_and(|k| room(&st, k)) {
+                            st.lookahead.pop_front()
+                        } else {
+                            None
+                        }
+                    });
+                    let k = k.or_else(|| st.warm.pop_front()).or_else(|| {
+                        // an early guess only keeps an otherwise idle disk busy
+                        if st.inflight == 0 && st.early.front().is_some_and(|k| room(&st, k)) {
+                            let k = st.early.pop_front()?;
+                            st.stats.early_reads += 1;
+                            st.early_read.insert(k);
+                            Some(k)
+                        } else {
+                            None
+                        }
+                    });
                     if let Some(k) = k {
+                        if st.inflight == 0 {
+                            st.busy_since = Some(Instant::now());
+                        }
+                        st.inflight += self.layers[&k.0].meta.payload_bytes;
                         break k;
                     }
                     st = self.wait(st);
@@ -559,6 +602,12 @@ impl Inner {
             st.stats.reads += 1;
             st.stats.bytes_read += len as u64;
             st.stats.read_seconds += read_s;
+            st.inflight -= len as u64;
+            if st.inflight == 0 {
+                if let Some(t) = st.busy_since.take() {
+                    st.stats.disk_busy_seconds += t.elapsed().as_secs_f64();
+                }
+            }
             match res {
                 Ok(w) => st = self.admit(st, key, w),
                 Err(e) => {
@@ -724,6 +773,8 @@ impl Inner {
         let Some(src) = self.layers.get(&nl) else {
             return;
         };
+        // this prediction supersedes the layer's early guesses not yet being read
+        Self::drop_early(st, |k| k.0 == nl);
         let set: HashSet<u32> = ids
             .iter()
             .copied()
@@ -739,6 +790,31 @@ impl Inner {
         st.predicted.entry(nl).or_default().extend(set);
     }
 
+    /// Replaces the early guesses for layer `nl` not yet being read by `ids` (most likely
+    /// first).
+    fn early(&self, st: &mut State, nl: usize, ids: &[u32]) {
+        let Some(src) = self.layers.get(&nl) else {
+            return;
+        };
+        Self::drop_early(st, |k| k.0 == nl);
+        // in the order given (most likely first), each once
+        let mut seen = HashSet::new();
+        for &e in ids {
+            if (e as usize) < src.meta.count && seen.insert(e) {
+                Self::enqueue(st, (nl, e), Queue::Early);
+            }
+        }
+    }
+
+    /// Removes queued early guesses matching `f`.
+    fn drop_early(st: &mut State, f: impl Fn(&Key) -> bool) {
+        let gone: Vec<Key> = st.early.iter().copied().filter(|k| f(k)).collect();
+        st.early.retain(|k| !f(k));
+        for k in gone {
+            st.pending.remove(&k);
+        }
+    }
+
     /// Queues a read of `k` unless it is resident or already coming.
     fn enqueue(st: &mut State, k: Key, q: Queue) -> bool {
         if st.entries.contains_key(&k) || st.pending.contains(&k) {
@@ -749,6 +825,7 @@ impl Inner {
             Queue::Demand => st.demand.push_back(k),
             Queue::Lookahead => st.lookahead.push_back(k),
             Queue::Warm => st.warm.push_back(k),
+            Queue::Early => st.early.push_back(k),
         }
         true
     }
@@ -785,6 +862,7 @@ enum Queue {
     Demand,
     Lookahead,
     Warm,
+    Early,
 }
 
 impl StreamingExperts {
@@ -865,6 +943,9 @@ impl ExpertExecutor for StreamingExperts {
             let tick = st.tick;
             for (i, (id, slots)) in runs.iter().enumerate() {
                 let k = (layer, *id);
+                if st.early_read.remove(&k) {
+                    st.stats.early_used += 1;
+                }
                 *st.freq.entry(k).or_insert(0.0) += 1.0;
                 st.history.add(layer, *id as usize, slots.len() as u64);
                 if let Some(e) = st.entries.get_mut(&k) {
@@ -919,6 +1000,8 @@ impl ExpertExecutor for StreamingExperts {
             for k in stale {
                 st.pending.remove(&k);
             }
+            Inner::drop_early(&mut st, |k| k.0 <= layer);
+            st.early_read.retain(|k| k.0 > layer);
         }
         inner.cv.notify_all();
 
@@ -980,6 +1063,13 @@ impl ExpertExecutor for StreamingExperts {
     fn prefetch(&self, layer: usize, ids: &[u32]) {
         let mut st = lock(&self.inner.state);
         self.inner.lookahead(&mut st, layer, ids);
+        drop(st);
+        self.inner.cv.notify_all();
+    }
+
+    fn prefetch_early(&self, layer: usize, ids: &[u32]) {
+        let mut st = lock(&self.inner.state);
+        self.inner.early(&mut st, layer, ids);
         drop(st);
         self.inner.cv.notify_all();
     }
