@@ -202,12 +202,20 @@ fn compute_summary() {
         .unwrap();
     println!("\ncompute, 1 thread, {r}x{c} weights resident in cache, int8 activations");
     println!(
-        "{:<6} {:<10} {:>6} {:>22}",
-        "format", "isa", "tokens", "GB/s (bytes x tokens)"
+        "{:<6} {:<10} {:<6} {:>6} {:>22}",
+        "format", "isa", "layout", "tokens", "GB/s (bytes x tokens)"
     );
     for kind in [QuantKind::Int4, QuantKind::Int8] {
-        let q = QMatrix::quantize(&m, kind, 64).unwrap();
-        for isa in Isa::available().into_iter().filter(|i| *i != Isa::Scalar) {
+        let rows = QMatrix::quantize(&m, kind, 64).unwrap();
+        let lanes = rows
+            .to_lanes()
+            .expect("512 rows in groups of 64 have a lane form");
+        let isas = Isa::available().into_iter().filter(|i| *i != Isa::Scalar);
+        let mut runs: Vec<(Isa, &str, &QMatrix)> = isas.map(|i| (i, "rows", &rows)).collect();
+        if Isa::available().contains(&Isa::Avx512Vnni) {
+            runs.push((Isa::Avx512Vnni, "lanes", &lanes));
+        }
+        for (isa, layout, q) in runs {
             for n in [1usize, 16, 64] {
                 let x = data(n * c, 3);
                 let reps = (4000 / n).max(20);
@@ -218,9 +226,9 @@ fn compute_summary() {
                         }
                     })
                 }) / reps as f64;
-                let gbs = (n as u64 * weight_bytes(&q)) as f64 / s / 1e9;
+                let gbs = (n as u64 * weight_bytes(q)) as f64 / s / 1e9;
                 println!(
-                    "{:<6} {:<10} {n:>6} {gbs:>22.2}",
+                    "{:<6} {:<10} {layout:<6} {n:>6} {gbs:>22.2}",
                     kind.name(),
                     format!("{isa:?}")
                 );
