@@ -848,17 +848,17 @@ pub fn lanes_in_place(
     let rb = cols * kind.bits() / 8;
     debug_assert!(group.is_multiple_of(4) && rb.is_multiple_of(4));
     let rd = rb / 4; // dwords per row
-    #[cfg(target_arch = "x86_64")]
     let simd = Isa::detect() == Isa::Avx512Vnni;
     for blk in data.chunks_exact_mut(16 * rb) {
         scratch.clear();
         scratch.extend_from_slice(blk);
-        let mut d0 = 0;
-        #[cfg(target_arch = "x86_64")]
-        if simd {
+        // columns done 16 at a time by the SIMD transpose, the rest here
+        let d0 = match simd {
+            #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::Avx512Vnni` is only detected with avx512f/bw/vnni and avx2.
-            d0 = unsafe { avx512::transpose_dwords(scratch, blk, rd) };
-        }
+            true => unsafe { avx512::transpose_dwords(scratch, blk, rd) },
+            _ => 0,
+        };
         for d in d0..rd {
             for r in 0..16 {
                 let from = 4 * (r * rd + d);
