@@ -128,6 +128,28 @@ fn charm_ram(args: &[&str], ram: Option<f64>) -> (bool, String, String) {
     charm(&a)
 }
 
+/// `charm logits` of `prompt` on `model` into `out` (no routing history, `--ram` when given,
+/// `extra` arguments and `env` variables), returning the file's bytes.
+fn logits_file(
+    model: &str,
+    prompt: &str,
+    out: &Path,
+    ram: Option<f64>,
+    extra: &[&str],
+    env: &[(&str, String)],
+) -> Vec<u8> {
+    let mut args = vec!["logits", "--model", model, "--ids", prompt];
+    args.extend_from_slice(&["--out", out.to_str().unwrap(), "--history", "none"]);
+    args.extend_from_slice(extra);
+    let r = ram.map(|g| g.to_string());
+    if let Some(r) = &r {
+        args.extend_from_slice(&["--ram", r]);
+    }
+    let (ok, _, err) = charm_env(&args, env);
+    assert!(ok, "{args:?} {env:?}: {err}");
+    std::fs::read(out).unwrap()
+}
+
 fn json(s: &str) -> Value {
     serde_json::from_str(s.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {s}"))
 }
@@ -235,26 +257,14 @@ fn synthetic_model_streams_within_its_budget_with_identical_output() {
     assert!(busy > 0.0 && busy <= wall + 0.5, "{none}");
     assert!(none["stats"]["peak_rss_bytes"].as_u64().unwrap() <= resident + (1 << 20));
     // logits files are byte-identical across budgets
-    let mut files = Vec::new();
-    for (i, ram) in [None, Some(budget as f64 / GIB)].iter().enumerate() {
-        let out = dir.join(format!("logits-{i}.safetensors"));
-        let (ok, _, err) = charm_ram(
-            &[
-                "logits",
-                "--model",
-                d,
-                "--ids",
-                prompt,
-                "--out",
-                out.to_str().unwrap(),
-                "--history",
-                "none",
-            ],
-            *ram,
-        );
-        assert!(ok, "{err}");
-        files.push(std::fs::read(&out).unwrap());
-    }
+    let files: Vec<Vec<u8>> = [None, Some(budget as f64 / GIB)]
+        .iter()
+        .enumerate()
+        .map(|(i, ram)| {
+            let out = dir.join(format!("logits-{i}.safetensors"));
+            logits_file(d, prompt, &out, *ram, &[], &[])
+        })
+        .collect();
     assert!(files[0] == files[1], "logits differ across budgets");
     // a budget below the resident part is refused with what would fit
     let (ok, _, err) = charm(&[
@@ -296,26 +306,9 @@ fn int8_activations_give_identical_logits_on_every_isa_and_budget() {
         ("scalar", None),
     ] {
         let out = dir.join(format!("logits-{isa}-{}.safetensors", ram.is_some()));
-        let mut args = vec![
-            "logits",
-            "--model",
-            d,
-            "--ids",
-            prompt,
-            "--out",
-            out.to_str().unwrap(),
-            "--activations",
-            "int8",
-            "--history",
-            "none",
-        ];
-        let r = ram.map(|g: f64| g.to_string());
-        if let Some(r) = &r {
-            args.extend_from_slice(&["--ram", r]);
-        }
-        let (ok, _, err) = charm_env(&args, &[("CHARM_ISA", isa.to_string())]);
-        assert!(ok, "{isa} {ram:?}: {err}");
-        files.push((isa, ram, std::fs::read(&out).unwrap()));
+        let env = [("CHARM_ISA", isa.to_string())];
+        let f = logits_file(d, prompt, &out, ram, &["--activations", "int8"], &env);
+        files.push((isa, ram, f));
     }
     for (isa, ram, f) in &files[1..] {
         assert!(

@@ -1767,14 +1767,30 @@ mod avx512 {
         }
         let bias = super::unsigned_offset(kind);
         // tokens in pairs: each weight vector loaded from the scratch serves two tokens
-        let mut t = 0;
-        while t < n {
-            let res = if t + 1 < n {
+        token_pairs(n, nr, out, |t, pair| {
+            if pair {
                 lanes_dot::<2>(group, ng, bias, scratch, sct, [&acts[t], &acts[t + 1]])
             } else {
                 let [a] = lanes_dot::<1>(group, ng, bias, scratch, sct, [&acts[t]]);
                 [a, _mm512_setzero_ps()]
-            };
+            }
+        });
+    }
+
+    /// Runs `f` over the tokens in pairs (`f(t, true)`: tokens `t` and `t + 1`; `f(t, false)`:
+    /// the last, lone token) and stores the first `nr` lanes of each result in `out`
+    /// (`[rows, n]`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    fn token_pairs(
+        n: usize,
+        nr: usize,
+        out: &mut [f32],
+        mut f: impl FnMut(usize, bool) -> [__m512; 2],
+    ) {
+        let mut t = 0;
+        while t < n {
+            let res = f(t, t + 1 < n);
             for (i, v) in res.iter().enumerate().take((n - t).min(2)) {
                 let mut lanes = [0.0f32; 16];
                 // SAFETY: `lanes` has room for 16 floats.
@@ -1807,24 +1823,14 @@ mod avx512 {
         for x in acts {
             assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.gsum.len() >= ng);
         }
-        let mut t = 0;
-        while t < n {
-            let res = if t + 1 < n {
+        token_pairs(n, 16, out, |t, pair| {
+            if pair {
                 packed_dot::<2>(kind, group, ng, blk, sc, [&acts[t], &acts[t + 1]])
             } else {
                 let [a] = packed_dot::<1>(kind, group, ng, blk, sc, [&acts[t]]);
                 [a, _mm512_setzero_ps()]
-            };
-            for (i, v) in res.iter().enumerate().take((n - t).min(2)) {
-                let mut lanes = [0.0f32; 16];
-                // SAFETY: `lanes` has room for 16 floats.
-                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *v) };
-                for (r, l) in lanes.iter().enumerate() {
-                    out[r * n + t + i] = *l;
-                }
             }
-            t += 2;
-        }
+        });
     }
 
     /// The per-token loop of [`lanes16_dot_i8`] for `P` tokens sharing each weight load (the
