@@ -243,7 +243,7 @@ pub fn decode_expert(
     if verify {
         check_expert(l, e, rec, path)?;
     }
-    decode_expert_in(l, e, rec, path, None, false)
+    decode_expert_in(l, e, rec, path, None, [false; 3])
 }
 
 /// Checks expert `e`'s record `rec` of layer `l` against its CRC-32.
@@ -260,29 +260,28 @@ pub fn check_expert(l: &ExpertLayer, e: usize, rec: &[u8], path: &Path) -> Resul
 }
 
 /// Rearranges the int8/int4 weights of an expert record of layer `l` (and their scales) into
-/// [`Layout::Lanes16`] in place, for each part where that layout fits; then
-/// [`decode_expert_shared`] with `lanes` reads them so. Parts whose regions do not lie in `rec`
-/// are left alone (decoding reports them). `scratch` is reused between calls.
-pub fn expert_to_lanes(l: &ExpertLayer, rec: &mut [u8], scratch: &mut Vec<u8>) {
-    for part in [&l.gate, &l.up, &l.down] {
-        let Some((kind, cols, group)) = lanes_part(part) else {
-            continue;
+/// [`Layout::Lanes16`] in place, for each part where that layout fits, and says which of (gate,
+/// up, down) it rearranged: [`decode_expert_shared`] takes that answer. Parts whose regions do not
+/// lie in `rec` or disagree with their shape are left alone (decoding reports them). `scratch` is
+/// reused between calls.
+pub fn expert_to_lanes(l: &ExpertLayer, rec: &mut [u8], scratch: &mut Vec<u8>) -> [bool; 3] {
+    [&l.gate, &l.up, &l.down].map(|part| {
+        let Some((kind, rows, cols, group)) = lanes_part(part) else {
+            return false;
         };
-        let region = |r: Option<[u64; 2]>, len: usize| {
+        let region = |r: Option<[u64; 2]>, want: Option<usize>| {
             let [o, n] = r?;
             let (o, n) = (usize::try_from(o).ok()?, usize::try_from(n).ok()?);
-            (o.checked_add(n)? <= len).then_some(o..o + n)
+            (n == want? && o.checked_add(n)? <= rec.len()).then(|| o..o + n)
         };
+        let data_len = rows.checked_mul(cols / 8 * kind.bits());
+        let scales_len = rows.checked_mul(cols / group * 4);
         let (Some(d), Some(sc)) = (
-            region(Some(part.data), rec.len()),
-            region(part.scales, rec.len()),
+            region(Some(part.data), data_len),
+            region(part.scales, scales_len),
         ) else {
-            continue;
+            return false;
         };
-        let rows = part.shape[0];
-        if d.len() != rows * cols * kind.bits() / 8 || sc.len() != 4 * rows * (cols / group) {
-            continue;
-        }
         crate::quant::lanes_in_place(kind, cols, group, &mut rec[d], scratch);
         crate::quant::lanes_in_place(
             QuantKind::Int8,
@@ -291,11 +290,12 @@ pub fn expert_to_lanes(l: &ExpertLayer, rec: &mut [u8], scratch: &mut Vec<u8>) {
             &mut rec[sc],
             scratch,
         );
-    }
+        true
+    })
 }
 
-/// `(kind, cols, group)` of a part that has a [`Layout::Lanes16`] form.
-fn lanes_part(part: &Part) -> Option<(QuantKind, usize, usize)> {
+/// `(kind, rows, cols, group)` of a part that has a [`Layout::Lanes16`] form.
+fn lanes_part(part: &Part) -> Option<(QuantKind, usize, usize, usize)> {
     let kind = part.format.quant()?;
     let [rows, cols] = part.shape[..] else {
         return None;
@@ -304,19 +304,19 @@ fn lanes_part(part: &Part) -> Option<(QuantKind, usize, usize)> {
     (crate::quant::lanes_fit(kind, rows, group)
         && cols.is_multiple_of(group)
         && part.mins.is_none())
-    .then_some((kind, cols, group))
+    .then_some((kind, rows, cols, group))
 }
 
 /// [`decode_expert`] keeping the quantized weight bytes in `rec` itself (no copy): the expert
-/// holds the buffer until it is dropped. With `lanes`, the record went through
-/// [`expert_to_lanes`] (after its CRC-32 was checked: `verify` must then be off).
+/// holds the buffer until it is dropped. `lanes`: what [`expert_to_lanes`] rearranged (it runs
+/// after the CRC-32 check, so `verify` must then be off), or all `false`.
 pub fn decode_expert_shared(
     l: &ExpertLayer,
     e: usize,
     rec: &SharedBytes,
     path: &Path,
     verify: bool,
-    lanes: bool,
+    lanes: [bool; 3],
 ) -> Result<(Linear, Linear, Linear), LoadError> {
     let bytes = (**rec).as_ref();
     if verify {
@@ -331,7 +331,7 @@ fn decode_expert_in(
     rec: &[u8],
     path: &Path,
     shared: Option<&SharedBytes>,
-    lanes: bool,
+    lanes: [bool; 3],
 ) -> Result<(Linear, Linear, Linear), LoadError> {
     let name = format!("layer {} expert {e}", l.layer);
     if e >= l.crc32.len() || rec.len() < l.payload_bytes as usize {
@@ -341,16 +341,26 @@ fn decode_expert_in(
             reason: "no such expert record".into(),
         });
     }
-    let part = |p: &Part| -> Result<Linear, LoadError> {
+    let part = |p: &Part, lanes: bool| -> Result<Linear, LoadError> {
         let mut w = Container::decode(p, rec, path, &name, shared)?;
-        if let Linear::Quant(q) = &mut w {
-            if lanes && lanes_part(p).is_some() {
-                q.layout = Layout::Lanes16;
+        match &mut w {
+            Linear::Quant(q) if lanes => q.layout = Layout::Lanes16,
+            _ if lanes => {
+                return Err(LoadError::Tensor {
+                    path: path.to_path_buf(),
+                    tensor: name.clone(),
+                    reason: "a rearranged part did not decode as quantized weights".into(),
+                })
             }
+            _ => {}
         }
         Ok(w)
     };
-    Ok((part(&l.gate)?, part(&l.up)?, part(&l.down)?))
+    Ok((
+        part(&l.gate, lanes[0])?,
+        part(&l.up, lanes[1])?,
+        part(&l.down, lanes[2])?,
+    ))
 }
 
 impl Container {
@@ -605,5 +615,115 @@ impl Container {
     /// The expert layers held.
     pub fn expert_layers(&self) -> impl Iterator<Item = &ExpertLayer> {
         self.manifest.experts.iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::Matrix;
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
+    /// An int4 expert record (gate and up `[32, 128]`, down `[128, 64]`, groups of 64) and its
+    /// layer description.
+    fn record() -> (ExpertLayer, Vec<u8>, [QMatrix; 3]) {
+        let mut rec = Vec::new();
+        let mut part = |q: &QMatrix| {
+            let (d, s, _) = encode(q);
+            let at = rec.len() as u64;
+            rec.extend_from_slice(&d);
+            rec.extend_from_slice(&s);
+            Part {
+                format: StoreFormat::Int4,
+                shape: vec![q.rows, q.cols],
+                group: Some(q.group),
+                data: [at, d.len() as u64],
+                scales: Some([at + d.len() as u64, s.len() as u64]),
+                mins: None,
+            }
+        };
+        let q = |r: usize, c: usize, seed: u32| {
+            QMatrix::quantize(&Matrix::new(r, c, values(r * c, seed)), QuantKind::Int4, 64).unwrap()
+        };
+        let qs = [q(32, 128, 1), q(32, 128, 2), q(128, 64, 3)];
+        let (gate, up, down) = (part(&qs[0]), part(&qs[1]), part(&qs[2]));
+        let l = ExpertLayer {
+            layer: 1,
+            file: "experts-001.bin".into(),
+            count: 1,
+            record_bytes: rec.len().next_multiple_of(RECORD_ALIGN) as u64,
+            gate,
+            up,
+            down,
+            crc32: vec![crc32fast::hash(&rec)],
+            payload_bytes: rec.len() as u64,
+        };
+        (l, rec, qs)
+    }
+
+    #[test]
+    fn experts_rearranged_in_place_decode_to_the_same_weights() {
+        let (l, mut rec, qs) = record();
+        let path = Path::new("experts-001.bin");
+        check_expert(&l, 0, &rec, path).unwrap();
+        let lanes = expert_to_lanes(&l, &mut rec, &mut Vec::new());
+        assert_eq!(lanes, [true; 3]);
+        assert!(check_expert(&l, 0, &rec, path).is_err(), "the bytes moved");
+        let shared: SharedBytes = std::sync::Arc::new(rec);
+        let (g, u, d) = decode_expert_shared(&l, 0, &shared, path, false, lanes).unwrap();
+        for (w, q) in [g, u, d].iter().zip(&qs) {
+            let Linear::Quant(w) = w else {
+                panic!("quantized")
+            };
+            assert_eq!(w.layout, Layout::Lanes16);
+            assert!(*w.to_row_major() == *q);
+        }
+    }
+
+    #[test]
+    fn damaged_part_descriptions_never_panic_the_rearrangement() {
+        let (l, rec, _) = record();
+        let mut s = 0x9e37_79b9u32;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            s
+        };
+        let picks = [0, 1, 16, 63, 64, 128, 4096, u32::MAX as u64, u64::MAX];
+        for _ in 0..2000 {
+            let mut l = l.clone();
+            let p = match next() % 3 {
+                0 => &mut l.gate,
+                1 => &mut l.up,
+                _ => &mut l.down,
+            };
+            let v = picks[next() as usize % picks.len()];
+            match next() % 7 {
+                0 => p.shape[0] = v as usize,
+                1 => p.shape[1] = v as usize,
+                2 => p.group = Some(v as usize),
+                3 => p.data[0] = v,
+                4 => p.data[1] = v,
+                5 => p.scales = Some([v, p.scales.unwrap()[1]]),
+                _ => p.scales = Some([p.scales.unwrap()[0], v]),
+            }
+            let mut r = rec.clone();
+            let lanes = expert_to_lanes(&l, &mut r, &mut Vec::new());
+            let shared: SharedBytes = std::sync::Arc::new(r);
+            // an error or weights, never a panic
+            let _ = decode_expert_shared(&l, 0, &shared, Path::new("x"), false, lanes);
+        }
     }
 }

@@ -828,6 +828,7 @@ fn quantize_group(xs: &[f32], out: &mut [i8], isa: Isa) -> f32 {
 /// int8 or int4, groups a multiple of 64, rows a multiple of 16.
 pub fn lanes_fit(kind: QuantKind, rows: usize, group: usize) -> bool {
     matches!(kind, QuantKind::Int8 | QuantKind::Int4)
+        && group >= 64
         && group.is_multiple_of(64)
         && rows > 0
         && rows.is_multiple_of(16)

@@ -576,17 +576,18 @@ impl Inner {
                             .map_err(|e| e.to_string())?;
                         seen.store(true, std::sync::atomic::Ordering::Relaxed);
                     }
-                    if lanes {
-                        expert_to_lanes(&src.meta, b.as_mut_slice(), &mut scratch);
-                    }
-                    Ok(())
+                    Ok(if lanes {
+                        expert_to_lanes(&src.meta, b.as_mut_slice(), &mut scratch)
+                    } else {
+                        [false; 3]
+                    })
                 });
             let rec: SharedBytes = Arc::new(PooledBuf {
                 buf: Some(b),
                 pool: self.pool.clone(),
             });
             let res = res
-                .and_then(|()| {
+                .and_then(|lanes| {
                     decode_expert_shared(
                         &src.meta,
                         key.1 as usize,
