@@ -260,6 +260,10 @@ enum Cmd {
         /// Buffered reads instead of O_DIRECT.
         #[arg(long)]
         no_direct: bool,
+        /// Threads streaming memory while the reads run (0: none): how much a memory-bound
+        /// forward pass slows the disk on this machine.
+        #[arg(long, default_value_t = 0)]
+        memory_load: usize,
         #[arg(long)]
         json: bool,
     },
@@ -904,6 +908,7 @@ fn run(cli: Cli) -> Result<()> {
             seconds,
             threads,
             no_direct,
+            memory_load,
             json,
         } => single_box::cmd_iobench(
             model.as_deref(),
@@ -913,6 +918,7 @@ fn run(cli: Cli) -> Result<()> {
             seconds,
             threads,
             !no_direct,
+            memory_load,
             json,
         ),
     }

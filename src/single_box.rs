@@ -236,10 +236,14 @@ pub fn cmd_iobench(
     seconds: f64,
     threads: usize,
     direct: bool,
+    memory_load: usize,
     json: bool,
 ) -> Result<()> {
     if !(block_mib > 0.0 && block_mib <= 1024.0) {
         bail!("--block-mib must be in (0, 1024]");
+    }
+    if memory_load > 64 {
+        bail!("--memory-load must be in 0..=64");
     }
     let block = ((block_mib * (1u64 << 20) as f64) as usize).div_ceil(4096) * 4096;
     let mut scratch = None;
@@ -266,14 +270,35 @@ pub fn cmd_iobench(
         _ => bail!("give --model DIR or --dir DIR"),
     };
     let refs: Vec<(&RecordFile, u64)> = files.iter().map(|(f, n)| (f, *n)).collect();
-    let r = random_reads(&refs, block, threads, u64::MAX, seconds, 11);
+    // Optional memory traffic beside the reads, as a forward pass makes: on some machines (VMs)
+    // the disk reads markedly slower while the cores stream memory.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (r, streamed) = std::thread::scope(|sc| {
+        let loads: Vec<_> = (0..memory_load)
+            .map(|_| sc.spawn(|| stream_memory(&stop)))
+            .collect();
+        let r = random_reads(&refs, block, threads, u64::MAX, seconds, 11);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let streamed: (u64, f64) = loads
+            .into_iter()
+            .map(|h| h.join().expect("memory load thread panicked"))
+            .fold((0, 0.0), |(b, t), (b2, t2)| (b + b2, f64::max(t, t2)));
+        (r, streamed)
+    });
     if let Some(p) = scratch {
         let _ = std::fs::remove_file(p);
     }
     let r = r?;
+    let mem_bps = if streamed.1 > 0.0 {
+        streamed.0 as f64 / streamed.1
+    } else {
+        0.0
+    };
     if json {
         let mut v = serde_json::to_value(r)?;
         v["bytes_per_s"] = r.bytes_per_s().into();
+        v["memory_load_threads"] = memory_load.into();
+        v["memory_load_bytes_per_s"] = mem_bps.into();
         println!("{v}");
     } else {
         println!(
@@ -285,8 +310,38 @@ pub fn cmd_iobench(
             r.threads,
             if r.direct { "O_DIRECT" } else { "buffered" }
         );
+        if memory_load > 0 {
+            println!(
+                "  beside {memory_load} thread(s) streaming memory at {:.1} GB/s",
+                mem_bps / 1e9
+            );
+        }
     }
     Ok(())
+}
+
+/// Sums a 256 MiB buffer over and over until `stop`; returns (bytes read, seconds).
+fn stream_memory(stop: &std::sync::atomic::AtomicBool) -> (u64, f64) {
+    let buf: Vec<u64> = (0..32u64 << 20).collect();
+    let t = std::time::Instant::now();
+    let (mut bytes, mut acc) = (0u64, 0u64);
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        for c in buf.chunks(1 << 16) {
+            let mut l = [0u64; 8];
+            for w in c.chunks_exact(8) {
+                for k in 0..8 {
+                    l[k] = l[k].wrapping_add(w[k]);
+                }
+            }
+            acc = l.iter().fold(acc, |a, v| a.wrapping_add(*v));
+            bytes += 8 * c.len() as u64;
+            if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                break;
+            }
+        }
+    }
+    std::hint::black_box(acc);
+    (bytes, t.elapsed().as_secs_f64())
 }
 
 fn write_scratch(p: &Path, len: u64, block: usize) -> Result<()> {

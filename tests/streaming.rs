@@ -320,6 +320,49 @@ fn int8_activations_give_identical_logits_on_every_isa_and_budget() {
 }
 
 #[test]
+fn iobench_reads_a_scratch_file_beside_a_memory_load() {
+    let dir = scratch("iobench");
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = dir.to_str().unwrap();
+    let args = [
+        "iobench",
+        "--dir",
+        d,
+        "--file-gib",
+        "0.03",
+        "--block-mib",
+        "1",
+    ];
+    let (ok, out, err) = charm(
+        &[
+            &args[..],
+            &["--seconds", "0.3", "--memory-load", "1"],
+            &["--json"],
+        ]
+        .concat(),
+    );
+    assert!(ok, "{err}");
+    let v = json(&out);
+    for k in [
+        "bytes_per_s",
+        "reads",
+        "threads",
+        "direct",
+        "memory_load_bytes_per_s",
+    ] {
+        assert!(v.get(k).is_some(), "{k} missing: {v}");
+    }
+    assert!(v["reads"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(v["memory_load_threads"], 1, "{v}");
+    assert!(v["memory_load_bytes_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    // the scratch file is removed afterwards
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    let (ok, _, err) = charm(&[&args[..], &["--memory-load", "65"]].concat());
+    assert!(!ok && err.contains("--memory-load"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn plan_and_doctor_report_json_with_stable_ids_and_exit_codes() {
     let dir = scratch("stream-doctor");
     synth(&dir, &["--layers", "2"]);
