@@ -519,10 +519,21 @@ impl Inner {
                         return;
                     }
                     // A read-ahead starts only when what is cached, staged and being read
-                    // leaves room for it: read with no room, it would be dropped unused.
+                    // leaves room for it, counting cached experts it could displace (not pinned,
+                    // not in use): read with no room, it would be dropped unused.
                     let room = |st: &State, k: &Key| {
-                        st.bytes + st.inflight + self.layers[&k.0].meta.payload_bytes
-                            <= self.capacity + self.overflow
+                        let need = st.bytes + st.inflight + self.layers[&k.0].meta.payload_bytes;
+                        need <= self.capacity + self.overflow
+                            || need
+                                <= self.capacity
+                                    + self.overflow
+                                    + st.entries
+                                        .iter()
+                                        .filter(|(k, e)| {
+                                            e.in_use == 0 && !e.transient && !st.pinned.contains(k)
+                                        })
+                                        .map(|(_, e)| e.bytes)
+                                        .sum::<u64>()
                     };
                     let k = st.demand.pop_front().or_else(|| {
                         if st.lookahead.front().is_some_and(|k| room(&st, k)) {
