@@ -320,6 +320,45 @@ fn int8_activations_give_identical_logits_on_every_isa_and_budget() {
 }
 
 #[test]
+fn a_step_needing_experts_only_guessed_early_does_not_wait_forever() {
+    // Early guesses are read only while the disk idles; a step that needs one of them before
+    // its layer's own lookahead (any caller of the store may skip that) must still get it.
+    let dir = scratch("stream-early");
+    synth(&dir, &["--layers", "2"]);
+    let (probe, p) = Model::load_streaming(&dir, &stream(Some(1 << 40), 8)).unwrap();
+    drop(probe);
+    // no expert cache: every expert comes from disk
+    let (m, _) = Model::load_streaming(&dir, &stream(Some(p.resident_bytes + 1), 8)).unwrap();
+    let store = m.store.clone().expect("a container streams");
+    let layer = m.layers.iter().find(|l| l.index > 0).unwrap().index;
+    let hidden = m.spec.hidden_size;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use charm_worker::{ExpertBatch, ExpertExecutor};
+        // guesses for every expert: the first few fill the I/O allowance, the rest stay queued
+        let all: Vec<u32> = (0..32).collect();
+        store.prefetch_early(layer, &all);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let x = vec![0.01f32; hidden];
+        let r = store.run(ExpertBatch {
+            layer,
+            x: &x,
+            n_tokens: 1,
+            ids: &[31, 30, 29, 28],
+            weights: &[0.25; 4],
+            top_k: 4,
+        });
+        let _ = tx.send(r.map(|y| y.len()));
+    });
+    let got = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the step never finished");
+    assert_eq!(got.unwrap(), hidden);
+    drop(m);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn iobench_reads_a_scratch_file_beside_a_memory_load() {
     let dir = scratch("iobench");
     std::fs::create_dir_all(&dir).unwrap();

@@ -983,6 +983,9 @@ impl ExpertExecutor for StreamingExperts {
                         } else if let Some(p) = st.warm.iter().position(|q| *q == k) {
                             st.warm.remove(p);
                             st.demand.push_front(k);
+                        } else if let Some(p) = st.early.iter().position(|q| *q == k) {
+                            st.early.remove(p);
+                            st.demand.push_front(k);
                         }
                     }
                     missing.push(i);
