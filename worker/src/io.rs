@@ -30,23 +30,27 @@ impl AlignedBuf {
         Self::map(len, false)
     }
 
-    /// [`Self::new`] with every page faulted in now (`MAP_POPULATE`), so first use does not
-    /// stall on page faults.
+    /// [`Self::new`] with every page faulted in now, so first use does not stall on page
+    /// faults.
     pub fn populated(len: usize) -> Self {
         Self::map(len, true)
     }
 
     fn map(len: usize, populate: bool) -> Self {
+        const HUGE: usize = 2 << 20;
         let len = len.max(1).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
-        let flags =
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | if populate { libc::MAP_POPULATE } else { 0 };
+        // Large buffers start on a 2 MiB boundary (the mapping is over-allocated and trimmed) so
+        // all of it can be backed by huge pages: a record read into them is a few large device
+        // requests instead of one per 4 KiB page run.
+        let huge = len >= HUGE;
+        let map_len = if huge { len + HUGE } else { len };
         // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                len,
+                map_len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                flags,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
                 0,
             )
@@ -56,13 +60,38 @@ impl AlignedBuf {
                 std::alloc::Layout::from_size_align(len, DIRECT_ALIGN).expect("valid layout"),
             );
         }
-        if len >= 2 << 20 {
-            // SAFETY: advice on the mapping just made; failure is harmless.
-            unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
+        let base = p as usize;
+        let start = if huge {
+            base.next_multiple_of(HUGE)
+        } else {
+            base
+        };
+        if huge {
+            // SAFETY: the unmapped head and tail lie inside the mapping just made, outside
+            // `[start, start + len)`; both are page-aligned (or empty).
+            unsafe {
+                if start > base {
+                    libc::munmap(p, start - base);
+                }
+                let end = start + len;
+                if base + map_len > end {
+                    libc::munmap(end as *mut libc::c_void, base + map_len - end);
+                }
+                // advice on the mapping kept; failure is harmless
+                libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+            }
         }
-        let ptr = std::ptr::NonNull::new(p.cast::<u8>()).expect("mmap returned a mapping");
+        if populate {
+            // Fault every page in now (after the huge-page advice, so they can be huge pages).
+            for off in (0..len).step_by(DIRECT_ALIGN) {
+                // SAFETY: inside the mapping, which is writable and owned here.
+                unsafe { std::ptr::write_volatile((start + off) as *mut u8, 0) };
+            }
+        }
+        let ptr = std::ptr::NonNull::new(start as *mut u8).expect("mmap returned a mapping");
         Self { ptr, len }
     }
+
     pub fn len(&self) -> usize {
         self.len
     }
@@ -258,6 +287,29 @@ pub fn random_reads(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn buffers_are_aligned_zeroed_and_writable() {
+        for (len, populate) in [(1, false), (5000, true), (3 << 20, false), (4 << 20, true)] {
+            let mut b = if populate {
+                AlignedBuf::populated(len)
+            } else {
+                AlignedBuf::new(len)
+            };
+            assert_eq!(b.len(), len.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN);
+            let align = if b.len() >= 2 << 20 {
+                2 << 20
+            } else {
+                DIRECT_ALIGN
+            };
+            assert_eq!(b.as_slice().as_ptr() as usize % align, 0, "{len}");
+            assert!(b.as_slice().iter().all(|&v| v == 0));
+            let n = b.len();
+            b.as_mut_slice()[n - 1] = 7;
+            b.as_mut_slice()[0] = 9;
+            assert_eq!((b.as_slice()[0], b.as_slice()[n - 1]), (9, 7));
+        }
+    }
 
     #[test]
     fn reads_records_direct_or_buffered() {
