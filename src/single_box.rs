@@ -273,10 +273,13 @@ pub fn cmd_iobench(
     // Optional memory traffic beside the reads, as a forward pass makes: on some machines (VMs)
     // the disk reads markedly slower while the cores stream memory.
     let stop = std::sync::atomic::AtomicBool::new(false);
+    // the reads start once every load thread has its buffer and streams
+    let ready = std::sync::Barrier::new(memory_load + 1);
     let (r, streamed) = std::thread::scope(|sc| {
         let loads: Vec<_> = (0..memory_load)
-            .map(|_| sc.spawn(|| stream_memory(&stop)))
+            .map(|_| sc.spawn(|| stream_memory(&stop, &ready)))
             .collect();
+        ready.wait();
         let r = random_reads(&refs, block, threads, u64::MAX, seconds, 11);
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let streamed: (u64, f64) = loads
@@ -320,12 +323,14 @@ pub fn cmd_iobench(
     Ok(())
 }
 
-/// Sums a 256 MiB buffer over and over until `stop`; returns (bytes read, seconds).
-fn stream_memory(stop: &std::sync::atomic::AtomicBool) -> (u64, f64) {
+/// Fills a 256 MiB buffer, waits at `ready`, then sums the buffer over and over until `stop`
+/// (at least one chunk); returns (bytes read, seconds).
+fn stream_memory(stop: &std::sync::atomic::AtomicBool, ready: &std::sync::Barrier) -> (u64, f64) {
     let buf: Vec<u64> = (0..32u64 << 20).collect();
+    ready.wait();
     let t = std::time::Instant::now();
     let (mut bytes, mut acc) = (0u64, 0u64);
-    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+    loop {
         for c in buf.chunks(1 << 16) {
             let mut l = [0u64; 8];
             for w in c.chunks_exact(8) {
@@ -336,12 +341,11 @@ fn stream_memory(stop: &std::sync::atomic::AtomicBool) -> (u64, f64) {
             acc = l.iter().fold(acc, |a, v| a.wrapping_add(*v));
             bytes += 8 * c.len() as u64;
             if stop.load(std::sync::atomic::Ordering::Relaxed) {
-                break;
+                std::hint::black_box(acc);
+                return (bytes, t.elapsed().as_secs_f64());
             }
         }
     }
-    std::hint::black_box(acc);
-    (bytes, t.elapsed().as_secs_f64())
 }
 
 fn write_scratch(p: &Path, len: u64, block: usize) -> Result<()> {
