@@ -622,18 +622,7 @@ impl Container {
 mod tests {
     use super::*;
     use crate::kernels::Matrix;
-
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-            })
-            .collect()
-    }
+    use crate::quant::tests::data;
 
     /// An int4 expert record (gate and up `[32, 128]`, down `[128, 64]`, groups of 64) and its
     /// layer description.
@@ -653,8 +642,8 @@ mod tests {
                 mins: None,
             }
         };
-        let q = |r: usize, c: usize, seed: u32| {
-            QMatrix::quantize(&Matrix::new(r, c, values(r * c, seed)), QuantKind::Int4, 64).unwrap()
+        let q = |r: usize, c: usize, seed: u64| {
+            QMatrix::quantize(&Matrix::new(r, c, data(seed, r * c)), QuantKind::Int4, 64).unwrap()
         };
         let qs = [q(32, 128, 1), q(32, 128, 2), q(128, 64, 3)];
         let (gate, up, down) = (part(&qs[0]), part(&qs[1]), part(&qs[2]));

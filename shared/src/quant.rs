@@ -1946,10 +1946,11 @@ mod avx512 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn data(seed: u64, n: usize) -> Vec<f32> {
+    /// Deterministic test values in [-1, 1).
+    pub(crate) fn data(seed: u64, n: usize) -> Vec<f32> {
         let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         (0..n)
             .map(|_| {
