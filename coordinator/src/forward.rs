@@ -357,11 +357,14 @@ impl Model {
         if n > EARLY_GUESS_MAX_TOKENS {
             return;
         }
-        let next = self
+        let Some(next) = self
             .layers
             .iter()
-            .find(|l| l.index > layer.index && matches!(l.ffn, FfnWeights::Moe { .. }));
-        if let Some(ids) = next.and_then(|l| self.predict_experts(l, x, n)) {
+            .find(|l| l.index > layer.index && matches!(l.ffn, FfnWeights::Moe { .. }))
+        else {
+            return;
+        };
+        if let Some(ids) = self.predict_experts(next, x, n) {
             // by rank: every token's first choice, then every token's second, ... down to a
             // quarter of its choices (measured: the lower ranks, mostly wrong guesses with an
             // expert cache, only added wasted reads)
@@ -369,8 +372,7 @@ impl Model {
             let ranked: Vec<u32> = (0..(k / 4).max(1).min(k))
                 .flat_map(|r| ids.chunks_exact(k).map(move |t| t[r]))
                 .collect();
-            self.experts
-                .prefetch_early(next.map_or(0, |l| l.index), &ranked);
+            self.experts.prefetch_early(next.index, &ranked);
         }
     }
 

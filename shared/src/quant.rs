@@ -375,30 +375,7 @@ impl QMatrix {
     /// not apply (see [`QMatrix::lanes_apply`]). Multiplied with int8 activations on the VNNI
     /// path it gives bit-identical results, faster; any other path converts it back per call.
     pub fn to_lanes(&self) -> Option<QMatrix> {
-        if !self.lanes_apply() {
-            return None;
-        }
-        let mut data = self.data.to_vec();
-        let mut scales: Vec<u8> = self.scales.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let mut scratch = Vec::new();
-        lanes_in_place(self.kind, self.cols, self.group, &mut data, &mut scratch);
-        lanes_in_place(
-            QuantKind::Int8,
-            4 * self.groups(),
-            4,
-            &mut scales,
-            &mut scratch,
-        );
-        Some(QMatrix {
-            data: data.into(),
-            scales: scales
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect::<Vec<_>>()
-                .into(),
-            layout: Layout::Lanes16,
-            ..self.clone_shape()
-        })
+        self.lanes_apply().then(|| self.relaid(Layout::Lanes16))
     }
 
     /// This matrix in [`Layout::RowMajor`] (borrowed when it already is).
@@ -406,27 +383,28 @@ impl QMatrix {
         if self.layout == Layout::RowMajor {
             return std::borrow::Cow::Borrowed(self);
         }
-        let (ng, dpg) = (self.groups(), self.group * self.kind.bits() / 32);
-        let mut data = vec![0u8; self.data.len()];
-        let mut scales = vec![0.0f32; self.scales.len()];
-        for r in 0..self.rows {
-            for g in 0..ng {
-                scales[r * ng + g] = self.scales[lanes_index(r, g, 0, ng, 1)];
-                for d in 0..dpg {
-                    let (from, to) = (
-                        4 * lanes_index(r, g, d, ng, dpg),
-                        4 * ((r * ng + g) * dpg + d),
-                    );
-                    data[to..to + 4].copy_from_slice(&self.data[from..from + 4]);
-                }
-            }
-        }
-        std::borrow::Cow::Owned(QMatrix {
+        std::borrow::Cow::Owned(self.relaid(Layout::RowMajor))
+    }
+
+    /// A copy of this int8/int4 matrix moved between the two layouts (to `to`, from the other).
+    fn relaid(&self, to: Layout) -> QMatrix {
+        let to_lanes = to == Layout::Lanes16;
+        let mut data = self.data.to_vec();
+        let mut scales: Vec<u8> = self.scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut scratch = Vec::new();
+        let row_dwords = self.row_bytes() / 4;
+        transpose_blocks(&mut data, row_dwords, to_lanes, &mut scratch);
+        transpose_blocks(&mut scales, self.groups(), to_lanes, &mut scratch);
+        QMatrix {
             data: data.into(),
-            scales: scales.into(),
-            layout: Layout::RowMajor,
+            scales: scales
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect::<Vec<_>>()
+                .into(),
+            layout: to,
             ..self.clone_shape()
-        })
+        }
     }
 
     /// Shape and format, no weights.
@@ -848,9 +826,14 @@ pub fn lanes_in_place(
 ) {
     let rb = cols * kind.bits() / 8;
     debug_assert!(group.is_multiple_of(4) && rb.is_multiple_of(4));
-    let rd = rb / 4; // dwords per row
-    let simd = Isa::detect() == Isa::Avx512Vnni;
-    for blk in data.chunks_exact_mut(16 * rb) {
+    transpose_blocks(data, rb / 4, true, scratch);
+}
+
+/// For each block of 16 rows of `rd` dwords in `data`: the `[16, rd]` to `[rd, 16]` transpose of
+/// [`lanes_in_place`] (`to_lanes`), or back.
+fn transpose_blocks(data: &mut [u8], rd: usize, to_lanes: bool, scratch: &mut Vec<u8>) {
+    let simd = to_lanes && Isa::detect() == Isa::Avx512Vnni;
+    for blk in data.chunks_exact_mut(64 * rd) {
         scratch.clear();
         scratch.extend_from_slice(blk);
         // columns done 16 at a time by the SIMD transpose, the rest here
@@ -862,8 +845,13 @@ pub fn lanes_in_place(
         };
         for d in d0..rd {
             for r in 0..16 {
-                let from = 4 * (r * rd + d);
-                blk[4 * (d * 16 + r)..][..4].copy_from_slice(&scratch[from..from + 4]);
+                let (rows, lanes) = (4 * (r * rd + d), 4 * (d * 16 + r));
+                let (from, to) = if to_lanes {
+                    (rows, lanes)
+                } else {
+                    (lanes, rows)
+                };
+                blk[to..to + 4].copy_from_slice(&scratch[from..from + 4]);
             }
         }
     }
