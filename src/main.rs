@@ -264,6 +264,10 @@ enum Cmd {
         /// forward pass slows the disk on this machine.
         #[arg(long, default_value_t = 0)]
         memory_load: usize,
+        /// Read into 4 KiB pages instead of 2 MiB huge pages (what charm's buffers use): how much
+        /// huge pages are worth for reads on this machine.
+        #[arg(long)]
+        small_pages: bool,
         #[arg(long)]
         json: bool,
     },
@@ -909,17 +913,23 @@ fn run(cli: Cli) -> Result<()> {
             threads,
             no_direct,
             memory_load,
+            small_pages,
             json,
-        } => single_box::cmd_iobench(
-            model.as_deref(),
-            dir.as_deref(),
+        } => single_box::cmd_iobench(single_box::IoBenchArgs {
+            model: model.as_deref(),
+            dir: dir.as_deref(),
             block_mib,
             file_gib,
             seconds,
             threads,
-            !no_direct,
+            direct: !no_direct,
             memory_load,
+            pages: if small_pages {
+                charm_worker::io::Pages::Small
+            } else {
+                charm_worker::io::Pages::Huge
+            },
             json,
-        ),
+        }),
     }
 }

@@ -10,7 +10,7 @@ use charm_coordinator::synth::{synth, SynthOptions};
 use charm_coordinator::Model;
 use charm_shared::container::{Container, StoreFormat};
 use charm_worker::history::container_model_id;
-use charm_worker::io::{random_reads, AlignedBuf, RecordFile};
+use charm_worker::io::{random_reads, AlignedBuf, Pages, RecordFile};
 use charm_worker::StoreStats;
 use clap::Args;
 
@@ -226,19 +226,36 @@ pub fn parse_experts_format(s: &str) -> Result<StoreFormat> {
     }
 }
 
+/// What `charm iobench` reads and how.
+#[derive(Debug, Clone)]
+pub struct IoBenchArgs<'a> {
+    pub model: Option<&'a Path>,
+    pub dir: Option<&'a Path>,
+    pub block_mib: f64,
+    pub file_gib: f64,
+    pub seconds: f64,
+    pub threads: usize,
+    pub direct: bool,
+    pub memory_load: usize,
+    pub pages: Pages,
+    pub json: bool,
+}
+
 /// `charm iobench`: random aligned reads of `block_mib` from a model's expert files, or from a
 /// scratch file of `file_gib` made in `dir`.
-pub fn cmd_iobench(
-    model: Option<&Path>,
-    dir: Option<&Path>,
-    block_mib: f64,
-    file_gib: f64,
-    seconds: f64,
-    threads: usize,
-    direct: bool,
-    memory_load: usize,
-    json: bool,
-) -> Result<()> {
+pub fn cmd_iobench(a: IoBenchArgs<'_>) -> Result<()> {
+    let IoBenchArgs {
+        model,
+        dir,
+        block_mib,
+        file_gib,
+        seconds,
+        threads,
+        direct,
+        memory_load,
+        pages,
+        json,
+    } = a;
     if !(block_mib > 0.0 && block_mib <= 1024.0) {
         bail!("--block-mib must be in (0, 1024]");
     }
@@ -280,7 +297,7 @@ pub fn cmd_iobench(
             .map(|_| sc.spawn(|| stream_memory(&stop, &ready)))
             .collect();
         ready.wait();
-        let r = random_reads(&refs, block, threads, u64::MAX, seconds, 11);
+        let r = random_reads(&refs, block, threads, (u64::MAX, seconds), 11, pages);
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let streamed: (u64, f64) = loads
             .into_iter()
@@ -305,13 +322,17 @@ pub fn cmd_iobench(
         println!("{v}");
     } else {
         println!(
-            "{:.3} GB/s: {} random reads of {:.2} MiB in {:.2}s, {} threads, {}",
+            "{:.3} GB/s: {} random reads of {:.2} MiB in {:.2}s, {} threads, {}, into {}",
             r.bytes_per_s() / 1e9,
             r.reads,
             block as f64 / (1u64 << 20) as f64,
             r.seconds,
             r.threads,
-            if r.direct { "O_DIRECT" } else { "buffered" }
+            if r.direct { "O_DIRECT" } else { "buffered" },
+            match r.pages {
+                Pages::Huge => "huge pages where the kernel allows",
+                Pages::Small => "4 KiB pages",
+            }
         );
         if memory_load > 0 {
             println!(

@@ -394,8 +394,16 @@ fn iobench_reads_a_scratch_file_beside_a_memory_load() {
     assert!(v["reads"].as_u64().unwrap() > 0, "{v}");
     assert_eq!(v["memory_load_threads"], 1, "{v}");
     assert!(v["memory_load_bytes_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    assert_eq!(v["pages"], "huge", "{v}");
     // the scratch file is removed afterwards
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    // reads into 4 KiB pages, for comparison
+    let (ok, out, err) =
+        charm(&[&args[..], &["--seconds", "0.2", "--small-pages", "--json"]].concat());
+    assert!(ok, "{err}");
+    let v = json(&out);
+    assert_eq!(v["pages"], "small", "{v}");
+    assert!(v["reads"].as_u64().unwrap() > 0, "{v}");
     let (ok, _, err) = charm(&[&args[..], &["--memory-load", "65"]].concat());
     assert!(!ok && err.contains("--memory-load"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
@@ -452,9 +460,22 @@ fn plan_and_doctor_report_json_with_stable_ids_and_exit_codes() {
         "ram.budget",
         "fs.o_direct",
         "disk.read_speed",
+        "mem.huge_pages",
         "cpu.isa",
     ] {
         assert!(ids.contains(&id), "doctor lacks {id}: {out}");
+    }
+    // --deep measured reads into huge and into 4 KiB pages (where the mode is known)
+    let hp = r["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == "mem.huge_pages")
+        .unwrap();
+    if hp["status"] != "skip" {
+        for k in ["huge_pages_bytes_per_s", "small_pages_bytes_per_s"] {
+            assert!(hp["data"][k].as_f64().unwrap() > 0.0, "{hp}");
+        }
     }
     let status = |r: &Value, id: &str| -> String {
         r["checks"]

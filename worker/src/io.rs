@@ -27,22 +27,30 @@ unsafe impl Sync for AlignedBuf {}
 impl AlignedBuf {
     /// A zeroed buffer of at least `len` bytes (rounded up to the alignment, at least one block).
     pub fn new(len: usize) -> Self {
-        Self::map(len, false)
+        Self::map(len, false, Pages::Huge)
     }
 
     /// [`Self::new`] with every page faulted in now, so first use does not stall on page
     /// faults.
     pub fn populated(len: usize) -> Self {
-        Self::map(len, true)
+        Self::map(len, true, Pages::Huge)
     }
 
-    fn map(len: usize, populate: bool) -> Self {
+    /// [`Self::new`] with the page size chosen: [`Pages::Small`] asks the kernel for 4 KiB
+    /// pages only, to measure what huge pages are worth on a machine (`charm iobench
+    /// --small-pages`, `charm doctor --deep`).
+    pub fn with_pages(len: usize, pages: Pages) -> Self {
+        Self::map(len, false, pages)
+    }
+
+    fn map(len: usize, populate: bool, pages: Pages) -> Self {
         const HUGE: usize = 2 << 20;
         let len = len.max(1).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
         // Large buffers start on a 2 MiB boundary (the mapping is over-allocated and trimmed) so
         // all of it can be backed by huge pages: a record read into them is a few large device
-        // requests instead of one per 4 KiB page run.
-        let huge = len >= HUGE;
+        // requests instead of one per 4 KiB page run (on a VM measured 2.5x the read speed of
+        // 4 KiB pages, see docs/single-box.md).
+        let huge = len >= HUGE && pages == Pages::Huge;
         let map_len = if huge { len + HUGE } else { len };
         // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
         let p = unsafe {
@@ -80,6 +88,9 @@ impl AlignedBuf {
                 // advice on the mapping kept; failure is harmless
                 libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
             }
+        } else if pages == Pages::Small {
+            // SAFETY: advice on the mapping just made; failure is harmless.
+            unsafe { libc::madvise(p, len, libc::MADV_NOHUGEPAGE) };
         }
         if populate {
             // Fault every page in now (after the huge-page advice, so they can be huge pages).
@@ -106,6 +117,31 @@ impl AlignedBuf {
         // SAFETY: as above, and `&mut self` guarantees exclusive access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
+}
+
+/// Page size asked for a buffer's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pages {
+    /// 2 MiB transparent huge pages where the buffer is large enough and the kernel allows
+    /// (what the store uses).
+    Huge,
+    /// 4 KiB pages only.
+    Small,
+}
+
+/// The kernel's transparent huge page mode (`always`, `madvise` or `never`), `None` where it
+/// cannot be read (not Linux, no THP support).
+pub fn transparent_huge_pages() -> Option<String> {
+    let s = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
+    thp_mode(&s)
+}
+
+/// The bracketed mode of a `transparent_hugepage/enabled` file, e.g. `always [madvise] never`.
+fn thp_mode(s: &str) -> Option<String> {
+    let a = s.find('[')?;
+    let b = a + s[a..].find(']')?;
+    Some(s[a + 1..b].to_string()).filter(|m| !m.is_empty())
 }
 
 impl Drop for AlignedBuf {
@@ -206,6 +242,8 @@ pub struct ReadBench {
     pub block_bytes: usize,
     pub threads: usize,
     pub direct: bool,
+    /// Page size of the buffers read into.
+    pub pages: Pages,
 }
 
 impl ReadBench {
@@ -220,14 +258,15 @@ impl ReadBench {
 
 /// Reads random aligned `block`-byte blocks from `files` (each `(file, length)`) with `threads`
 /// threads until `max_bytes` are read or `max_seconds` pass; blocks start at multiples of
-/// `block` rounded up to the alignment, as expert records do.
+/// `block` rounded up to the alignment, as expert records do. Each thread reads into one buffer
+/// of page size `pages`.
 pub fn random_reads(
     files: &[(&RecordFile, u64)],
     block: usize,
     threads: usize,
-    max_bytes: u64,
-    max_seconds: f64,
+    (max_bytes, max_seconds): (u64, f64),
     seed: u64,
+    pages: Pages,
 ) -> std::io::Result<ReadBench> {
     use std::sync::atomic::{AtomicU64, Ordering};
     let stride = (block.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN) as u64;
@@ -251,7 +290,7 @@ pub fn random_reads(
             .map(|t| {
                 let (bytes, reads, slots) = (&bytes, &reads, &slots);
                 sc.spawn(move || -> std::io::Result<()> {
-                    let mut buf = AlignedBuf::new(block);
+                    let mut buf = AlignedBuf::with_pages(block, pages);
                     let mut s = seed ^ (t as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                     loop {
                         if bytes.load(Ordering::Relaxed) >= max_bytes
@@ -281,6 +320,7 @@ pub fn random_reads(
         block_bytes: block,
         threads,
         direct: files.iter().all(|(f, _)| f.direct),
+        pages,
     })
 }
 
@@ -290,14 +330,21 @@ mod tests {
 
     #[test]
     fn buffers_are_aligned_zeroed_and_writable() {
-        for (len, populate) in [(1, false), (5000, true), (3 << 20, false), (4 << 20, true)] {
-            let mut b = if populate {
-                AlignedBuf::populated(len)
-            } else {
-                AlignedBuf::new(len)
+        for (len, how) in [
+            (1, 0),
+            (5000, 1),
+            (3 << 20, 0),
+            (4 << 20, 1),
+            (3 << 20, 2),
+            (7, 2),
+        ] {
+            let mut b = match how {
+                0 => AlignedBuf::new(len),
+                1 => AlignedBuf::populated(len),
+                _ => AlignedBuf::with_pages(len, Pages::Small),
             };
             assert_eq!(b.len(), len.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN);
-            let align = if b.len() >= 2 << 20 {
+            let align = if b.len() >= 2 << 20 && how != 2 {
                 2 << 20
             } else {
                 DIRECT_ALIGN
@@ -308,6 +355,26 @@ mod tests {
             b.as_mut_slice()[n - 1] = 7;
             b.as_mut_slice()[0] = 9;
             assert_eq!((b.as_slice()[0], b.as_slice()[n - 1]), (9, 7));
+        }
+    }
+
+    #[test]
+    fn reads_the_transparent_huge_page_mode() {
+        assert_eq!(
+            thp_mode("always [madvise] never\n").as_deref(),
+            Some("madvise")
+        );
+        assert_eq!(
+            thp_mode("[always] madvise never").as_deref(),
+            Some("always")
+        );
+        assert_eq!(thp_mode("always madvise [never]").as_deref(), Some("never"));
+        assert_eq!(thp_mode("always madvise never"), None);
+        assert_eq!(thp_mode("[]"), None);
+        assert_eq!(thp_mode("x [y"), None);
+        // this machine's answer, when it has one, is one of the three
+        if let Some(m) = transparent_huge_pages() {
+            assert!(["always", "madvise", "never"].contains(&m.as_str()), "{m}");
         }
     }
 
@@ -331,9 +398,13 @@ mod tests {
                 .read_exact_at(&mut b, 2 * DIRECT_ALIGN as u64, 2 * DIRECT_ALIGN)
                 .is_err());
             let len = f.file_len().unwrap();
-            let r = random_reads(&[(&f, len)], DIRECT_ALIGN, 2, 64 * 1024, 10.0, 3).unwrap();
-            assert!(r.reads >= 16 && r.bytes == r.reads * DIRECT_ALIGN as u64);
-            assert!(random_reads(&[(&f, 100)], DIRECT_ALIGN, 1, 1, 1.0, 3).is_err());
+            for pages in [Pages::Huge, Pages::Small] {
+                let r = random_reads(&[(&f, len)], DIRECT_ALIGN, 2, (64 * 1024, 10.0), 3, pages)
+                    .unwrap();
+                assert!(r.reads >= 16 && r.bytes == r.reads * DIRECT_ALIGN as u64);
+                assert_eq!(r.pages, pages);
+            }
+            assert!(random_reads(&[(&f, 100)], DIRECT_ALIGN, 1, (1, 1.0), 3, Pages::Huge).is_err());
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
