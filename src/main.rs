@@ -313,7 +313,7 @@ fn cmd_logits(model: &Path, ids: &str, out: &Path, mla: Mla, store: &StoreArgs) 
         &[("logits", vec![ids.len(), m.spec.vocab_size], &logits)],
     )
     .with_context(|| format!("writing {}", out.display()))?;
-    single_box::finish(&m);
+    single_box::finish(&m, store)?;
     eprintln!(
         "wrote logits [{}, {}] to {}",
         ids.len(),
@@ -370,7 +370,7 @@ fn cmd_generate(
         &stops,
         opts(mla),
     )?;
-    single_box::finish(&m);
+    single_box::finish(&m, store)?;
     let run = m
         .experts
         .stats()
@@ -617,7 +617,7 @@ fn cmd_quality(model: &Path, reference: &Path, json: bool, store: &StoreArgs) ->
     let mut cache = KvCache::new(&m.spec);
     let normed = m.forward(&ids, &mut cache, ForwardOptions::default(), None)?;
     let got = m.logits(&normed, ids.len())?;
-    single_box::finish(&m);
+    single_box::finish(&m, store)?;
     let a = charm_coordinator::quality::compare(&got, &want, m.spec.vocab_size);
     if json {
         println!(
@@ -671,7 +671,7 @@ fn cmd_evaluate(
     };
     let (m, _) = single_box::load(model, store, window + 1)?;
     let e = charm_coordinator::evaluate::evaluate(&m, &ids, window, max_windows)?;
-    single_box::finish(&m);
+    single_box::finish(&m, store)?;
     if e.windows == 0 {
         bail!(
             "{} tokens do not fill one window of {}",

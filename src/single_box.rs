@@ -39,6 +39,11 @@ pub struct StoreArgs {
     /// Buffered reads instead of O_DIRECT.
     #[arg(long)]
     pub no_direct: bool,
+    /// Write the expert store's I/O timeline here at the end, one JSON object per line (each
+    /// disk read, each wait of the forward pass for experts, each layer's expert step);
+    /// `benches/io_phases.py FILE` summarizes it.
+    #[arg(long)]
+    pub io_trace: Option<PathBuf>,
 }
 
 fn cache_home() -> Option<PathBuf> {
@@ -100,6 +105,7 @@ pub fn load(dir: &Path, args: &StoreArgs, context: usize) -> Result<(Model, Opti
         let opts = StreamOptions {
             plan: args.plan_input(dir, context)?,
             direct: !args.no_direct,
+            trace: args.io_trace.is_some(),
         };
         let (m, p) = Model::load_streaming(dir, &opts).with_context(ctx)?;
         if let Some(s) = &m.store {
@@ -119,13 +125,24 @@ pub fn load(dir: &Path, args: &StoreArgs, context: usize) -> Result<(Model, Opti
     }
 }
 
-/// Saves the routing history of a streaming model, warning on failure.
-pub fn finish(m: &Model) {
+/// Saves the routing history of a streaming model, warning on failure, and writes the I/O
+/// timeline when `--io-trace` asked for one.
+pub fn finish(m: &Model, args: &StoreArgs) -> Result<()> {
     if let Some(s) = &m.store {
         if let Err(e) = s.save_history() {
             eprintln!("warning: routing history not saved: {e}");
         }
     }
+    if let Some(p) = &args.io_trace {
+        let events = m.store.as_ref().map(|s| s.io_trace()).unwrap_or_default();
+        let mut out = String::new();
+        for e in &events {
+            out += &serde_json::to_string(e)?;
+            out.push('\n');
+        }
+        std::fs::write(p, out).with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(())
 }
 
 /// Per-run statistics: expert store counters for the run and peak RSS.

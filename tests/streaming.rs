@@ -26,7 +26,7 @@ fn stream(ram: Option<u64>, ctx: usize) -> StreamOptions {
             history: None,
             ..Default::default()
         },
-        direct: true,
+        ..Default::default()
     }
 }
 
@@ -201,26 +201,30 @@ fn synthetic_model_streams_within_its_budget_with_identical_output() {
     let expert = p["expert_bytes"].as_u64().unwrap();
     let total = p["experts_total_bytes"].as_u64().unwrap();
     assert!(total > 400 << 20, "{p}");
-    let run = |ram: Option<f64>| -> Value {
+    let run = |ram: Option<f64>, extra: &[&str]| -> Value {
         let (ok, out, err) = charm_ram(
             &[
-                "generate",
-                "--model",
-                d,
-                "--ids",
-                prompt,
-                "--max-tokens",
-                "8",
-                "--json",
-                "--history",
-                "none",
-            ],
+                &[
+                    "generate",
+                    "--model",
+                    d,
+                    "--ids",
+                    prompt,
+                    "--max-tokens",
+                    "8",
+                    "--json",
+                    "--history",
+                    "none",
+                ],
+                extra,
+            ]
+            .concat(),
             ram,
         );
         assert!(ok, "{err}");
         json(&out)
     };
-    let all = run(None);
+    let all = run(None, &[]);
     assert!(
         all["stats"]["experts"]["hits"].as_u64().unwrap() > 0,
         "{all}"
@@ -228,7 +232,7 @@ fn synthetic_model_streams_within_its_budget_with_identical_output() {
     assert_eq!(all["stats"]["experts"]["misses"], 0, "{all}");
     // a budget holding two experts per layer: far less than the 450 MiB of experts
     let budget = resident + 2 * 3 * expert;
-    let small = run(Some(budget as f64 / GIB));
+    let small = run(Some(budget as f64 / GIB), &[]);
     assert_eq!(small["ids"], all["ids"]);
     let s = &small["stats"];
     let peak = s["peak_rss_bytes"].as_u64().unwrap();
@@ -241,7 +245,11 @@ fn synthetic_model_streams_within_its_budget_with_identical_output() {
         "{small}"
     );
     assert!(s["experts"]["misses"].as_u64().unwrap() > 0);
-    let none = run(Some(resident as f64 / GIB + 1e-9));
+    let trace = dir.join("io.jsonl");
+    let none = run(
+        Some(resident as f64 / GIB + 1e-9),
+        &["--io-trace", trace.to_str().unwrap()],
+    );
     assert_eq!(none["ids"], all["ids"]);
     assert_eq!(none["stats"]["experts"]["hits"], 0, "{none}");
     // with nothing cached the disk idles at the start of each step until the first MoE layer's
@@ -255,6 +263,32 @@ fn synthetic_model_streams_within_its_budget_with_identical_output() {
     let busy = e["disk_busy_seconds"].as_f64().unwrap();
     let wall = none["prefill_seconds"].as_f64().unwrap() + none["decode_seconds"].as_f64().unwrap();
     assert!(busy > 0.0 && busy <= wall + 0.5, "{none}");
+    // the I/O timeline: every read of the run, each layer's expert steps, the waits between
+    let events: Vec<Value> = std::fs::read_to_string(&trace)
+        .unwrap()
+        .lines()
+        .map(json)
+        .collect();
+    let kind = |k: &str| events.iter().filter(|e| e["kind"] == k).collect::<Vec<_>>();
+    let reads = kind("read");
+    assert_eq!(reads.len() as u64, e["reads"].as_u64().unwrap(), "{none}");
+    assert_eq!(
+        reads
+            .iter()
+            .map(|r| r["bytes"].as_u64().unwrap())
+            .sum::<u64>(),
+        e["bytes_read"].as_u64().unwrap()
+    );
+    for r in &reads {
+        assert!(r["expert"].as_u64().unwrap() < 48, "{r}");
+        assert!(
+            r["end_s"].as_f64().unwrap() >= r["start_s"].as_f64().unwrap(),
+            "{r}"
+        );
+    }
+    // one expert step per MoE layer per forward step (a prefill and 7 decode steps)
+    assert_eq!(kind("experts").len(), 3 * 8, "{events:?}");
+    assert!(!kind("wait").is_empty());
     assert!(none["stats"]["peak_rss_bytes"].as_u64().unwrap() <= resident + (1 << 20));
     // logits files are byte-identical across budgets
     let files: Vec<Vec<u8>> = [None, Some(budget as f64 / GIB)]

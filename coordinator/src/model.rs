@@ -281,6 +281,8 @@ pub struct StreamOptions {
     pub plan: PlanInput,
     /// Try `O_DIRECT` reads (buffered where the filesystem refuses).
     pub direct: bool,
+    /// Record the store's I/O timeline.
+    pub trace: bool,
 }
 
 impl Default for StreamOptions {
@@ -288,6 +290,7 @@ impl Default for StreamOptions {
         Self {
             plan: PlanInput::default(),
             direct: true,
+            trace: false,
         }
     }
 }
@@ -520,6 +523,7 @@ impl Model {
                     opts.plan.pin_fraction
                 },
                 history: opts.plan.history.clone(),
+                trace: opts.trace,
                 ..Default::default()
             },
         )

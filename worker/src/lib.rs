@@ -12,7 +12,7 @@ pub mod history;
 pub mod io;
 pub mod store;
 
-pub use store::{StoreOptions, StoreStats, StreamingExperts};
+pub use store::{IoEvent, StoreOptions, StoreStats, StreamingExperts};
 
 use charm_shared::kernels::SwiGlu;
 use rayon::prelude::*;

@@ -57,6 +57,8 @@ pub struct StoreOptions {
     pub repin_every: u64,
     /// Halve usage frequencies every this many steps.
     pub decay_every: u64,
+    /// Record an I/O timeline (see [`StreamingExperts::io_trace`]).
+    pub trace: bool,
 }
 
 impl Default for StoreOptions {
@@ -69,6 +71,7 @@ impl Default for StoreOptions {
             history: None,
             repin_every: 64,
             decay_every: 256,
+            trace: false,
         }
     }
 }
@@ -159,6 +162,52 @@ impl StoreStats {
 }
 
 type Key = (usize, u32);
+
+/// One interval of the I/O timeline, in seconds since the store opened: a disk read of one
+/// expert record (`read`, by a reader thread), the forward pass waiting for missing experts
+/// (`wait`), or one layer's expert step from call to return (`experts`). Outside `wait` the
+/// forward pass computes; `benches/io_phases.py` splits the disk's rate by that.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct IoEvent {
+    pub kind: &'static str,
+    pub layer: usize,
+    /// The expert read (`read` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert: Option<u32>,
+    pub start_s: f64,
+    pub end_s: f64,
+    pub bytes: u64,
+}
+
+/// The I/O timeline being recorded, when asked for.
+#[derive(Debug)]
+struct Timeline {
+    t0: Instant,
+    events: Mutex<Vec<IoEvent>>,
+}
+
+impl Timeline {
+    fn add(
+        t: &Option<Timeline>,
+        kind: &'static str,
+        key: Key,
+        expert: bool,
+        start: Instant,
+        bytes: u64,
+    ) {
+        if let Some(t) = t {
+            let ev = IoEvent {
+                kind,
+                layer: key.0,
+                expert: expert.then_some(key.1),
+                start_s: start.saturating_duration_since(t.t0).as_secs_f64(),
+                end_s: t.t0.elapsed().as_secs_f64(),
+                bytes,
+            };
+            t.events.lock().unwrap_or_else(|p| p.into_inner()).push(ev);
+        }
+    }
+}
 
 #[derive(Debug)]
 struct Entry {
@@ -267,6 +316,7 @@ struct Inner {
     state: Mutex<State>,
     cv: Condvar,
     pool: Arc<BufferPool>,
+    timeline: Option<Timeline>,
 }
 
 /// Routed experts streamed from a container through a bounded RAM cache.
@@ -372,6 +422,10 @@ impl StreamingExperts {
             }),
             cv: Condvar::new(),
             pool: Arc::default(),
+            timeline: opts.trace.then(|| Timeline {
+                t0: Instant::now(),
+                events: Mutex::new(Vec::new()),
+            }),
             opts,
         });
         // The cache's buffers are mapped and faulted in now: the budget is taken at start (as
@@ -435,6 +489,14 @@ impl StreamingExperts {
                 .collect::<Vec<_>>(),
             self.inner.opts.readers,
         )
+    }
+
+    /// The I/O timeline recorded since the store opened (empty unless
+    /// [`StoreOptions::trace`]).
+    pub fn io_trace(&self) -> Vec<IoEvent> {
+        self.inner.timeline.as_ref().map_or_else(Vec::new, |t| {
+            t.events.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        })
     }
 
     /// Writes the routing history (when one is kept).
@@ -574,6 +636,7 @@ impl Inner {
                 .file
                 .read_exact_at(&mut b, key.1 as u64 * src.meta.record_bytes, len);
             let read_s = t0.elapsed().as_secs_f64();
+            Timeline::add(&self.timeline, "read", key, true, t0, len as u64);
             let seen = &src.verified[key.1 as usize];
             let verify = !seen.load(std::sync::atomic::Ordering::Relaxed);
             // The CRC is checked on the bytes as stored, then the weights are rearranged in
@@ -929,6 +992,7 @@ impl ExpertExecutor for StreamingExperts {
 
     fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
         let inner = &*self.inner;
+        let called = Instant::now();
         let hidden = inner.hidden;
         batch.check(hidden)?;
         let layer = batch.layer;
@@ -1056,6 +1120,7 @@ impl ExpertExecutor for StreamingExperts {
                     let w0 = Instant::now();
                     st = inner.wait(st);
                     wait_s += w0.elapsed().as_secs_f64();
+                    Timeline::add(&inner.timeline, "wait", (layer, 0), false, w0, 0);
                 }
             }
             compute_s += self.compute(&batch, &runs, ready, &mut outs);
@@ -1065,6 +1130,7 @@ impl ExpertExecutor for StreamingExperts {
             st.stats.wait_seconds += wait_s;
             st.stats.compute_seconds += compute_s;
         }
+        Timeline::add(&inner.timeline, "experts", (layer, 0), false, called, 0);
         if let Some(e) = error {
             return Err(ExpertError::Load(e));
         }
