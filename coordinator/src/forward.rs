@@ -17,6 +17,17 @@ use crate::model::{
 };
 use crate::rope::RopeAt;
 
+/// Router choices `ids` (`k` per token, best first) reordered by rank: every token's first
+/// choice, then every token's second, ... down to rank `ranks`.
+fn by_rank(ids: &[u32], k: usize, ranks: usize) -> Vec<u32> {
+    if k == 0 {
+        return Vec::new();
+    }
+    (0..ranks.min(k))
+        .flat_map(|r| ids.chunks_exact(k).map(move |t| t[r]))
+        .collect()
+}
+
 /// Steps of more tokens than this make no early guesses (see `Model::guess_next_moe`): a prefill's
 /// own lookahead already covers most of what it reads, and guessing there was measured to slow it
 /// (8% with a 4 GiB expert cache, five alternating runs).
@@ -265,7 +276,8 @@ impl Model {
         // will be) predicts its experts before attention runs, so a streaming store reads them
         // while attention computes.
         if let Some(ids) = self.predict_experts(layer, x, n) {
-            self.experts.prefetch(layer.index, &ids);
+            let k = ids.len() / n.max(1);
+            self.experts.prefetch(layer.index, &by_rank(&ids, k, k));
         } else {
             // a dense layer: guess at the next MoE layer already (read while the disk idles)
             self.guess_next_moe(layer, x, n);
@@ -369,10 +381,8 @@ impl Model {
             // quarter of its choices (measured: the lower ranks, mostly wrong guesses with an
             // expert cache, only added wasted reads)
             let k = ids.len() / n.max(1);
-            let ranked: Vec<u32> = (0..(k / 4).max(1).min(k))
-                .flat_map(|r| ids.chunks_exact(k).map(move |t| t[r]))
-                .collect();
-            self.experts.prefetch_early(next.index, &ranked);
+            self.experts
+                .prefetch_early(next.index, &by_rank(&ids, k, (k / 4).max(1)));
         }
     }
 
@@ -718,4 +728,19 @@ fn gqa(
         }
     }
     w.o.matmul(&out, n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::by_rank;
+
+    #[test]
+    fn predictions_are_queued_by_rank_across_tokens() {
+        // two tokens, top-3 each, best first
+        let ids = [7, 2, 9, 4, 7, 1];
+        assert_eq!(by_rank(&ids, 3, 3), vec![7, 4, 2, 7, 9, 1]);
+        assert_eq!(by_rank(&ids, 3, 1), vec![7, 4]);
+        assert_eq!(by_rank(&ids, 3, 5), vec![7, 4, 2, 7, 9, 1]);
+        assert!(by_rank(&[], 0, 2).is_empty());
+    }
 }

@@ -88,8 +88,8 @@ pub trait ExpertExecutor: Send + Sync + std::fmt::Debug {
         false
     }
 
-    /// MoE layer `layer` will probably use experts `ids`: start reading them (stores holding
-    /// everything in RAM ignore it).
+    /// MoE layer `layer` will probably use experts `ids`, most likely first: start reading them
+    /// in that order (stores holding everything in RAM ignore it).
     fn prefetch(&self, layer: usize, ids: &[u32]) {
         let _ = (layer, ids);
     }

@@ -850,15 +850,15 @@ impl Inner {
         };
         // this prediction supersedes the layer's early guesses not yet being read
         Self::drop_early(st, |k| k.0 == nl);
-        let set: HashSet<u32> = ids
-            .iter()
-            .copied()
-            .filter(|&e| (e as usize) < src.meta.count)
-            .collect();
-        let mut sorted: Vec<u32> = set.iter().copied().collect();
-        sorted.sort_unstable();
-        for e in sorted {
-            if Self::enqueue(st, (nl, e), Queue::Lookahead) {
+        // Queued most likely first, each once: the reads that start before the layer's router
+        // has run are its surest predictions, and the less sure ones still queued then are
+        // dropped if the router did not choose them (see `run`), unread.
+        let mut set = HashSet::new();
+        for &e in ids {
+            if (e as usize) < src.meta.count
+                && set.insert(e)
+                && Self::enqueue(st, (nl, e), Queue::Lookahead)
+            {
                 st.stats.lookahead_reads += 1;
             }
         }
