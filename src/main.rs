@@ -240,37 +240,7 @@ enum Cmd {
         top_k: Option<usize>,
     },
     /// Disk read bandwidth for random aligned reads of expert-record size, O_DIRECT.
-    Iobench {
-        /// Read the expert files of this container.
-        #[arg(long, conflicts_with = "dir")]
-        model: Option<PathBuf>,
-        /// Or make a scratch file here (removed afterwards).
-        #[arg(long)]
-        dir: Option<PathBuf>,
-        /// Block size in MiB (a GLM-5.2 int4 expert is about 19 MB).
-        #[arg(long, default_value_t = 18.0)]
-        block_mib: f64,
-        /// Scratch file size in GiB.
-        #[arg(long, default_value_t = 4.0)]
-        file_gib: f64,
-        #[arg(long, default_value_t = 5.0)]
-        seconds: f64,
-        #[arg(long, default_value_t = 4)]
-        threads: usize,
-        /// Buffered reads instead of O_DIRECT.
-        #[arg(long)]
-        no_direct: bool,
-        /// Threads streaming memory while the reads run (0: none): how much a memory-bound
-        /// forward pass slows the disk on this machine.
-        #[arg(long, default_value_t = 0)]
-        memory_load: usize,
-        /// Read into 4 KiB pages instead of 2 MiB huge pages (what charm's buffers use): how much
-        /// huge pages are worth for reads on this machine.
-        #[arg(long)]
-        small_pages: bool,
-        #[arg(long)]
-        json: bool,
-    },
+    Iobench(single_box::IoBenchArgs),
 }
 
 fn parse_ids(s: &str) -> Result<Vec<u32>> {
@@ -904,32 +874,6 @@ fn run(cli: Cli) -> Result<()> {
                 },
             )
         }
-        Cmd::Iobench {
-            model,
-            dir,
-            block_mib,
-            file_gib,
-            seconds,
-            threads,
-            no_direct,
-            memory_load,
-            small_pages,
-            json,
-        } => single_box::cmd_iobench(single_box::IoBenchArgs {
-            model: model.as_deref(),
-            dir: dir.as_deref(),
-            block_mib,
-            file_gib,
-            seconds,
-            threads,
-            direct: !no_direct,
-            memory_load,
-            pages: if small_pages {
-                charm_worker::io::Pages::Small
-            } else {
-                charm_worker::io::Pages::Huge
-            },
-            json,
-        }),
+        Cmd::Iobench(args) => single_box::cmd_iobench(&args),
     }
 }

@@ -244,35 +244,49 @@ pub fn parse_experts_format(s: &str) -> Result<StoreFormat> {
 }
 
 /// What `charm iobench` reads and how.
-#[derive(Debug, Clone)]
-pub struct IoBenchArgs<'a> {
-    pub model: Option<&'a Path>,
-    pub dir: Option<&'a Path>,
+#[derive(Args, Debug, Clone)]
+pub struct IoBenchArgs {
+    /// Read the expert files of this container.
+    #[arg(long, conflicts_with = "dir")]
+    pub model: Option<PathBuf>,
+    /// Or make a scratch file here (removed afterwards).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Block size in MiB (a GLM-5.2 int4 expert is about 19 MB).
+    #[arg(long, default_value_t = 18.0)]
     pub block_mib: f64,
+    /// Scratch file size in GiB.
+    #[arg(long, default_value_t = 4.0)]
     pub file_gib: f64,
+    #[arg(long, default_value_t = 5.0)]
     pub seconds: f64,
+    #[arg(long, default_value_t = 4)]
     pub threads: usize,
-    pub direct: bool,
+    /// Buffered reads instead of O_DIRECT.
+    #[arg(long)]
+    pub no_direct: bool,
+    /// Threads streaming memory while the reads run (0: none): how much a memory-bound
+    /// forward pass slows the disk on this machine.
+    #[arg(long, default_value_t = 0)]
     pub memory_load: usize,
-    pub pages: Pages,
+    /// Read into 4 KiB pages instead of 2 MiB huge pages (what charm's buffers use): how much
+    /// huge pages are worth for reads on this machine.
+    #[arg(long)]
+    pub small_pages: bool,
+    #[arg(long)]
     pub json: bool,
 }
 
 /// `charm iobench`: random aligned reads of `block_mib` from a model's expert files, or from a
 /// scratch file of `file_gib` made in `dir`.
-pub fn cmd_iobench(a: IoBenchArgs<'_>) -> Result<()> {
-    let IoBenchArgs {
-        model,
-        dir,
-        block_mib,
-        file_gib,
-        seconds,
-        threads,
-        direct,
-        memory_load,
-        pages,
-        json,
-    } = a;
+pub fn cmd_iobench(a: &IoBenchArgs) -> Result<()> {
+    let (block_mib, memory_load) = (a.block_mib, a.memory_load);
+    let pages = if a.small_pages {
+        Pages::Small
+    } else {
+        Pages::Huge
+    };
+    let direct = !a.no_direct;
     if !(block_mib > 0.0 && block_mib <= 1024.0) {
         bail!("--block-mib must be in (0, 1024]");
     }
@@ -281,7 +295,7 @@ pub fn cmd_iobench(a: IoBenchArgs<'_>) -> Result<()> {
     }
     let block = ((block_mib * (1u64 << 20) as f64) as usize).div_ceil(4096) * 4096;
     let mut scratch = None;
-    let files: Vec<(RecordFile, u64)> = match (model, dir) {
+    let files: Vec<(RecordFile, u64)> = match (a.model.as_deref(), a.dir.as_deref()) {
         (Some(m), _) => {
             let c = Container::open(m)?;
             c.expert_layers()
@@ -296,7 +310,7 @@ pub fn cmd_iobench(a: IoBenchArgs<'_>) -> Result<()> {
         }
         (None, Some(d)) => {
             let p = d.join(format!("charm-iobench-{}.bin", std::process::id()));
-            let len = ((file_gib * GIB) as u64).div_ceil(block as u64) * block as u64;
+            let len = ((a.file_gib * GIB) as u64).div_ceil(block as u64) * block as u64;
             write_scratch(&p, len, block)?;
             scratch = Some(p.clone());
             vec![(RecordFile::open(&p, direct)?, len)]
@@ -314,7 +328,7 @@ pub fn cmd_iobench(a: IoBenchArgs<'_>) -> Result<()> {
             .map(|_| sc.spawn(|| stream_memory(&stop, &ready)))
             .collect();
         ready.wait();
-        let r = random_reads(&refs, block, threads, (u64::MAX, seconds), 11, pages);
+        let r = random_reads(&refs, block, a.threads, (u64::MAX, a.seconds), 11, pages);
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let streamed: (u64, f64) = loads
             .into_iter()
@@ -331,7 +345,7 @@ pub fn cmd_iobench(a: IoBenchArgs<'_>) -> Result<()> {
     } else {
         0.0
     };
-    if json {
+    if a.json {
         let mut v = serde_json::to_value(r)?;
         v["bytes_per_s"] = r.bytes_per_s().into();
         v["memory_load_threads"] = memory_load.into();

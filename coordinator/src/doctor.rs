@@ -43,9 +43,10 @@ pub struct Report {
 }
 
 /// `mem.huge_pages`: record buffers are 2 MiB transparent huge pages when the kernel allows; in
-/// 4 KiB pages `O_DIRECT` reads were measured 2.5x slower on a VM. `deep` measures both here.
+/// 4 KiB pages `O_DIRECT` reads were measured 2.1-2.3x slower on a VM (`charm iobench
+/// --small-pages`). `deep` measures both here, reading `refs` (the expert files and lengths).
 fn huge_pages_check(
-    files: &[(RecordFile, u64)],
+    refs: &[(&RecordFile, u64)],
     block: usize,
     readers: usize,
     deep: bool,
@@ -70,10 +71,9 @@ fn huge_pages_check(
             format!("transparent huge pages: {m}; record buffers ask for 2 MiB pages"),
         ),
     };
-    if deep && !files.is_empty() && block > 0 {
-        let refs: Vec<(&RecordFile, u64)> = files.iter().map(|(f, n)| (f, *n)).collect();
+    if deep && !refs.is_empty() && block > 0 {
         let r = [Pages::Huge, Pages::Small]
-            .map(|p| random_reads(&refs, block, readers, (256 << 20, 2.0), 13, p));
+            .map(|p| random_reads(refs, block, readers, (256 << 20, 2.0), 13, p));
         if let [Ok(h), Ok(s)] = &r {
             c.message += &format!(
                 "; reads into huge pages {:.2} GB/s, into 4 KiB pages {:.2} GB/s",
@@ -336,8 +336,8 @@ pub fn doctor(dir: &Path, input: &PlanInput, deep: bool, direct: bool) -> Report
         .map(|l| l.payload_bytes as usize)
         .max()
         .unwrap_or(0);
-    if !files.is_empty() && block > 0 {
-        let refs: Vec<(&RecordFile, u64)> = files.iter().map(|(f, n)| (f, *n)).collect();
+    let refs: Vec<(&RecordFile, u64)> = files.iter().map(|(f, n)| (f, *n)).collect();
+    if !refs.is_empty() && block > 0 {
         let secs = if deep { 5.0 } else { 1.0 };
         match random_reads(
             &refs,
@@ -371,7 +371,7 @@ pub fn doctor(dir: &Path, input: &PlanInput, deep: bool, direct: bool) -> Report
             Err(e) => checks.push(check("disk.read_speed", Status::Fail, e.to_string())),
         }
     }
-    checks.push(huge_pages_check(&files, block, input.readers, deep));
+    checks.push(huge_pages_check(&refs, block, input.readers, deep));
     checks.push(check(
         "cpu.isa",
         Status::Ok,

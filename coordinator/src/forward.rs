@@ -17,9 +17,10 @@ use crate::model::{
 };
 use crate::rope::RopeAt;
 
-/// Router choices `ids` (`k` per token, best first) reordered by rank: every token's first
-/// choice, then every token's second, ... down to rank `ranks`.
-fn by_rank(ids: &[u32], k: usize, ranks: usize) -> Vec<u32> {
+/// Router choices `ids` of `n` tokens (the same number per token, best first) reordered by rank:
+/// every token's first choice, then every token's second, ... down to rank `ranks`.
+fn by_rank(ids: &[u32], n: usize, ranks: usize) -> Vec<u32> {
+    let k = ids.len() / n.max(1);
     if k == 0 {
         return Vec::new();
     }
@@ -276,8 +277,8 @@ impl Model {
         // will be) predicts its experts before attention runs, so a streaming store reads them
         // while attention computes.
         if let Some(ids) = self.predict_experts(layer, x, n) {
-            let k = ids.len() / n.max(1);
-            self.experts.prefetch(layer.index, &by_rank(&ids, k, k));
+            self.experts
+                .prefetch(layer.index, &by_rank(&ids, n, usize::MAX));
         } else {
             // a dense layer: guess at the next MoE layer already (read while the disk idles)
             self.guess_next_moe(layer, x, n);
@@ -382,7 +383,7 @@ impl Model {
             // expert cache, only added wasted reads)
             let k = ids.len() / n.max(1);
             self.experts
-                .prefetch_early(next.index, &by_rank(&ids, k, (k / 4).max(1)));
+                .prefetch_early(next.index, &by_rank(&ids, n, (k / 4).max(1)));
         }
     }
 
@@ -738,9 +739,9 @@ mod tests {
     fn predictions_are_queued_by_rank_across_tokens() {
         // two tokens, top-3 each, best first
         let ids = [7, 2, 9, 4, 7, 1];
-        assert_eq!(by_rank(&ids, 3, 3), vec![7, 4, 2, 7, 9, 1]);
-        assert_eq!(by_rank(&ids, 3, 1), vec![7, 4]);
-        assert_eq!(by_rank(&ids, 3, 5), vec![7, 4, 2, 7, 9, 1]);
-        assert!(by_rank(&[], 0, 2).is_empty());
+        assert_eq!(by_rank(&ids, 2, 3), vec![7, 4, 2, 7, 9, 1]);
+        assert_eq!(by_rank(&ids, 2, 1), vec![7, 4]);
+        assert_eq!(by_rank(&ids, 2, usize::MAX), vec![7, 4, 2, 7, 9, 1]);
+        assert!(by_rank(&[], 1, 2).is_empty());
     }
 }

@@ -845,40 +845,43 @@ impl Inner {
     /// Queues read-aheads of experts `ids` of layer `nl` and remembers the prediction (for the
     /// recall figure).
     fn lookahead(&self, st: &mut State, nl: usize, ids: &[u32]) {
-        let Some(src) = self.layers.get(&nl) else {
-            return;
-        };
-        // this prediction supersedes the layer's early guesses not yet being read
-        Self::drop_early(st, |k| k.0 == nl);
-        // Queued most likely first, each once: the reads that start before the layer's router
-        // has run are its surest predictions, and the less sure ones still queued then are
-        // dropped if the router did not choose them (see `run`), unread.
-        let mut set = HashSet::new();
-        for &e in ids {
-            if (e as usize) < src.meta.count
-                && set.insert(e)
-                && Self::enqueue(st, (nl, e), Queue::Lookahead)
-            {
-                st.stats.lookahead_reads += 1;
-            }
+        // Most likely first: the reads that start before the layer's router has run are its
+        // surest predictions, and the less sure ones still queued then are dropped if the router
+        // did not choose them (see `run`), unread.
+        if let Some(set) = self.queue_in_order(st, nl, ids, Queue::Lookahead) {
+            st.predicted.entry(nl).or_default().extend(set);
         }
-        st.predicted.entry(nl).or_default().extend(set);
     }
 
     /// Replaces the early guesses for layer `nl` not yet being read by `ids` (most likely
     /// first).
     fn early(&self, st: &mut State, nl: usize, ids: &[u32]) {
-        let Some(src) = self.layers.get(&nl) else {
-            return;
-        };
+        self.queue_in_order(st, nl, ids, Queue::Early);
+    }
+
+    /// Queues reads of layer `nl`'s experts `ids` on `q` in the order given, each once, after
+    /// dropping the layer's early guesses not yet being read (a newer prediction supersedes
+    /// them); returns the valid ids, `None` for a layer the store does not hold.
+    fn queue_in_order(
+        &self,
+        st: &mut State,
+        nl: usize,
+        ids: &[u32],
+        q: Queue,
+    ) -> Option<HashSet<u32>> {
+        let src = self.layers.get(&nl)?;
         Self::drop_early(st, |k| k.0 == nl);
-        // in the order given (most likely first), each once
-        let mut seen = HashSet::new();
+        let mut set = HashSet::new();
         for &e in ids {
-            if (e as usize) < src.meta.count && seen.insert(e) {
-                Self::enqueue(st, (nl, e), Queue::Early);
+            if (e as usize) < src.meta.count
+                && set.insert(e)
+                && Self::enqueue(st, (nl, e), q)
+                && matches!(q, Queue::Lookahead)
+            {
+                st.stats.lookahead_reads += 1;
             }
         }
+        Some(set)
     }
 
     /// Removes queued early guesses matching `f`.
@@ -1040,16 +1043,15 @@ impl ExpertExecutor for StreamingExperts {
                     st.stats.misses += 1;
                     *st.wanted.entry(k).or_insert(0) += 1;
                     if !Inner::enqueue(&mut st, k, Queue::Demand) {
-                        // already coming (a read-ahead or warm-up): move it to the front
-                        if let Some(p) = st.lookahead.iter().position(|q| *q == k) {
-                            st.lookahead.remove(p);
-                            st.demand.push_front(k);
-                        } else if let Some(p) = st.warm.iter().position(|q| *q == k) {
-                            st.warm.remove(p);
-                            st.demand.push_front(k);
-                        } else if let Some(p) = st.early.iter().position(|q| *q == k) {
-                            st.early.remove(p);
-                            st.demand.push_front(k);
+                        // already coming (a read-ahead, warm-up or early guess still queued):
+                        // move it to the front
+                        let st = &mut *st;
+                        for q in [&mut st.lookahead, &mut st.warm, &mut st.early] {
+                            if let Some(p) = q.iter().position(|q| *q == k) {
+                                q.remove(p);
+                                st.demand.push_front(k);
+                                break;
+                            }
                         }
                     }
                     missing.push(i);
