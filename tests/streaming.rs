@@ -393,6 +393,70 @@ fn a_step_needing_experts_only_guessed_early_does_not_wait_forever() {
 }
 
 #[test]
+fn a_read_ahead_that_could_only_displace_hotter_experts_is_not_read() {
+    // A full cache of experts every step uses: a guess never used before could not displace
+    // them, so past the staging room it stays queued unread (read, it would be dropped: a
+    // wasted read) and is read when a step asks for it.
+    let dir = scratch("stream-room");
+    synth(&dir, &["--layers", "2"]);
+    let mut o = stream(Some(1 << 40), 8);
+    o.plan.readers = 1;
+    let (probe, p) = Model::load_streaming(&dir, &o).unwrap();
+    drop(probe);
+    o.plan.ram = Some(p.resident_bytes + 4 * p.expert_bytes + p.expert_bytes / 2);
+    let (m, p) = Model::load_streaming(&dir, &o).unwrap();
+    assert_eq!(p.cache_experts, 4, "{p:?}");
+    let store = m.store.clone().expect("a container streams");
+    let layer = m.layers.iter().find(|l| l.index > 0).unwrap().index;
+    let x = vec![0.01f32; m.spec.hidden_size];
+    let step = |ids: &[u32]| {
+        use charm_worker::{ExpertBatch, ExpertExecutor};
+        store
+            .run(ExpertBatch {
+                layer,
+                x: &x,
+                n_tokens: 1,
+                ids,
+                weights: &vec![1.0 / ids.len() as f32; ids.len()],
+                top_k: ids.len(),
+            })
+            .unwrap();
+        store.step_end();
+    };
+    for _ in 0..3 {
+        step(&[0, 1, 2, 3]);
+    }
+    use charm_worker::ExpertExecutor;
+    let before = store.stats().unwrap();
+    store.prefetch(layer, &[10, 11, 12, 13]);
+    // time for a reader to take every guess it would take
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let mid = store.stats().unwrap();
+    assert_eq!(
+        mid.reads - before.reads,
+        1,
+        "only the staging room is read ahead: {mid:?}"
+    );
+    assert_eq!(mid.wasted_reads, 0, "{mid:?}");
+    step(&[10, 11, 12, 13]);
+    step(&[0, 1, 2, 3]);
+    let after = store.stats().unwrap();
+    assert_eq!(
+        after.reads - before.reads,
+        4,
+        "each guess read once: {after:?}"
+    );
+    assert_eq!(after.wasted_reads, 0, "{after:?}");
+    assert_eq!(
+        after.hits - mid.hits,
+        4,
+        "the hot experts stayed: {after:?}"
+    );
+    drop(m);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn iobench_reads_a_scratch_file_beside_a_memory_load() {
     let dir = scratch("iobench");
     std::fs::create_dir_all(&dir).unwrap();

@@ -581,21 +581,27 @@ impl Inner {
                         return;
                     }
                     // A read-ahead starts only when what is cached, staged and being read
-                    // leaves room for it, counting cached experts it could displace (not pinned,
-                    // not in use): read with no room, it would be dropped unused.
+                    // leaves room for it, counting the cached experts admission would displace
+                    // for it (not pinned, not in use, used no more often than it): read with no
+                    // room, it would be dropped unused.
                     let room = |st: &State, k: &Key| {
+                        let limit = self.capacity + self.overflow;
                         let need = st.bytes + st.inflight + self.layers[&k.0].meta.payload_bytes;
-                        need <= self.capacity + self.overflow
-                            || need
-                                <= self.capacity
-                                    + self.overflow
-                                    + st.entries
-                                        .iter()
-                                        .filter(|(k, e)| {
-                                            e.in_use == 0 && !e.transient && !st.pinned.contains(k)
-                                        })
-                                        .map(|(_, e)| e.bytes)
-                                        .sum::<u64>()
+                        need <= limit || {
+                            let score = Self::score(st, k);
+                            let displaceable: u64 = st
+                                .entries
+                                .iter()
+                                .filter(|(c, e)| {
+                                    e.in_use == 0
+                                        && !e.transient
+                                        && !st.pinned.contains(c)
+                                        && Self::score(st, c) <= score
+                                })
+                                .map(|(_, e)| e.bytes)
+                                .sum();
+                            need <= limit + displaceable
+                        }
                     };
                     let k = st.demand.pop_front().or_else(|| {
                         if st.lookahead.front().is_some_and(|k| room(&st, k)) {
