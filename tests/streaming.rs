@@ -428,7 +428,7 @@ fn a_read_ahead_that_could_only_displace_hotter_experts_is_not_read() {
     }
     use charm_worker::ExpertExecutor;
     let before = store.stats().unwrap();
-    store.prefetch(layer, &[10, 11, 12, 13]);
+    store.prefetch(layer, &[10, 11, 12, 13], 4);
     // time for a reader to take every guess it would take
     std::thread::sleep(std::time::Duration::from_millis(300));
     let mid = store.stats().unwrap();
@@ -452,6 +452,48 @@ fn a_read_ahead_that_could_only_displace_hotter_experts_is_not_read() {
         4,
         "the hot experts stayed: {after:?}"
     );
+    drop(m);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn less_sure_lookahead_predictions_wait_for_an_idle_disk() {
+    // The first `sure` predictions are lookahead reads; the rest are read only while the disk
+    // idles (counted as early guesses), and all of them count for the recall figure.
+    let dir = scratch("stream-sure");
+    synth(&dir, &["--layers", "2"]);
+    let mut o = stream(Some(1 << 40), 8);
+    let (probe, p) = Model::load_streaming(&dir, &o).unwrap();
+    drop(probe);
+    o.plan.ram = Some(p.resident_bytes + 16 * p.expert_bytes + p.expert_bytes / 2);
+    let (m, _) = Model::load_streaming(&dir, &o).unwrap();
+    let store = m.store.clone().expect("a container streams");
+    let layer = m.layers.iter().find(|l| l.index > 0).unwrap().index;
+    use charm_worker::{ExpertBatch, ExpertExecutor};
+    store.prefetch(layer, &[7, 3, 0, 5, 1, 6], 3);
+    // nothing else to read: the disk idles, and the rest follows
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let s = store.stats().unwrap();
+    assert_eq!(
+        (s.lookahead_reads, s.early_reads, s.reads),
+        (3, 3, 6),
+        "{s:?}"
+    );
+    let x = vec![0.01f32; m.spec.hidden_size];
+    store
+        .run(ExpertBatch {
+            layer,
+            x: &x,
+            n_tokens: 1,
+            ids: &[7, 0, 5, 2],
+            weights: &[0.25; 4],
+            top_k: 4,
+        })
+        .unwrap();
+    let s = store.stats().unwrap();
+    assert_eq!(s.lookahead_predicted_used, 3, "{s:?}");
+    assert_eq!(s.early_used, 1, "{s:?}");
+    assert_eq!((s.hits, s.misses), (3, 1), "{s:?}");
     drop(m);
     std::fs::remove_dir_all(&dir).unwrap();
 }

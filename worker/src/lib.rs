@@ -89,9 +89,10 @@ pub trait ExpertExecutor: Send + Sync + std::fmt::Debug {
     }
 
     /// MoE layer `layer` will probably use experts `ids`, most likely first: start reading them
-    /// in that order (stores holding everything in RAM ignore it).
-    fn prefetch(&self, layer: usize, ids: &[u32]) {
-        let _ = (layer, ids);
+    /// in that order, the first `sure` as soon as there is room, the less sure rest only while
+    /// the disk would otherwise be idle (stores holding everything in RAM ignore it).
+    fn prefetch(&self, layer: usize, ids: &[u32], sure: usize) {
+        let _ = (layer, ids, sure);
     }
 
     /// An earlier, less reliable guess at MoE layer `layer`'s experts (made a layer or more

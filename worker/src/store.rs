@@ -848,13 +848,20 @@ impl Inner {
         }
     }
 
-    /// Queues read-aheads of experts `ids` of layer `nl` and remembers the prediction (for the
-    /// recall figure).
-    fn lookahead(&self, st: &mut State, nl: usize, ids: &[u32]) {
+    /// Queues read-aheads of experts `ids` of layer `nl`, the first `sure` as lookahead and the
+    /// rest as early guesses (read only while the disk idles), and remembers the whole prediction
+    /// (for the recall figure).
+    fn lookahead(&self, st: &mut State, nl: usize, ids: &[u32], sure: usize) {
         // Most likely first: the reads that start before the layer's router has run are its
-        // surest predictions, and the less sure ones still queued then are dropped if the router
-        // did not choose them (see `run`), unread.
-        if let Some(set) = self.queue_in_order(st, nl, ids, Queue::Lookahead) {
+        // surest predictions, and the ones still queued then are dropped if the router did not
+        // choose them (see `run`), unread. The less sure rest would be read, and mostly wasted,
+        // whenever an expert cache leaves the disk time: they wait for an idle disk instead.
+        let (first, rest) = ids.split_at(sure.min(ids.len()));
+        if let Some(mut set) = self.queue_in_order(st, nl, first, Queue::Lookahead) {
+            set.extend(
+                self.queue_in_order(st, nl, rest, Queue::Early)
+                    .unwrap_or_default(),
+            );
             st.predicted.entry(nl).or_default().extend(set);
         }
     }
@@ -1149,9 +1156,9 @@ impl ExpertExecutor for StreamingExperts {
         Ok(combine(&batch, hidden, &runs, &outs))
     }
 
-    fn prefetch(&self, layer: usize, ids: &[u32]) {
+    fn prefetch(&self, layer: usize, ids: &[u32], sure: usize) {
         let mut st = lock(&self.inner.state);
-        self.inner.lookahead(&mut st, layer, ids);
+        self.inner.lookahead(&mut st, layer, ids, sure);
         drop(st);
         self.inner.cv.notify_all();
     }
