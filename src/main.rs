@@ -122,21 +122,8 @@ enum Cmd {
         model: PathBuf,
         #[arg(long)]
         out: PathBuf,
-        /// Routed experts.
-        #[arg(long, default_value = "int4")]
-        experts: String,
-        /// Attention, shared experts, dense MLPs.
-        #[arg(long, default_value = "int8")]
-        dense: String,
-        /// Embedding and output head (per-row scales).
-        #[arg(long, default_value = "int8")]
-        embedding: String,
-        /// The MTP layer (at int4 its draft acceptance collapses).
-        #[arg(long, default_value = "int8")]
-        mtp: String,
-        /// Weights per scale in grouped formats.
-        #[arg(long, default_value_t = 64)]
-        group: usize,
+        #[command(flatten)]
+        formats: FormatArgs,
     },
     /// Top-1 agreement and KL divergence of a model's teacher-forced logits against a reference
     /// file holding `tf_input_ids` and `tf_logits` (the oracle fixtures' and the demo model's).
@@ -179,8 +166,10 @@ enum Cmd {
     },
     /// Runs the bundled example model end to end.
     Demo,
-    /// Single-box memory plan of a charm container, from metadata only: resident bytes, expert
-    /// cache, expected disk traffic per token, predicted bottleneck. Exit 1 when it does not fit.
+    /// Single-box memory plan from metadata only: resident bytes, expert cache, expected disk
+    /// traffic per token, predicted bottleneck. MODEL is a charm container, or a Hugging Face
+    /// checkpoint planned as `charm convert` would store it (only its headers are read). Exit 1
+    /// when it does not fit.
     Plan {
         #[arg(long)]
         model: PathBuf,
@@ -188,6 +177,9 @@ enum Cmd {
         json: bool,
         #[command(flatten)]
         store: StoreArgs,
+        /// Storage formats assumed for a checkpoint (a container has its own).
+        #[command(flatten, next_help_heading = "Formats assumed for a checkpoint")]
+        formats: FormatArgs,
     },
     /// Readiness checks (files, headers, checksums with --deep, RAM, O_DIRECT, read speed).
     /// Exit 0 when runnable (warnings allowed), 1 when not, 2 on bad usage.
@@ -512,26 +504,44 @@ fn store_format(flag: &str, v: &str, allowed: &[&str]) -> Result<StoreFormat> {
     }
 }
 
-fn cmd_convert(
-    model: &Path,
-    out: &Path,
-    experts: &str,
-    dense: &str,
-    embedding: &str,
-    mtp: &str,
+/// Storage formats of a conversion (`charm convert`, and `charm plan` of a checkpoint).
+#[derive(clap::Args, Debug, Clone)]
+struct FormatArgs {
+    /// Routed experts.
+    #[arg(long, default_value = "int4")]
+    experts: String,
+    /// Attention, shared experts, dense MLPs.
+    #[arg(long, default_value = "int8")]
+    dense: String,
+    /// Embedding and output head (per-row scales).
+    #[arg(long, default_value = "int8")]
+    embedding: String,
+    /// The MTP layer (at int4 its draft acceptance collapses).
+    #[arg(long, default_value = "int8")]
+    mtp: String,
+    /// Weights per scale in grouped formats.
+    #[arg(long, default_value_t = 64)]
     group: usize,
-) -> Result<()> {
-    let q = ["int8", "int4", "int2", "bf16"];
-    let policy = Policy {
-        experts: store_format("experts", experts, &q)?,
-        dense: store_format("dense", dense, &q)?,
-        embedding: store_format("embedding", embedding, &q)?,
-        mtp: store_format("mtp", mtp, &q)?,
-        group,
-    };
-    if group == 0 || !group.is_multiple_of(8) {
-        bail!("--group {group}: must be a positive multiple of 8");
+}
+
+impl FormatArgs {
+    fn policy(&self) -> Result<Policy> {
+        let q = ["int8", "int4", "int2", "bf16"];
+        let group = self.group;
+        if group == 0 || !group.is_multiple_of(8) {
+            bail!("--group {group}: must be a positive multiple of 8");
+        }
+        Ok(Policy {
+            experts: store_format("experts", &self.experts, &q)?,
+            dense: store_format("dense", &self.dense, &q)?,
+            embedding: store_format("embedding", &self.embedding, &q)?,
+            mtp: store_format("mtp", &self.mtp, &q)?,
+            group,
+        })
     }
+}
+
+fn cmd_convert(model: &Path, out: &Path, policy: &Policy) -> Result<()> {
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
         indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta} {msg}")
@@ -541,17 +551,11 @@ fn cmd_convert(
         .ok()
         .and_then(|v| v.parse().ok());
     let t = std::time::Instant::now();
-    let r = convert(
-        model,
-        out,
-        &policy,
-        abort_after,
-        &mut |done, total, what| {
-            bar.set_length(total);
-            bar.set_position(done);
-            bar.set_message(what.to_string());
-        },
-    )?;
+    let r = convert(model, out, policy, abort_after, &mut |done, total, what| {
+        bar.set_length(total);
+        bar.set_position(done);
+        bar.set_message(what.to_string());
+    })?;
     bar.finish_and_clear();
     eprintln!(
         "converted {} -> {}: {} in {:.1}s ({} units written, {} reused from an earlier run)",
@@ -785,12 +789,8 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Convert {
             model,
             out,
-            experts,
-            dense,
-            embedding,
-            mtp,
-            group,
-        } => cmd_convert(&model, &out, &experts, &dense, &embedding, &mtp, group),
+            formats,
+        } => cmd_convert(&model, &out, &formats.policy()?),
         Cmd::Quality {
             model,
             reference,
@@ -823,8 +823,13 @@ fn run(cli: Cli) -> Result<()> {
             )
         }
         Cmd::Demo => cmd_demo(),
-        Cmd::Plan { model, json, store } => {
-            if !single_box::cmd_plan(&model, &store, json)? {
+        Cmd::Plan {
+            model,
+            json,
+            store,
+            formats,
+        } => {
+            if !single_box::cmd_plan(&model, &store, &formats.policy()?, json)? {
                 std::process::exit(1);
             }
             Ok(())

@@ -8,7 +8,7 @@ use charm_coordinator::model::StreamOptions;
 use charm_coordinator::plan::{human, rss, Plan, PlanInput};
 use charm_coordinator::synth::{synth, SynthOptions};
 use charm_coordinator::Model;
-use charm_shared::container::{Container, StoreFormat};
+use charm_shared::container::{Container, Policy, StoreFormat};
 use charm_worker::history::container_model_id;
 use charm_worker::io::{random_reads, AlignedBuf, Pages, RecordFile};
 use charm_worker::StoreStats;
@@ -189,8 +189,11 @@ pub fn render_stats(stats: Option<&StoreStats>) -> String {
     s
 }
 
-pub fn cmd_plan(dir: &Path, args: &StoreArgs, json: bool) -> Result<bool> {
-    let input = args.plan_input(dir, 4096)?;
+pub fn cmd_plan(dir: &Path, args: &StoreArgs, formats: &Policy, json: bool) -> Result<bool> {
+    let input = PlanInput {
+        policy: formats.clone(),
+        ..args.plan_input(dir, 4096)?
+    };
     let p = charm_coordinator::plan::plan(dir, &input)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&p)?);

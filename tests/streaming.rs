@@ -550,6 +550,76 @@ fn iobench_reads_a_scratch_file_beside_a_memory_load() {
 }
 
 #[test]
+fn a_checkpoint_plans_as_its_conversion_will() {
+    // `charm plan` of a Hugging Face checkpoint (headers only) predicts what the container
+    // `charm convert` makes from it with the same formats will plan: every figure equal.
+    let plan_of = |dir: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--model",
+            dir.to_str().unwrap(),
+            "--ram",
+            "0.1035",
+            "--ctx",
+            "64",
+            "--history",
+            "none",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = charm(&args);
+        assert!(ok, "{out}{err}");
+        json(&out)
+    };
+    for (name, formats) in [
+        ("glm5-tiny", &[][..]),
+        (
+            "qwen3moe-tiny",
+            &["--experts", "int2", "--dense", "bf16"][..],
+        ),
+        (
+            "deepseek3-tiny",
+            &["--experts", "int8", "--group", "32"][..],
+        ),
+    ] {
+        let src = fixture(name);
+        let out = scratch(&format!("plan-ck-{name}"));
+        assert!(convert(&src, &out, formats, None).0, "{name}");
+        let mut a = plan_of(&src, formats);
+        let mut b = plan_of(&out, &[]);
+        assert_eq!(a["source"], "checkpoint");
+        assert_eq!(b["source"], "container");
+        for v in [&mut a, &mut b] {
+            let o = v.as_object_mut().unwrap();
+            o.remove("model");
+            o.remove("source");
+            o.remove("mem_available_bytes");
+        }
+        assert_eq!(a, b, "{name} {formats:?}");
+        assert!(a["container_bytes"].as_u64().unwrap() > 0);
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+    // only a config: a clear error, not a panic
+    let cfg = scratch("plan-cfg-only");
+    std::fs::create_dir_all(&cfg).unwrap();
+    std::fs::copy(
+        fixture("glm5-tiny").join("config.json"),
+        cfg.join("config.json"),
+    )
+    .unwrap();
+    let (ok, _, err) = charm(&[
+        "plan",
+        "--model",
+        cfg.to_str().unwrap(),
+        "--history",
+        "none",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("safetensors"), "{err}");
+    std::fs::remove_dir_all(&cfg).unwrap();
+}
+
+#[test]
 fn plan_and_doctor_report_json_with_stable_ids_and_exit_codes() {
     let dir = scratch("stream-doctor");
     synth(&dir, &["--layers", "2"]);

@@ -126,14 +126,43 @@ pub(crate) fn choose(want: StoreFormat, cols: usize, group: usize) -> (StoreForm
     }
 }
 
-/// The full layout, decided before any byte is written.
-struct Plan {
-    dense: Vec<(String, Part)>,
-    dense_bytes: u64,
-    experts: Vec<ExpertLayer>,
+/// A container's full layout, decided from the checkpoint's headers before any byte is written
+/// (what `charm plan` reports for a checkpoint directory).
+#[derive(Debug, Clone)]
+pub struct Layout {
+    /// Dense tensors and where each lies in the dense file.
+    pub dense: Vec<(String, Part)>,
+    /// Length of the dense file.
+    pub dense_bytes: u64,
+    /// Routed-expert layers (their checksums are known only once written).
+    pub experts: Vec<ExpertLayer>,
 }
 
-fn plan(spec: &ModelSpec, ck: &Checkpoint, policy: &Policy) -> Result<Plan, ConvertError> {
+/// Refuses storage formats and group sizes `convert` cannot write.
+pub fn check_policy(policy: &Policy) -> Result<(), ConvertError> {
+    if policy.experts == StoreFormat::F32
+        || policy.dense == StoreFormat::F32
+        || policy.embedding == StoreFormat::F32
+        || policy.mtp == StoreFormat::F32
+    {
+        return Err(ConvertError::Plan(
+            "f32 storage is only used for norms and routers; pick bf16 or a quantized format"
+                .into(),
+        ));
+    }
+    if policy.group == 0 || !policy.group.is_multiple_of(8) {
+        return Err(ConvertError::Plan(format!(
+            "group {}: must be a positive multiple of 8",
+            policy.group
+        )));
+    }
+    Ok(())
+}
+
+/// The layout `convert` would give `ck` (a checkpoint of `spec`) under `policy`; reads only the
+/// checkpoint's headers.
+pub fn layout(spec: &ModelSpec, ck: &Checkpoint, policy: &Policy) -> Result<Layout, ConvertError> {
+    check_policy(policy)?;
     let n = spec.layers.len();
     let mut c = Cursor(0);
     let mut dense = Vec::new();
@@ -213,7 +242,7 @@ fn plan(spec: &ModelSpec, ck: &Checkpoint, policy: &Policy) -> Result<Plan, Conv
             payload_bytes: payload,
         });
     }
-    Ok(Plan {
+    Ok(Layout {
         dense,
         dense_bytes: c.0,
         experts,
@@ -324,15 +353,7 @@ pub fn convert(
     abort_after: Option<u64>,
     progress: &mut dyn FnMut(u64, u64, &str),
 ) -> Result<ConvertReport, ConvertError> {
-    if policy.experts == StoreFormat::F32
-        || policy.dense == StoreFormat::F32
-        || policy.embedding == StoreFormat::F32
-    {
-        return Err(ConvertError::Plan(
-            "f32 storage is only used for norms and routers; pick bf16 or a quantized format"
-                .into(),
-        ));
-    }
+    check_policy(policy)?;
     let spec = ModelSpec::from_dir(src)?;
     let ck = Checkpoint::open(src)?;
     std::fs::create_dir_all(out).map_err(io(out))?;
@@ -356,7 +377,7 @@ pub fn convert(
         }
         _ => std::fs::write(&ip, &intent).map_err(io(&ip))?,
     }
-    let mut p = plan(&spec, &ck, policy)?;
+    let mut p = layout(&spec, &ck, policy)?;
     let (h, inter) = (spec.hidden_size, spec.moe_intermediate_size);
     let total = p.dense_bytes
         + p.experts

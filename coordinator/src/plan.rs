@@ -4,8 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
+use charm_shared::checkpoint::Checkpoint;
 use charm_shared::config::ModelSpec;
-use charm_shared::container::{Container, StoreFormat};
+use charm_shared::container::{Container, ExpertLayer, Part, Policy, StoreFormat};
 use charm_shared::LoadError;
 use charm_worker::history::History;
 use charm_worker::store::{expert_ram_bytes, io_bytes};
@@ -67,6 +68,9 @@ pub struct PlanInput {
     /// predicted bottleneck; `charm doctor` and `charm iobench` measure the disk).
     pub disk_bytes_s: f64,
     pub mem_bytes_s: f64,
+    /// Storage formats assumed for a checkpoint directory (what `charm convert` would write); a
+    /// container's own formats are used for a container.
+    pub policy: Policy,
 }
 
 impl Default for PlanInput {
@@ -80,6 +84,7 @@ impl Default for PlanInput {
             history: None,
             disk_bytes_s: 2.0e9,
             mem_bytes_s: 20.0e9,
+            policy: Policy::default(),
         }
     }
 }
@@ -88,6 +93,13 @@ impl Default for PlanInput {
 #[derive(Debug, Clone, Serialize)]
 pub struct Plan {
     pub model: PathBuf,
+    /// `"container"`, or `"checkpoint"`: a Hugging Face checkpoint planned as `charm convert`
+    /// would store it with `formats`.
+    pub source: &'static str,
+    /// Storage formats of the routed experts, dense weights, embeddings, MTP layer.
+    pub formats: Policy,
+    /// Disk space of the container (for a checkpoint: once converted).
+    pub container_bytes: u64,
     pub budget_bytes: u64,
     /// `"--ram"` or `"MemAvailable"`.
     pub budget_source: &'static str,
@@ -139,8 +151,7 @@ pub struct Plan {
 /// RAM one dense tensor takes once loaded: quantized formats as stored, except the tensors the
 /// forward pass keeps as f32 (1-D vectors, MLA `kv_b_proj`, routers, indexer `weights_proj`) and
 /// bf16 rows whose width is not a multiple of 8.
-fn dense_ram(name: &str, t: &charm_shared::container::DenseTensor) -> u64 {
-    let p = &t.part;
+fn dense_ram(name: &str, p: &Part) -> u64 {
     let n: u64 = p.shape.iter().map(|&d| d as u64).product();
     let f32_kept = p.shape.len() == 1
         || name.ends_with("kv_b_proj.weight")
@@ -154,8 +165,39 @@ fn dense_ram(name: &str, t: &charm_shared::container::DenseTensor) -> u64 {
     }
 }
 
-/// Plans `dir` (a charm container) with `input`. Reads only metadata.
+/// Plans `dir` with `input`: a charm container, or a Hugging Face checkpoint as `charm convert`
+/// would store it with `input.policy`. Reads only metadata (for a checkpoint, the safetensors
+/// headers).
 pub fn plan(dir: &Path, input: &PlanInput) -> Result<Plan, LoadError> {
+    if !Container::is_container(dir) && dir.join("config.json").is_file() {
+        let spec = ModelSpec::from_dir(dir)?;
+        let ck = Checkpoint::open(dir).map_err(|e| {
+            LoadError::config(
+                dir,
+                format!(
+                    "neither a charm container nor a checkpoint with its safetensors files ({e})"
+                ),
+            )
+        })?;
+        let l = crate::convert::layout(&spec, &ck, &input.policy)
+            .map_err(|e| LoadError::config(dir, e.to_string()))?;
+        let container_bytes = l.dense_bytes
+            + l.experts
+                .iter()
+                .map(|e| e.count as u64 * e.record_bytes)
+                .sum::<u64>();
+        let model = Model {
+            dir,
+            spec: &spec,
+            source: "checkpoint",
+            formats: input.policy.clone(),
+            container_bytes,
+            dense: l.dense.iter().map(|(n, p)| (n.as_str(), p)).collect(),
+            experts: l.experts.iter().collect(),
+            history: None,
+        };
+        return Ok(model.plan(input));
+    }
     let (spec, c) = open_container(dir)?;
     plan_container(dir, &spec, &c, input)
 }
@@ -192,149 +234,202 @@ pub fn plan_container(
     input: &PlanInput,
 ) -> Result<Plan, LoadError> {
     let m = &c.manifest;
-    let dense_bytes: u64 = m.tensors.iter().map(|(n, t)| dense_ram(n, t)).sum();
-    // Generation reserves the KV cache for its full context up front (no growth doubling).
-    let kv_bytes =
-        4 * (KvCache::floats_per_token(spec) as u64 + mtp_kv(spec)) * input.context as u64;
-    let layers: Vec<_> = c.expert_layers().collect();
-    let io = io_bytes(&layers, input.readers);
-    let (h, i) = (spec.hidden_size as u64, spec.moe_intermediate_size as u64);
-    let top_k = spec.router.as_ref().map_or(0, |r| r.top_k);
-    let vocab = spec.vocab_size as u64;
-    let b = input.batch_tokens.max(1) as u64;
-    let heads_width = match &spec.attention {
-        charm_shared::config::AttentionSpec::Mla(m) => {
-            (m.n_heads * (m.qk_head_dim() + m.kv_lora_rank + m.v_head_dim)) as u64
-        }
-        charm_shared::config::AttentionSpec::Gqa(g) => (3 * g.n_heads * g.head_dim) as u64,
-    };
-    // Activations of a step: residual and norms, attention and MLP intermediates, routed-expert
-    // slot outputs, one row of logits; plus the allocator and thread stacks.
-    let working_bytes = 4 * b * (16 * h + 4 * i + 2 * top_k as u64 * h + 4 * heads_width)
-        + 4 * vocab * 2
-        + (96 << 20);
-    let expert_bytes = layers
-        .iter()
-        .map(|l| expert_ram_bytes(l))
-        .max()
-        .unwrap_or(0);
-    let experts_total: u64 = layers.iter().map(|l| l.count as u64).sum();
-    let experts_total_bytes = layers
-        .iter()
-        .map(|l| l.count as u64 * expert_ram_bytes(l))
-        .sum::<u64>();
-    // the embedding table is read one row per token; it is resident but not streamed per token
-    let embed = m
-        .tensors
-        .get("model.embed_tokens.weight")
-        .map_or(0, |t| dense_ram("model.embed_tokens.weight", t));
-    // a tied head reads the embedding table whole every token
-    let tied = spec.tie_word_embeddings && !m.tensors.contains_key("lm_head.weight");
-    let resident_bytes = dense_bytes + kv_bytes + io + working_bytes;
-    let mem = meminfo();
-    let (budget, source) = match input.ram {
-        Some(r) => (r, "--ram"),
-        None => (
-            // leave the system a margin: 5% of what is available, at least 512 MiB
-            mem.map_or(0, |m| {
-                m.available
-                    .saturating_sub((m.available / 20).max(512 << 20))
-            }),
-            "MemAvailable",
-        ),
-    };
-    // With no cache at all every expert streams through the I/O working set: slow, still exact.
-    let min_budget_bytes = resident_bytes;
-    let fits = budget >= min_budget_bytes;
-    let cache_bytes = if fits {
-        (budget - resident_bytes).min(experts_total_bytes)
-    } else {
-        0
-    };
-    let cache_experts = cache_bytes.checked_div(expert_bytes).unwrap_or(0);
-    let all_resident = fits && cache_experts >= experts_total;
-    let pinned = if all_resident {
-        0
-    } else {
-        (cache_experts as f64 * input.pin_fraction.clamp(0.0, 1.0)) as u64
-    };
-    let moe_layers = spec
-        .layers
-        .iter()
-        .filter(|l| l.mlp == charm_shared::config::MlpKind::Moe)
-        .count();
-    let active = top_k as u64 * moe_layers as u64 * expert_bytes;
-    // Expected hit rate: the cached experts are the most-used ones (pinning plus frequency-aware
-    // replacement), so with a history the hit rate is the usage share of the top `cache_experts`.
-    let hist = match &input.history {
+    let history = match &input.history {
         Some(p) => History::load_for(p, c).map_err(|e| LoadError::config(p, e.to_string()))?,
         None => None,
     };
-    let (hit, hit_source) = if all_resident {
-        (1.0, "all experts resident")
-    } else if let Some(h) = hist.filter(|h| h.ranked().iter().map(|x| x.2).sum::<u64>() > 0) {
-        let ranked = h.ranked();
-        let total: u64 = ranked.iter().map(|x| x.2).sum();
-        let top: u64 = ranked
+    let model = Model {
+        dir,
+        spec,
+        source: "container",
+        formats: m.policy.clone(),
+        container_bytes: c.dense_bytes()
+            + c.expert_layers()
+                .map(|l| l.count as u64 * l.record_bytes)
+                .sum::<u64>(),
+        dense: m
+            .tensors
             .iter()
-            .take(cache_experts as usize)
-            .map(|x| x.2)
-            .sum();
-        (top as f64 / total as f64, "routing history")
-    } else {
-        (
-            (cache_experts as f64 / experts_total.max(1) as f64).min(1.0),
-            "uniform routing assumed",
-        )
+            .map(|(n, t)| (n.as_str(), &t.part))
+            .collect(),
+        experts: c.expert_layers().collect(),
+        history,
     };
-    let cold = (active as f64 * (1.0 - hit)) as u64;
-    let dense_read = dense_bytes.saturating_sub(embed) + if tied { embed } else { 0 };
-    let resident_read = dense_read + (active as f64 * hit) as u64;
-    let disk_s = cold as f64 / input.disk_bytes_s;
-    let mem_s = resident_read as f64 / input.mem_bytes_s;
-    Ok(Plan {
-        model: dir.to_path_buf(),
-        budget_bytes: budget,
-        budget_source: source,
-        mem_available_bytes: mem.map(|m| m.available),
-        dense_bytes,
-        kv_bytes,
-        context_tokens: input.context,
-        io_bytes: io,
-        working_bytes,
-        resident_bytes,
-        moe_layers,
-        expert_layers: layers.len(),
-        experts_per_layer: spec.router.as_ref().map_or(0, |r| r.n_experts),
-        top_k,
-        expert_bytes,
-        experts_total_bytes,
-        cache_bytes,
-        cache_experts,
-        cache_experts_per_layer: if layers.is_empty() {
-            0.0
+    Ok(model.plan(input))
+}
+
+/// What planning needs to know of a model: its config, dense tensors and expert layers as stored.
+struct Model<'a> {
+    dir: &'a Path,
+    spec: &'a ModelSpec,
+    source: &'static str,
+    formats: Policy,
+    container_bytes: u64,
+    dense: Vec<(&'a str, &'a Part)>,
+    experts: Vec<&'a ExpertLayer>,
+    history: Option<History>,
+}
+
+impl Model<'_> {
+    fn plan(self, input: &PlanInput) -> Plan {
+        let (dir, spec) = (self.dir, self.spec);
+        let dense_bytes: u64 = self.dense.iter().map(|(n, p)| dense_ram(n, p)).sum();
+        // Generation reserves the KV cache for its full context up front (no growth doubling).
+        let kv_bytes =
+            4 * (KvCache::floats_per_token(spec) as u64 + mtp_kv(spec)) * input.context as u64;
+        let layers = &self.experts;
+        let io = io_bytes(layers, input.readers);
+        let (h, i) = (spec.hidden_size as u64, spec.moe_intermediate_size as u64);
+        let top_k = spec.router.as_ref().map_or(0, |r| r.top_k);
+        let vocab = spec.vocab_size as u64;
+        let b = input.batch_tokens.max(1) as u64;
+        let heads_width = match &spec.attention {
+            charm_shared::config::AttentionSpec::Mla(m) => {
+                (m.n_heads * (m.qk_head_dim() + m.kv_lora_rank + m.v_head_dim)) as u64
+            }
+            charm_shared::config::AttentionSpec::Gqa(g) => (3 * g.n_heads * g.head_dim) as u64,
+        };
+        // Activations of a step: residual and norms, attention and MLP intermediates, routed-expert
+        // slot outputs, one row of logits; plus the allocator and thread stacks.
+        let working_bytes = 4 * b * (16 * h + 4 * i + 2 * top_k as u64 * h + 4 * heads_width)
+            + 4 * vocab * 2
+            + (96 << 20);
+        let expert_bytes = layers
+            .iter()
+            .map(|l| expert_ram_bytes(l))
+            .max()
+            .unwrap_or(0);
+        let experts_total: u64 = layers.iter().map(|l| l.count as u64).sum();
+        let experts_total_bytes = layers
+            .iter()
+            .map(|l| l.count as u64 * expert_ram_bytes(l))
+            .sum::<u64>();
+        let tensor = |name: &str| self.dense.iter().find(|(n, _)| *n == name).map(|(_, p)| *p);
+        // the embedding table is read one row per token; it is resident but not streamed per token
+        let embed = tensor("model.embed_tokens.weight")
+            .map_or(0, |p| dense_ram("model.embed_tokens.weight", p));
+        // a tied head reads the embedding table whole every token
+        let tied = spec.tie_word_embeddings && tensor("lm_head.weight").is_none();
+        let resident_bytes = dense_bytes + kv_bytes + io + working_bytes;
+        let mem = meminfo();
+        let (budget, source) = match input.ram {
+            Some(r) => (r, "--ram"),
+            None => (
+                // leave the system a margin: 5% of what is available, at least 512 MiB
+                mem.map_or(0, |m| {
+                    m.available
+                        .saturating_sub((m.available / 20).max(512 << 20))
+                }),
+                "MemAvailable",
+            ),
+        };
+        // With no cache at all every expert streams through the I/O working set: slow, still exact.
+        let min_budget_bytes = resident_bytes;
+        let fits = budget >= min_budget_bytes;
+        let cache_bytes = if fits {
+            (budget - resident_bytes).min(experts_total_bytes)
         } else {
-            cache_experts as f64 / layers.len() as f64
-        },
-        pinned_experts: pinned,
-        all_resident,
-        active_expert_bytes_per_token: active,
-        expected_hit_rate: hit,
-        hit_rate_source: hit_source,
-        expected_cold_bytes_per_token: cold,
-        resident_read_bytes_per_token: resident_read,
-        disk_seconds_per_token: disk_s,
-        memory_seconds_per_token: mem_s,
-        bottleneck: if disk_s > mem_s {
-            "disk"
+            0
+        };
+        // Every expert fits when their bytes do (layers may differ in expert size: an MTP
+        // layer's experts have its own format); otherwise count the cache in the largest experts.
+        let all_resident = fits && budget - resident_bytes >= experts_total_bytes;
+        let cache_experts = if all_resident {
+            experts_total
         } else {
-            "memory bandwidth"
-        },
-        assumed_disk_gb_s: input.disk_bytes_s / 1e9,
-        assumed_mem_gb_s: input.mem_bytes_s / 1e9,
-        fits,
-        min_budget_bytes,
-    })
+            cache_bytes.checked_div(expert_bytes).unwrap_or(0)
+        };
+        let pinned = if all_resident {
+            0
+        } else {
+            (cache_experts as f64 * input.pin_fraction.clamp(0.0, 1.0)) as u64
+        };
+        let moe_layers = spec
+            .layers
+            .iter()
+            .filter(|l| l.mlp == charm_shared::config::MlpKind::Moe)
+            .count();
+        // (the MTP layer's experts run only when drafting)
+        let active = top_k as u64
+            * layers
+                .iter()
+                .filter(|l| l.layer < spec.layers.len())
+                .map(|l| expert_ram_bytes(l))
+                .sum::<u64>();
+        // Expected hit rate: the cached experts are the most-used ones (pinning plus frequency-aware
+        // replacement), so with a history the hit rate is the usage share of the top `cache_experts`.
+        let (hit, hit_source) = if all_resident {
+            (1.0, "all experts resident")
+        } else if let Some(h) = self
+            .history
+            .filter(|h| h.ranked().iter().map(|x| x.2).sum::<u64>() > 0)
+        {
+            let ranked = h.ranked();
+            let total: u64 = ranked.iter().map(|x| x.2).sum();
+            let top: u64 = ranked
+                .iter()
+                .take(cache_experts as usize)
+                .map(|x| x.2)
+                .sum();
+            (top as f64 / total as f64, "routing history")
+        } else {
+            (
+                (cache_experts as f64 / experts_total.max(1) as f64).min(1.0),
+                "uniform routing assumed",
+            )
+        };
+        let cold = (active as f64 * (1.0 - hit)) as u64;
+        let dense_read = dense_bytes.saturating_sub(embed) + if tied { embed } else { 0 };
+        let resident_read = dense_read + (active as f64 * hit) as u64;
+        let disk_s = cold as f64 / input.disk_bytes_s;
+        let mem_s = resident_read as f64 / input.mem_bytes_s;
+        Plan {
+            model: dir.to_path_buf(),
+            source: self.source,
+            formats: self.formats,
+            container_bytes: self.container_bytes,
+            budget_bytes: budget,
+            budget_source: source,
+            mem_available_bytes: mem.map(|m| m.available),
+            dense_bytes,
+            kv_bytes,
+            context_tokens: input.context,
+            io_bytes: io,
+            working_bytes,
+            resident_bytes,
+            moe_layers,
+            expert_layers: layers.len(),
+            experts_per_layer: spec.router.as_ref().map_or(0, |r| r.n_experts),
+            top_k,
+            expert_bytes,
+            experts_total_bytes,
+            cache_bytes,
+            cache_experts,
+            cache_experts_per_layer: if layers.is_empty() {
+                0.0
+            } else {
+                cache_experts as f64 / layers.len() as f64
+            },
+            pinned_experts: pinned,
+            all_resident,
+            active_expert_bytes_per_token: active,
+            expected_hit_rate: hit,
+            hit_rate_source: hit_source,
+            expected_cold_bytes_per_token: cold,
+            resident_read_bytes_per_token: resident_read,
+            disk_seconds_per_token: disk_s,
+            memory_seconds_per_token: mem_s,
+            bottleneck: if disk_s > mem_s {
+                "disk"
+            } else {
+                "memory bandwidth"
+            },
+            assumed_disk_gb_s: input.disk_bytes_s / 1e9,
+            assumed_mem_gb_s: input.mem_bytes_s / 1e9,
+            fits,
+            min_budget_bytes,
+        }
+    }
 }
 
 /// KV floats per token of the MTP layer (it keeps its own one-layer cache when drafting).
@@ -368,6 +463,26 @@ impl Plan {
         let g = |b: u64| human(b);
         let mut s = String::new();
         s += &format!("model            {}\n", self.model.display());
+        let f = &self.formats;
+        let formats = format!(
+            "experts {}, dense {}, embedding {}, MTP {}, groups of {}",
+            f.experts.name(),
+            f.dense.name(),
+            f.embedding.name(),
+            f.mtp.name(),
+            f.group
+        );
+        s += &if self.source == "checkpoint" {
+            format!(
+                "checkpoint       planned as `charm convert` would store it ({formats}): {} on disk\n",
+                g(self.container_bytes)
+            )
+        } else {
+            format!(
+                "container        {} on disk ({formats})\n",
+                g(self.container_bytes)
+            )
+        };
         s += &format!(
             "budget           {} ({})\n",
             g(self.budget_bytes),
@@ -382,9 +497,14 @@ impl Plan {
         s += &format!("I/O buffers      {}\n", g(self.io_bytes));
         s += &format!("working set      {}\n", g(self.working_bytes));
         s += &format!(
-            "routed experts   {} MoE layers x {} experts x {} = {}\n",
-            self.moe_layers,
+            "routed experts   {} layers x {} experts{}, up to {} each = {}\n",
+            self.expert_layers,
             self.experts_per_layer,
+            if self.expert_layers > self.moe_layers {
+                " (MoE layers and the MTP layer)"
+            } else {
+                ""
+            },
             g(self.expert_bytes),
             g(self.experts_total_bytes)
         );

@@ -148,6 +148,19 @@ pub struct Policy {
     pub group: usize,
 }
 
+impl Default for Policy {
+    /// `charm convert`'s defaults: int4 routed experts, int8 for the rest, groups of 64.
+    fn default() -> Self {
+        Self {
+            experts: StoreFormat::Int4,
+            dense: StoreFormat::Int8,
+            embedding: StoreFormat::Int8,
+            mtp: StoreFormat::Int8,
+            group: 64,
+        }
+    }
+}
+
 /// `charm.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
