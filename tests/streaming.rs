@@ -8,7 +8,7 @@ use std::path::Path;
 
 use charm_coordinator::generate::generate;
 use charm_coordinator::model::StreamOptions;
-use charm_coordinator::plan::PlanInput;
+use charm_coordinator::plan::{Plan, PlanInput};
 use charm_coordinator::sampling::{Sampler, SamplingParams};
 use charm_coordinator::{ForwardOptions, Model};
 use common::*;
@@ -353,18 +353,29 @@ fn int8_activations_give_identical_logits_on_every_isa_and_budget() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A synthetic model of two MoE layers in `dir`, streamed by `readers` reader threads with room
+/// for `experts` cached experts; with the index of its first MoE layer.
+fn small_store(dir: &Path, experts: u64, readers: usize) -> (Model, Plan, usize) {
+    synth(dir, &["--layers", "2"]);
+    let mut o = stream(Some(1 << 40), 8);
+    o.plan.readers = readers;
+    let (probe, p) = Model::load_streaming(dir, &o).unwrap();
+    drop(probe);
+    o.plan.ram = Some(p.resident_bytes + experts * p.expert_bytes + p.expert_bytes / 2);
+    let (m, p) = Model::load_streaming(dir, &o).unwrap();
+    assert_eq!(p.cache_experts, experts, "{p:?}");
+    let layer = m.layers.iter().find(|l| l.index > 0).unwrap().index;
+    (m, p, layer)
+}
+
 #[test]
 fn a_step_needing_experts_only_guessed_early_does_not_wait_forever() {
     // Early guesses are read only while the disk idles; a step that needs one of them before
     // its layer's own lookahead (any caller of the store may skip that) must still get it.
     let dir = scratch("stream-early");
-    synth(&dir, &["--layers", "2"]);
-    let (probe, p) = Model::load_streaming(&dir, &stream(Some(1 << 40), 8)).unwrap();
-    drop(probe);
     // no expert cache: every expert comes from disk
-    let (m, _) = Model::load_streaming(&dir, &stream(Some(p.resident_bytes + 1), 8)).unwrap();
+    let (m, _, layer) = small_store(&dir, 0, 4);
     let store = m.store.clone().expect("a container streams");
-    let layer = m.layers.iter().find(|l| l.index > 0).unwrap().index;
     let hidden = m.spec.hidden_size;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -398,16 +409,8 @@ fn a_read_ahead_that_could_only_displace_hotter_experts_is_not_read() {
     // them, so past the staging room it stays queued unread (read, it would be dropped: a
     // wasted read) and is read when a step asks for it.
     let dir = scratch("stream-room");
-    synth(&dir, &["--layers", "2"]);
-    let mut o = stream(Some(1 << 40), 8);
-    o.plan.readers = 1;
-    let (probe, p) = Model::load_streaming(&dir, &o).unwrap();
-    drop(probe);
-    o.plan.ram = Some(p.resident_bytes + 4 * p.expert_bytes + p.expert_bytes / 2);
-    let (m, p) = Model::load_streaming(&dir, &o).unwrap();
-    assert_eq!(p.cache_experts, 4, "{p:?}");
+    let (m, _, layer) = small_store(&dir, 4, 1);
     let store = m.store.clone().expect("a container streams");
-    let layer = m.layers.iter().find(|l| l.index > 0).unwrap().index;
     let x = vec![0.01f32; m.spec.hidden_size];
     let step = |ids: &[u32]| {
         use charm_worker::{ExpertBatch, ExpertExecutor};
@@ -461,14 +464,8 @@ fn less_sure_lookahead_predictions_wait_for_an_idle_disk() {
     // The first `sure` predictions are lookahead reads; the rest are read only while the disk
     // idles (counted as early guesses), and all of them count for the recall figure.
     let dir = scratch("stream-sure");
-    synth(&dir, &["--layers", "2"]);
-    let mut o = stream(Some(1 << 40), 8);
-    let (probe, p) = Model::load_streaming(&dir, &o).unwrap();
-    drop(probe);
-    o.plan.ram = Some(p.resident_bytes + 16 * p.expert_bytes + p.expert_bytes / 2);
-    let (m, _) = Model::load_streaming(&dir, &o).unwrap();
+    let (m, _, layer) = small_store(&dir, 16, 4);
     let store = m.store.clone().expect("a container streams");
-    let layer = m.layers.iter().find(|l| l.index > 0).unwrap().index;
     use charm_worker::{ExpertBatch, ExpertExecutor};
     store.prefetch(layer, &[7, 3, 0, 5, 1, 6], 3);
     // nothing else to read: the disk idles, and the rest follows
