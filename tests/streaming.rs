@@ -368,6 +368,25 @@ fn small_store(dir: &Path, experts: u64, readers: usize) -> (Model, Plan, usize)
     (m, p, layer)
 }
 
+/// One forward step of one token through MoE layer `layer` of streamed model `m`, routed to
+/// `ids` with equal weights.
+fn one_token_step(m: &Model, layer: usize, ids: &[u32]) {
+    use charm_worker::{ExpertBatch, ExpertExecutor};
+    let store = m.store.as_ref().expect("a container streams");
+    let x = vec![0.01f32; m.spec.hidden_size];
+    store
+        .run(ExpertBatch {
+            layer,
+            x: &x,
+            n_tokens: 1,
+            ids,
+            weights: &vec![1.0 / ids.len() as f32; ids.len()],
+            top_k: ids.len(),
+        })
+        .unwrap();
+    store.step_end();
+}
+
 #[test]
 fn a_step_needing_experts_only_guessed_early_does_not_wait_forever() {
     // Early guesses are read only while the disk idles; a step that needs one of them before
@@ -411,21 +430,7 @@ fn a_read_ahead_that_could_only_displace_hotter_experts_is_not_read() {
     let dir = scratch("stream-room");
     let (m, _, layer) = small_store(&dir, 4, 1);
     let store = m.store.clone().expect("a container streams");
-    let x = vec![0.01f32; m.spec.hidden_size];
-    let step = |ids: &[u32]| {
-        use charm_worker::{ExpertBatch, ExpertExecutor};
-        store
-            .run(ExpertBatch {
-                layer,
-                x: &x,
-                n_tokens: 1,
-                ids,
-                weights: &vec![1.0 / ids.len() as f32; ids.len()],
-                top_k: ids.len(),
-            })
-            .unwrap();
-        store.step_end();
-    };
+    let step = |ids: &[u32]| one_token_step(&m, layer, ids);
     for _ in 0..3 {
         step(&[0, 1, 2, 3]);
     }
@@ -493,6 +498,39 @@ fn less_sure_lookahead_predictions_wait_for_an_idle_disk() {
     assert_eq!((s.hits, s.misses), (3, 1), "{s:?}");
     drop(m);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_routing_history_seeds_usage_frequencies() {
+    // With nothing pinned, a cache of 4 holds experts the history says run often; newcomers
+    // this run has seen once do not displace them (with frequencies starting at zero they
+    // would: equal counts, least recently used first).
+    let dir = scratch("stream-seed");
+    let hist = dir.with_extension("history.json");
+    let (m, p, layer) = small_store(&dir, 4, 4);
+    drop(m);
+    let mut o = stream(Some(p.budget_bytes), 8);
+    o.plan.history = Some(hist.clone());
+    o.plan.pin_fraction = 0.0;
+    let (m, _) = Model::load_streaming(&dir, &o).unwrap();
+    for _ in 0..8 {
+        one_token_step(&m, layer, &[0, 1, 2, 3]);
+    }
+    m.store.as_ref().unwrap().save_history().unwrap();
+    drop(m);
+    let (m, _) = Model::load_streaming(&dir, &o).unwrap();
+    let store = m.store.clone().unwrap();
+    use charm_worker::ExpertExecutor;
+    assert_eq!(store.stats().unwrap().pinned, 0);
+    one_token_step(&m, layer, &[0, 1, 2, 3]);
+    one_token_step(&m, layer, &[8, 9, 10, 11]);
+    let before = store.stats().unwrap();
+    one_token_step(&m, layer, &[0, 1, 2, 3]);
+    let after = store.stats().unwrap();
+    assert_eq!(after.hits - before.hits, 4, "{after:?}");
+    drop(m);
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_file(&hist).unwrap();
 }
 
 #[test]

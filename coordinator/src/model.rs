@@ -524,6 +524,7 @@ impl Model {
                 },
                 history: opts.plan.history.clone(),
                 trace: opts.trace,
+                top_k: spec.router.as_ref().map_or(0, |r| r.top_k),
                 ..Default::default()
             },
         )

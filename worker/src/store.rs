@@ -8,9 +8,10 @@
 //! - **Overlap**: a layer's resident experts compute while its missing ones load, and each missing
 //!   expert computes as soon as it arrives.
 //! - **Replacement**: the victim is the least-frequently used unpinned expert (frequency decays
-//!   over steps), least recently used among equals; a newcomer used less often than the victim is
-//!   not admitted (it serves its step and is dropped), so a working set larger than the cache does
-//!   not flush the experts that keep hitting.
+//!   over steps and starts from the routing history's rate), least recently used among equals; a
+//!   newcomer used less often than the victim is not admitted (it serves its step and is
+//!   dropped), so a working set larger than the cache does not flush the experts that keep
+//!   hitting.
 //! - **Pinning**: the most-used experts of the persisted routing history (see [`crate::history`]),
 //!   up to a share of the cache, are loaded at start and never evicted; the set is re-derived at
 //!   step boundaries as usage accrues.
@@ -57,6 +58,11 @@ pub struct StoreOptions {
     pub repin_every: u64,
     /// Halve usage frequencies every this many steps.
     pub decay_every: u64,
+    /// Experts each token chooses (0: unknown; then the history does not seed frequencies).
+    pub top_k: usize,
+    /// Weight of the routing history in the usage frequencies: each expert starts as if this
+    /// many steps had used it at its historical rate (0: start from zero).
+    pub prior_steps: f64,
     /// Record an I/O timeline (see [`StreamingExperts::io_trace`]).
     pub trace: bool,
 }
@@ -71,6 +77,8 @@ impl Default for StoreOptions {
             history: None,
             repin_every: 64,
             decay_every: 256,
+            top_k: 0,
+            prior_steps: 32.0,
             trace: false,
         }
     }
@@ -447,6 +455,7 @@ impl StreamingExperts {
         }
         {
             let mut st = lock(&inner.state);
+            inner.seed_frequencies(&mut st);
             inner.repin(&mut st);
         }
         let threads = (0..readers)
@@ -919,6 +928,30 @@ impl Inner {
             Queue::Early => st.early.push_back(k),
         }
         true
+    }
+
+    /// Starts each expert's usage frequency from the routing history (its uses per token there,
+    /// times `prior_steps`), so replacement favours the experts that usually run before this run
+    /// has seen them; live uses add to it and decay halves it as usual.
+    fn seed_frequencies(&self, st: &mut State) {
+        let (k, prior) = (self.opts.top_k as f64, self.opts.prior_steps);
+        if k == 0.0 || prior <= 0.0 {
+            return;
+        }
+        let mut seeds = Vec::new();
+        for (&l, c) in &st.history.counts {
+            let tokens = c.iter().sum::<u64>() as f64 / k;
+            if !self.layers.contains_key(&l) || tokens <= 0.0 {
+                continue;
+            }
+            seeds.extend(
+                c.iter()
+                    .enumerate()
+                    .filter(|(_, &n)| n > 0)
+                    .map(|(e, &n)| ((l, e as u32), prior * (n as f64 / tokens).min(1.0))),
+            );
+        }
+        st.freq.extend(seeds);
     }
 
     /// Re-derives the pinned set from the history and queues reads of pinned experts not resident.
