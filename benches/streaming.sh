@@ -11,14 +11,19 @@
 #   WORK_DIR defaults to /tmp/charm-streaming; the model is made there once with
 #   `charm synth --layers 3 --dense-layers 1 --vocab 32768` (about 15.5 GiB on disk).
 #   ACTIVATIONS (default f32) is passed to `charm generate --activations`: int8 computes faster,
-#   which leaves the disk as the limit of more of each step.
+#   which leaves the disk as the limit of more of each step. CHARM_BIN runs that charm binary
+#   instead of building one.
 set -euo pipefail
 work=${1:-/tmp/charm-streaming}
 shift || true
 budgets=${*:-4 6 8}
 cd "$(dirname "$0")/.."
-cargo build --release -q
-bin=$PWD/target/release/charm
+if [ -n "${CHARM_BIN:-}" ]; then
+  bin=$CHARM_BIN
+else
+  cargo build --release -q
+  bin=$PWD/target/release/charm
+fi
 model=$work/glm-synth
 mkdir -p "$work"
 [ -f "$model/charm.json" ] || "$bin" synth --out "$model" --layers 3 --dense-layers 1 --vocab 32768
