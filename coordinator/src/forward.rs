@@ -32,8 +32,8 @@ fn by_rank(ids: &[u32], n: usize, ranks: usize) -> Vec<u32> {
 /// Of a token's `k` lookahead predictions (its router's choices on the layer's input, best
 /// first), how many are read as soon as there is room; the rest only while the disk idles. On the
 /// synthetic GLM-5.2 model (top-8) ranks 1-4 were right 95-100% of the time, rank 5 83%, ranks 6-8
-/// 62-68%: read eagerly, those made most of the wasted reads whenever an expert cache left the disk
-/// time (1.3 of 7.0 GB with a 4 GiB budget; 0.6 reading only the first 5 eagerly).
+/// 62-68%: read eagerly, those made over half of the wasted bytes whenever an expert cache left the
+/// disk time (1.3 of 7.0 GB with a 4 GiB budget; 0.6 reading only the first 5 eagerly).
 fn lookahead_sure_ranks(k: usize) -> usize {
     (5 * k).div_ceil(8)
 }
