@@ -230,7 +230,7 @@ pub fn plan_container(
 ) -> Result<Plan, LoadError> {
     let m = &c.manifest;
     let history = match &input.history {
-        Some(p) => History::load_for(p, c).map_err(|e| LoadError::config(p, e.to_string()))?,
+        Some(p) => History::load_for(p, c).map_err(|e| LoadError::config(e.path(), e.reason()))?,
         None => None,
     };
     let model = Model {

@@ -25,21 +25,60 @@ pub struct History {
 }
 
 /// Why a history could not be used.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug)]
 pub enum HistoryError {
-    #[error("{path}: {source}")]
     Io {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{path}: not a routing history: {reason}")]
-    Invalid { path: PathBuf, reason: String },
-    #[error("{path}: routing history of another model ({found}; this model is {want}); delete it or pass another --history path")]
+    Invalid {
+        path: PathBuf,
+        reason: String,
+    },
     OtherModel {
         path: PathBuf,
         found: String,
         want: String,
     },
+}
+
+impl HistoryError {
+    /// The history file.
+    pub fn path(&self) -> &Path {
+        match self {
+            Self::Io { path, .. } | Self::Invalid { path, .. } | Self::OtherModel { path, .. } => {
+                path
+            }
+        }
+    }
+
+    /// What is wrong, without the file name (for callers that name the file themselves).
+    pub fn reason(&self) -> String {
+        match self {
+            Self::Io { source, .. } => source.to_string(),
+            Self::Invalid { reason, .. } => format!(
+                "not a routing history: {reason}; delete it or pass another --history path"
+            ),
+            Self::OtherModel { found, want, .. } => format!(
+                "routing history of another model ({found}; this model is {want}); delete it or pass another --history path"
+            ),
+        }
+    }
+}
+
+impl std::fmt::Display for HistoryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.path().display(), self.reason())
+    }
+}
+
+impl std::error::Error for HistoryError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Io { source, .. } => Some(source),
+            _ => None,
+        }
+    }
 }
 
 /// A model's identity for histories: CRC-32 and length of its manifest bytes (a container's
@@ -121,6 +160,15 @@ impl History {
                 want: model_id.into(),
             });
         }
+        // every total the store and the planner take must fit in a u64
+        if h.counts
+            .values()
+            .flatten()
+            .try_fold(0u64, |a, &n| a.checked_add(n))
+            .is_none()
+        {
+            return Err(invalid("the counts add up past 2^64".into()));
+        }
         for (l, c) in &h.counts {
             if layers.get(l) != Some(&c.len()) {
                 return Err(invalid(format!(
@@ -163,7 +211,7 @@ impl History {
     /// Adds `other`'s counts (same model) to these.
     pub fn add(&mut self, layer: usize, expert: usize, n: u64) {
         if let Some(c) = self.counts.get_mut(&layer).and_then(|c| c.get_mut(expert)) {
-            *c += n;
+            *c = c.saturating_add(n);
         }
     }
 
@@ -262,6 +310,25 @@ mod tests {
             refused > 200,
             "only {refused} of 400 damaged files were refused"
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn counts_past_u64_are_refused_and_adding_saturates() {
+        let dir = std::env::temp_dir().join(format!("charm-hist-big-{}", std::process::id()));
+        let p = dir.join("h.json");
+        let layers: BTreeMap<usize, usize> = [(1, 2), (2, 2)].into();
+        let mut h = History::new("m", layers.clone());
+        h.add(1, 0, u64::MAX);
+        h.add(1, 0, 5);
+        assert_eq!(h.counts[&1][0], u64::MAX);
+        h.save(&p).unwrap();
+        assert!(History::load(&p, "m", &layers).unwrap().is_some());
+        // one more count anywhere makes the totals overflow
+        h.add(2, 1, 1);
+        h.save(&p).unwrap();
+        let e = History::load(&p, "m", &layers).unwrap_err();
+        assert!(e.to_string().contains("2^64"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -940,7 +940,7 @@ impl Inner {
         }
         let mut seeds = Vec::new();
         for (&l, c) in &st.history.counts {
-            let tokens = c.iter().sum::<u64>() as f64 / k;
+            let tokens = c.iter().map(|&n| n as f64).sum::<f64>() / k;
             if !self.layers.contains_key(&l) || tokens <= 0.0 {
                 continue;
             }
