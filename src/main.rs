@@ -527,17 +527,15 @@ struct FormatArgs {
 impl FormatArgs {
     fn policy(&self) -> Result<Policy> {
         let q = ["int8", "int4", "int2", "bf16"];
-        let group = self.group;
-        if group == 0 || !group.is_multiple_of(8) {
-            bail!("--group {group}: must be a positive multiple of 8");
-        }
-        Ok(Policy {
+        let policy = Policy {
             experts: store_format("experts", &self.experts, &q)?,
             dense: store_format("dense", &self.dense, &q)?,
             embedding: store_format("embedding", &self.embedding, &q)?,
             mtp: store_format("mtp", &self.mtp, &q)?,
-            group,
-        })
+            group: self.group,
+        };
+        charm_coordinator::convert::check_policy(&policy)?;
+        Ok(policy)
     }
 }
 

@@ -152,7 +152,7 @@ pub fn check_policy(policy: &Policy) -> Result<(), ConvertError> {
     }
     if policy.group == 0 || !policy.group.is_multiple_of(8) {
         return Err(ConvertError::Plan(format!(
-            "group {}: must be a positive multiple of 8",
+            "--group {}: must be a positive multiple of 8",
             policy.group
         )));
     }

@@ -351,14 +351,15 @@ impl Model<'_> {
                 .sum::<u64>();
         // Expected hit rate: the cached experts are the most-used ones (pinning plus frequency-aware
         // replacement), so with a history the hit rate is the usage share of the top `cache_experts`.
+        let ranked = self
+            .history
+            .as_ref()
+            .map(History::ranked)
+            .unwrap_or_default();
+        let total: u64 = ranked.iter().map(|x| x.2).sum();
         let (hit, hit_source) = if all_resident {
             (1.0, "all experts resident")
-        } else if let Some(h) = self
-            .history
-            .filter(|h| h.ranked().iter().map(|x| x.2).sum::<u64>() > 0)
-        {
-            let ranked = h.ranked();
-            let total: u64 = ranked.iter().map(|x| x.2).sum();
+        } else if total > 0 {
             let top: u64 = ranked
                 .iter()
                 .take(cache_experts as usize)

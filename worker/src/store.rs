@@ -602,10 +602,7 @@ impl Inner {
                                 .entries
                                 .iter()
                                 .filter(|(c, e)| {
-                                    e.in_use == 0
-                                        && !e.transient
-                                        && !st.pinned.contains(c)
-                                        && Self::score(st, c) <= score
+                                    Self::evictable(st, c, e) && Self::score(st, c) <= score
                                 })
                                 .map(|(_, e)| e.bytes)
                                 .sum();
@@ -737,7 +734,12 @@ impl Inner {
         st.freq.get(k).copied().unwrap_or(0.0)
     }
 
-    /// The evictable entry of lowest (frequency, last use).
+    /// Whether cached expert `k` may be evicted now: admitted (not a staged read-ahead), not
+    /// pinned, not in use by a step.
+    fn evictable(st: &State, k: &Key, e: &Entry) -> bool {
+        e.in_use == 0 && !e.transient && !st.pinned.contains(k)
+    }
+
     /// The entry to evict: with `staged_first`, a staged read-ahead (oldest first); otherwise,
     /// or when there is none, the cached expert of lowest (frequency, last use).
     fn victim(st: &State, staged_first: bool) -> Option<Key> {
@@ -754,7 +756,7 @@ impl Inner {
         }
         st.entries
             .iter()
-            .filter(|(k, e)| e.in_use == 0 && !e.transient && !st.pinned.contains(k))
+            .filter(|(k, e)| Self::evictable(st, k, e))
             .min_by(|(ka, a), (kb, b)| {
                 Self::score(st, ka)
                     .total_cmp(&Self::score(st, kb))
@@ -866,6 +868,8 @@ impl Inner {
         // choose them (see `run`), unread. The less sure rest would be read, a third of it wasted,
         // whenever an expert cache leaves the disk time: they wait for an idle disk instead.
         let (first, rest) = ids.split_at(sure.min(ids.len()));
+        // this prediction supersedes the layer's early guesses not yet being read
+        Self::drop_early(st, |k| k.0 == nl);
         if let Some(mut set) = self.queue_in_order(st, nl, first, Queue::Lookahead) {
             set.extend(
                 self.queue_in_order(st, nl, rest, Queue::Early)
@@ -878,12 +882,12 @@ impl Inner {
     /// Replaces the early guesses for layer `nl` not yet being read by `ids` (most likely
     /// first).
     fn early(&self, st: &mut State, nl: usize, ids: &[u32]) {
+        Self::drop_early(st, |k| k.0 == nl);
         self.queue_in_order(st, nl, ids, Queue::Early);
     }
 
-    /// Queues reads of layer `nl`'s experts `ids` on `q` in the order given, each once, after
-    /// dropping the layer's early guesses not yet being read (a newer prediction supersedes
-    /// them); returns the valid ids, `None` for a layer the store does not hold.
+    /// Queues reads of layer `nl`'s experts `ids` on `q` in the order given, each once; returns
+    /// the valid ids, `None` for a layer the store does not hold.
     fn queue_in_order(
         &self,
         st: &mut State,
@@ -892,7 +896,6 @@ impl Inner {
         q: Queue,
     ) -> Option<HashSet<u32>> {
         let src = self.layers.get(&nl)?;
-        Self::drop_early(st, |k| k.0 == nl);
         let mut set = HashSet::new();
         for &e in ids {
             if (e as usize) < src.meta.count
