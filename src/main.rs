@@ -11,14 +11,15 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use charm_coordinator::cache::KvCache;
 use charm_coordinator::convert::convert;
+use charm_coordinator::engine::render_stats;
 use charm_coordinator::generate::generate;
-use charm_coordinator::info::{Accounting, Part};
+use charm_coordinator::info::ModelInfo;
+use charm_coordinator::plan::human;
 use charm_coordinator::sampling::{Sampler, SamplingParams};
 use charm_coordinator::tokenizer::TextTokenizer;
 use charm_coordinator::{ForwardOptions, MlaMode, Model};
-use charm_shared::checkpoint::Checkpoint;
-use charm_shared::config::{AttentionSpec, ModelSpec};
 use charm_shared::container::{Policy, StoreFormat};
+use charm_shared::quant::Activations;
 use clap::{Parser, Subcommand, ValueEnum};
 use single_box::StoreArgs;
 
@@ -47,11 +48,13 @@ enum Act {
     Int8,
 }
 
-fn set_act(a: Act) {
-    charm_shared::quant::set_activations(match a {
-        Act::F32 => charm_shared::quant::Activations::F32,
-        Act::Int8 => charm_shared::quant::Activations::Int8,
-    });
+impl From<Act> for Activations {
+    fn from(a: Act) -> Self {
+        match a {
+            Act::F32 => Activations::F32,
+            Act::Int8 => Activations::Int8,
+        }
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -260,13 +263,17 @@ fn opts(m: Mla) -> ForwardOptions {
     }
 }
 
-fn load(dir: &Path) -> Result<Model> {
-    Model::load(dir).with_context(|| format!("loading {}", dir.display()))
-}
-
-fn cmd_logits(model: &Path, ids: &str, out: &Path, mla: Mla, store: &StoreArgs) -> Result<()> {
+fn cmd_logits(
+    model: &Path,
+    ids: &str,
+    out: &Path,
+    mla: Mla,
+    act: Activations,
+    store: &StoreArgs,
+) -> Result<()> {
     let ids = parse_ids(ids)?;
-    let (m, _) = single_box::load(model, store, ids.len())?;
+    let e = single_box::load(model, store, ids.len(), act)?;
+    let m = &e.model;
     let mut cache = KvCache::new(&m.spec);
     let normed = m.forward(&ids, &mut cache, opts(mla), None)?;
     let logits = m.logits(&normed, ids.len())?;
@@ -275,7 +282,7 @@ fn cmd_logits(model: &Path, ids: &str, out: &Path, mla: Mla, store: &StoreArgs) 
         &[("logits", vec![ids.len(), m.spec.vocab_size], &logits)],
     )
     .with_context(|| format!("writing {}", out.display()))?;
-    single_box::finish(&m, store)?;
+    single_box::finish(&e, store)?;
     eprintln!(
         "wrote logits [{}, {}] to {}",
         ids.len(),
@@ -295,6 +302,7 @@ fn cmd_generate(
     stop_at_eos: bool,
     json: bool,
     mla: Mla,
+    act: Activations,
     store: &StoreArgs,
 ) -> Result<()> {
     let tok = match text {
@@ -316,25 +324,25 @@ fn cmd_generate(
         bail!("--top-p must be in (0, 1]");
     }
     let t = std::time::Instant::now();
-    let (m, plan) = single_box::load(model, store, prompt.len() + max_tokens)?;
+    let e = single_box::load(model, store, prompt.len() + max_tokens, act)?;
+    let m = &e.model;
     let load_s = t.elapsed().as_secs_f64();
-    let before = m.experts.stats();
+    let before = e.stats();
     let stops = if stop_at_eos {
         m.spec.eos_token_ids.clone()
     } else {
         Vec::new()
     };
     let g = generate(
-        &m,
+        m,
         &prompt,
         max_tokens,
         &mut Sampler::new(sp),
         &stops,
         opts(mla),
     )?;
-    single_box::finish(&m, store)?;
-    let run = m
-        .experts
+    single_box::finish(&e, store)?;
+    let run = e
         .stats()
         .map(|s| before.as_ref().map_or(s.clone(), |b| s.since(b)));
     if json {
@@ -351,7 +359,7 @@ fn cmd_generate(
         if let Some(tok) = &tok {
             v["text"] = tok.decode(&g.ids)?.into();
         }
-        v["stats"] = single_box::run_stats(run.as_ref(), plan.as_ref());
+        v["stats"] = e.run_stats(run.as_ref());
         println!("{v}");
     } else {
         match &tok {
@@ -369,131 +377,18 @@ fn cmd_generate(
             "prefill {} tokens in {:.3}s ({:.1} tok/s), decode {} tokens in {:.3}s ({:.1} tok/s), finish: {}",
             g.prompt_tokens, g.prefill_seconds, g.prefill_tok_s(), g.ids.len(), g.decode_seconds, g.decode_tok_s(), g.finish_reason
         );
-        eprintln!("{}", single_box::render_stats(run.as_ref()));
+        eprintln!("{}", render_stats(run.as_ref()));
     }
     Ok(())
 }
 
-use charm_coordinator::plan::human;
-
 fn cmd_info(model: &Path, json: bool) -> Result<()> {
-    let spec =
-        ModelSpec::from_dir(model).with_context(|| format!("reading {}", model.display()))?;
-    let has_weights = std::fs::read_dir(model)?
-        .filter_map(|e| e.ok())
-        .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"));
-    let (acc, source) = if has_weights {
-        let ck = Checkpoint::open(model)?;
-        (
-            Accounting::from_checkpoint(&spec, &ck),
-            "checkpoint headers",
-        )
-    } else {
-        (
-            Accounting::from_spec(&spec, 2.0),
-            "config.json only (bf16 assumed)",
-        )
-    };
-    let g = |m: &std::collections::BTreeMap<Part, u64>, p| m.get(&p).copied().unwrap_or(0);
-    let parts = [
-        ("dense", Part::Dense),
-        ("routed_experts", Part::Routed),
-        ("embedding", Part::Embedding),
-        ("head", Part::Head),
-        ("mtp", Part::Mtp),
-    ];
-    let attention = match &spec.attention {
-        AttentionSpec::Mla(m) => format!(
-            "MLA (heads {}, q_lora {:?}, kv_lora {}, rope {}, v {})",
-            m.n_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim, m.v_head_dim
-        ),
-        AttentionSpec::Gqa(q) => format!(
-            "GQA (heads {}, kv heads {}, head dim {})",
-            q.n_heads, q.n_kv_heads, q.head_dim
-        ),
-    };
-    let router = spec.router.as_ref().map(|r| {
-        format!(
-            "{:?} {} experts top-{} (groups {}/{}), scale {}",
-            r.scoring, r.n_experts, r.top_k, r.topk_group, r.n_group, r.routed_scaling_factor
-        )
-    });
-    let kv_per_token = KvCache::floats_per_token(&spec) * 4;
+    let info = ModelInfo::read(model).with_context(|| format!("reading {}", model.display()))?;
     if json {
-        let mut p = serde_json::Map::new();
-        let mut b = serde_json::Map::new();
-        for (n, part) in parts {
-            p.insert(n.into(), g(&acc.params, part).into());
-            b.insert(n.into(), g(&acc.bytes, part).into());
-        }
-        let v = serde_json::json!({
-            "architecture": spec.arch.model_type(),
-            "source": source,
-            "layers": spec.layers.len(),
-            "moe_layers": spec.moe_layers(),
-            "hidden_size": spec.hidden_size,
-            "vocab_size": spec.vocab_size,
-            "attention": attention,
-            "router": router,
-            "dsa_index_topk": spec.dsa.as_ref().map(|d| d.topk),
-            "mtp_layers": spec.mtp_layers,
-            "params": p,
-            "total_params": acc.total_params(),
-            "bytes": b,
-            "bytes_per_dtype": acc.dtype_bytes,
-            "active_params_per_token": acc.active_params_per_token,
-            "active_bytes_per_token": acc.active_bytes_per_token,
-            "kv_cache_bytes_per_token_f32": kv_per_token,
-        });
-        println!("{}", serde_json::to_string_pretty(&v)?);
-        return Ok(());
+        println!("{}", serde_json::to_string_pretty(&info.to_json())?);
+    } else {
+        print!("{}", info.render());
     }
-    println!("architecture   {}", spec.arch.model_type());
-    println!("source         {source}");
-    println!(
-        "layers         {} ({} MoE), hidden {}, vocab {}",
-        spec.layers.len(),
-        spec.moe_layers(),
-        spec.hidden_size,
-        spec.vocab_size
-    );
-    println!("attention      {attention}");
-    if let Some(d) = &spec.dsa {
-        println!(
-            "sparse attn    DSA indexer: {} heads x {}, top-{} keys",
-            d.n_heads, d.head_dim, d.topk
-        );
-    }
-    if let Some(r) = router {
-        println!("router         {r}");
-    }
-    println!("mtp layers     {}", spec.mtp_layers);
-    println!(
-        "parameters     {:.3} B total",
-        acc.total_params() as f64 / 1e9
-    );
-    for (n, part) in parts {
-        println!(
-            "  {n:<15} {:>16} params  {:>12}",
-            g(&acc.params, part),
-            human(g(&acc.bytes, part))
-        );
-    }
-    if !acc.dtype_bytes.is_empty() {
-        println!("bytes per dtype");
-        for (d, b) in &acc.dtype_bytes {
-            println!("  {d:<15} {:>12}", human(*b));
-        }
-    }
-    println!(
-        "active/token   {:.3} B params, {} read per decoded token",
-        acc.active_params_per_token as f64 / 1e9,
-        human(acc.active_bytes_per_token)
-    );
-    println!(
-        "kv cache       {} per token (f32)",
-        human(kv_per_token as u64)
-    );
     Ok(())
 }
 
@@ -567,7 +462,13 @@ fn cmd_convert(model: &Path, out: &Path, policy: &Policy) -> Result<()> {
     Ok(())
 }
 
-fn cmd_quality(model: &Path, reference: &Path, json: bool, store: &StoreArgs) -> Result<()> {
+fn cmd_quality(
+    model: &Path,
+    reference: &Path,
+    json: bool,
+    act: Activations,
+    store: &StoreArgs,
+) -> Result<()> {
     let r = charm_shared::safetensors::SafetensorsFile::open(reference)?;
     let ids = token_ids(&r, "tf_input_ids").context("reading the reference")?;
     let li = r
@@ -577,7 +478,8 @@ fn cmd_quality(model: &Path, reference: &Path, json: bool, store: &StoreArgs) ->
         .context("reference has no `tf_logits`")?;
     let want = charm_shared::dtype::to_f32(li.dtype, r.bytes("tf_logits").expect("present"))
         .context("tf_logits is not a float tensor")?;
-    let (m, _) = single_box::load(model, store, ids.len())?;
+    let e = single_box::load(model, store, ids.len(), act)?;
+    let m = &e.model;
     if want.len() != ids.len() * m.spec.vocab_size {
         bail!(
             "tf_logits holds {} values, expected {} x {}",
@@ -589,7 +491,7 @@ fn cmd_quality(model: &Path, reference: &Path, json: bool, store: &StoreArgs) ->
     let mut cache = KvCache::new(&m.spec);
     let normed = m.forward(&ids, &mut cache, ForwardOptions::default(), None)?;
     let got = m.logits(&normed, ids.len())?;
-    single_box::finish(&m, store)?;
+    single_box::finish(&e, store)?;
     let a = charm_coordinator::quality::compare(&got, &want, m.spec.vocab_size);
     if json {
         println!(
@@ -629,6 +531,7 @@ fn cmd_evaluate(
     window: usize,
     max_windows: usize,
     json: bool,
+    act: Activations,
     store: &StoreArgs,
 ) -> Result<()> {
     if window < 2 {
@@ -641,9 +544,9 @@ fn cmd_evaluate(
         )?,
         _ => bail!("give --ids-file or --text-file"),
     };
-    let (m, _) = single_box::load(model, store, window + 1)?;
-    let e = charm_coordinator::evaluate::evaluate(&m, &ids, window, max_windows)?;
-    single_box::finish(&m, store)?;
+    let engine = single_box::load(model, store, window + 1, act)?;
+    let e = charm_coordinator::evaluate::evaluate(&engine.model, &ids, window, max_windows)?;
+    single_box::finish(&engine, store)?;
     if e.windows == 0 {
         bail!(
             "{} tokens do not fill one window of {}",
@@ -676,7 +579,7 @@ fn cmd_demo() -> Result<()> {
     println!("charm demo: charm-bard-moe, a GLM-5.2-architecture MoE (MLA, DSA sparse attention, 32 experts top-4 + 1 shared, MTP head) trained on Shakespeare");
     println!("mode: single box, routed experts in RAM (the loopback cluster and the OpenAI-compatible gateway are not built yet; this command will start them once they exist)");
     let t = std::time::Instant::now();
-    let m = load(&bard)?;
+    let m = Model::load(&bard).with_context(|| format!("loading {}", bard.display()))?;
     let tok = TextTokenizer::load(&bard)?;
     println!(
         "loaded in {:.2}s: {} layers, {} routed experts per MoE layer",
@@ -746,10 +649,7 @@ fn run(cli: Cli) -> Result<()> {
             mla,
             activations,
             store,
-        } => {
-            set_act(activations);
-            cmd_logits(&model, &ids, &out, mla, &store)
-        }
+        } => cmd_logits(&model, &ids, &out, mla, activations.into(), &store),
         Cmd::Generate {
             model,
             ids,
@@ -764,25 +664,23 @@ fn run(cli: Cli) -> Result<()> {
             mla,
             activations,
             store,
-        } => {
-            set_act(activations);
-            cmd_generate(
-                &model,
-                ids.as_deref(),
-                prompt.as_deref(),
-                max_tokens,
-                SamplingParams {
-                    temperature,
-                    top_k,
-                    top_p,
-                    seed,
-                },
-                stop_at_eos,
-                json,
-                mla,
-                &store,
-            )
-        }
+        } => cmd_generate(
+            &model,
+            ids.as_deref(),
+            prompt.as_deref(),
+            max_tokens,
+            SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                seed,
+            },
+            stop_at_eos,
+            json,
+            mla,
+            activations.into(),
+            &store,
+        ),
         Cmd::Info { model, json } => cmd_info(&model, json),
         Cmd::Convert {
             model,
@@ -795,10 +693,7 @@ fn run(cli: Cli) -> Result<()> {
             activations,
             json,
             store,
-        } => {
-            set_act(activations);
-            cmd_quality(&model, &reference, json, &store)
-        }
+        } => cmd_quality(&model, &reference, json, activations.into(), &store),
         Cmd::Evaluate {
             model,
             ids_file,
@@ -808,18 +703,16 @@ fn run(cli: Cli) -> Result<()> {
             activations,
             json,
             store,
-        } => {
-            set_act(activations);
-            cmd_evaluate(
-                &model,
-                ids_file.as_deref(),
-                text_file.as_deref(),
-                window,
-                max_windows,
-                json,
-                &store,
-            )
-        }
+        } => cmd_evaluate(
+            &model,
+            ids_file.as_deref(),
+            text_file.as_deref(),
+            window,
+            max_windows,
+            json,
+            activations.into(),
+            &store,
+        ),
         Cmd::Demo => cmd_demo(),
         Cmd::Plan {
             model,

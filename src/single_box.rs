@@ -1,17 +1,15 @@
-//! Single-box mode on the command line: loading with a RAM budget, `charm plan`, `charm doctor`,
-//! `charm synth`, `charm iobench`, and the per-run statistics `charm generate` prints.
+//! Single-box mode on the command line: the store flags and the engine options they give,
+//! `charm plan`, `charm doctor`, `charm synth`, `charm iobench`.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use charm_coordinator::model::StreamOptions;
-use charm_coordinator::plan::{human, rss, Plan, PlanInput};
+use charm_coordinator::plan::{human, PlanInput};
 use charm_coordinator::synth::{synth, SynthOptions};
-use charm_coordinator::Model;
+use charm_coordinator::{Engine, EngineOptions, HistoryPolicy};
 use charm_shared::container::{Container, Policy, StoreFormat};
-use charm_worker::history::container_model_id;
+use charm_shared::quant::Activations;
 use charm_worker::io::{random_reads, AlignedBuf, Pages, RecordFile};
-use charm_worker::StoreStats;
 use clap::Args;
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -46,31 +44,14 @@ pub struct StoreArgs {
     pub io_trace: Option<PathBuf>,
 }
 
-fn cache_home() -> Option<PathBuf> {
-    std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-}
-
 impl StoreArgs {
-    fn history_path(&self, dir: &Path) -> Option<PathBuf> {
-        match self.history.as_deref() {
-            Some("none") => None,
-            Some(p) => Some(PathBuf::from(p)),
-            None => {
-                let id = container_model_id(dir).ok()?;
-                Some(
-                    cache_home()?
-                        .join("charm")
-                        .join(format!("routing-{id}.json")),
-                )
-            }
-        }
-    }
-
-    /// The planner's input for `dir` with `context` tokens (unless `--ctx` says otherwise);
-    /// prefill steps are planned at up to 512 tokens.
-    pub fn plan_input(&self, dir: &Path, context: usize) -> Result<PlanInput> {
+    /// The engine options these flags give for `context` tokens (unless `--ctx` says otherwise)
+    /// and activation mode `activations`.
+    pub fn engine_options(
+        &self,
+        context: usize,
+        activations: Activations,
+    ) -> Result<EngineOptions> {
         let ram = match self.ram {
             Some(g) if !(g > 0.0 && g.is_finite()) => {
                 bail!("--ram must be a positive number of GiB")
@@ -84,109 +65,62 @@ impl StoreArgs {
         if self.readers == 0 || self.readers > 64 {
             bail!("--readers must be in 1..=64");
         }
-        let context = self.ctx.unwrap_or(context);
-        Ok(PlanInput {
+        Ok(EngineOptions {
             ram,
-            context,
-            batch_tokens: context.clamp(1, 512),
+            context: self.ctx.unwrap_or(context),
+            batch_tokens: None,
             readers: self.readers,
+            history: match self.history.as_deref() {
+                None => HistoryPolicy::PerModel,
+                Some("none") => HistoryPolicy::Off,
+                Some(p) => HistoryPolicy::File(PathBuf::from(p)),
+            },
             pin_fraction: self.pin_fraction,
-            history: self.history_path(dir),
-            ..Default::default()
+            direct: !self.no_direct,
+            trace: self.io_trace.is_some(),
+            activations,
         })
+    }
+
+    /// The planner's input for `dir` with `context` tokens (unless `--ctx` says otherwise).
+    pub fn plan_input(&self, dir: &Path, context: usize) -> Result<PlanInput> {
+        Ok(self
+            .engine_options(context, Activations::F32)?
+            .plan_input(dir))
     }
 }
 
-/// Loads `dir`: a charm container streams its experts within the budget; other directories load
-/// every expert in RAM.
-pub fn load(dir: &Path, args: &StoreArgs, context: usize) -> Result<(Model, Option<Plan>)> {
-    let ctx = || format!("loading {}", dir.display());
-    if Container::is_container(dir) {
-        let opts = StreamOptions {
-            plan: args.plan_input(dir, context)?,
-            direct: !args.no_direct,
-            trace: args.io_trace.is_some(),
-        };
-        let (m, p) = Model::load_streaming(dir, &opts).with_context(ctx)?;
-        if let Some(s) = &m.store {
-            for (f, why) in s.io_fallbacks().into_iter().take(1) {
-                eprintln!(
-                    "warning: {}: {why}; expert reads go through the page cache",
-                    f.display()
-                );
-            }
-        }
-        Ok((m, Some(p)))
-    } else {
-        if args.ram.is_some() {
-            eprintln!("warning: --ram applies to charm containers; {} loads every expert in RAM (convert it to stream experts)", dir.display());
-        }
-        Ok((Model::load(dir).with_context(ctx)?, None))
+/// Loads `dir` for `context` tokens as the flags say (see [`Engine::load`]), printing the load's
+/// warnings.
+pub fn load(
+    dir: &Path,
+    args: &StoreArgs,
+    context: usize,
+    activations: Activations,
+) -> Result<Engine> {
+    let e = Engine::load(dir, &args.engine_options(context, activations)?)
+        .with_context(|| format!("loading {}", dir.display()))?;
+    for w in &e.warnings {
+        eprintln!("warning: {w}");
     }
+    Ok(e)
 }
 
 /// Saves the routing history of a streaming model, warning on failure, and writes the I/O
 /// timeline when `--io-trace` asked for one.
-pub fn finish(m: &Model, args: &StoreArgs) -> Result<()> {
-    if let Some(s) = &m.store {
-        if let Err(e) = s.save_history() {
-            eprintln!("warning: routing history not saved: {e}");
-        }
+pub fn finish(e: &Engine, args: &StoreArgs) -> Result<()> {
+    if let Err(w) = e.finish() {
+        eprintln!("warning: {w}");
     }
     if let Some(p) = &args.io_trace {
-        let events = m.store.as_ref().map(|s| s.io_trace()).unwrap_or_default();
         let mut out = String::new();
-        for e in &events {
-            out += &serde_json::to_string(e)?;
+        for ev in &e.io_trace() {
+            out += &serde_json::to_string(ev)?;
             out.push('\n');
         }
         std::fs::write(p, out).with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(())
-}
-
-/// Per-run statistics: expert store counters for the run and peak RSS.
-pub fn run_stats(stats: Option<&StoreStats>, plan: Option<&Plan>) -> serde_json::Value {
-    let mut v = serde_json::json!({});
-    if let Some((peak, now)) = rss() {
-        v["peak_rss_bytes"] = peak.into();
-        v["rss_bytes"] = now.into();
-    }
-    if let Some(p) = plan {
-        v["budget_bytes"] = p.budget_bytes.into();
-        v["expert_cache_bytes"] = p.cache_bytes.into();
-    }
-    if let Some(s) = stats {
-        v["experts"] = serde_json::to_value(s).expect("stats serialize");
-        v["experts"]["hit_rate"] = s.hit_rate().into();
-        if let Some(r) = s.lookahead_recall() {
-            v["experts"]["lookahead_recall"] = r.into();
-        }
-    }
-    v
-}
-
-/// One line of the same statistics.
-pub fn render_stats(stats: Option<&StoreStats>) -> String {
-    let mut s = String::new();
-    if let Some(st) = stats {
-        s += &format!(
-            "experts: hit rate {:.1}%, {:.2} GB read in {} reads, waited {:.2}s on disk, computed {:.2}s",
-            100.0 * st.hit_rate(),
-            st.bytes_read as f64 / 1e9,
-            st.reads,
-            st.wait_seconds,
-            st.compute_seconds
-        );
-        if let Some(r) = st.lookahead_recall() {
-            s += &format!(", lookahead recall {:.1}%", 100.0 * r);
-        }
-        s += "; ";
-    }
-    if let Some((peak, _)) = rss() {
-        s += &format!("peak RSS {:.2} GiB", peak as f64 / GIB);
-    }
-    s
 }
 
 pub fn cmd_plan(dir: &Path, args: &StoreArgs, formats: &Policy, json: bool) -> Result<bool> {

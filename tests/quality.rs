@@ -227,6 +227,7 @@ fn quantized_containers_compute_their_declared_rounding_and_hold_their_quality()
                     ck: &ck,
                     manifest: &manifest,
                 },
+                charm_shared::quant::Activations::F32,
             )
             .unwrap();
             let s = compare(&got, &logits(&sim, &ids), v);

@@ -7,27 +7,30 @@ mod common;
 use std::path::Path;
 
 use charm_coordinator::generate::generate;
-use charm_coordinator::model::StreamOptions;
-use charm_coordinator::plan::{Plan, PlanInput};
+use charm_coordinator::plan::Plan;
 use charm_coordinator::sampling::{Sampler, SamplingParams};
-use charm_coordinator::{ForwardOptions, Model};
+use charm_coordinator::{Engine, EngineOptions, ForwardOptions, HistoryPolicy, Model};
 use common::*;
 use serde_json::Value;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// Streaming options for `ram` bytes (None: MemAvailable), planning `ctx` tokens.
-fn stream(ram: Option<u64>, ctx: usize) -> StreamOptions {
-    StreamOptions {
-        plan: PlanInput {
-            ram,
-            context: ctx,
-            batch_tokens: ctx,
-            history: None,
-            ..Default::default()
-        },
+fn stream(ram: Option<u64>, ctx: usize) -> EngineOptions {
+    EngineOptions {
+        ram,
+        context: ctx,
+        batch_tokens: Some(ctx),
+        history: HistoryPolicy::Off,
         ..Default::default()
     }
+}
+
+/// [`Engine::load`] of a container: the engine and its plan.
+fn load_streaming(dir: &Path, o: &EngineOptions) -> (Engine, Plan) {
+    let e = Engine::load(dir, o).unwrap();
+    let p = e.plan.clone().expect("a container is planned");
+    (e, p)
 }
 
 fn greedy(m: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
@@ -59,12 +62,11 @@ fn oracle_fixtures_are_bit_identical_at_every_expert_budget() {
         let ctx = ids.len() + 8;
         // reference: every expert decoded into RAM at load (no store)
         let ram = Model::load(&dir).unwrap();
-        assert!(ram.store.is_none());
         let want = logits(&ram, &ids);
         let want_tokens = greedy(&ram, &ids[..4], 8);
         drop(ram);
         // the budget arithmetic: resident part plus k experts per MoE layer
-        let (probe, p) = Model::load_streaming(&dir, &stream(Some(1 << 40), ctx)).unwrap();
+        let (probe, p) = load_streaming(&dir, &stream(Some(1 << 40), ctx));
         assert!(p.all_resident, "{name}");
         drop(probe);
         let layers = p.expert_layers as u64;
@@ -76,7 +78,8 @@ fn oracle_fixtures_are_bit_identical_at_every_expert_budget() {
             ),
             ("no expert cache", Some(p.resident_bytes)),
         ] {
-            let (m, plan) = Model::load_streaming(&dir, &stream(ram, ctx)).unwrap();
+            let (e, plan) = load_streaming(&dir, &stream(ram, ctx));
+            let m = &e.model;
             if ram.is_some() {
                 assert!(!plan.all_resident, "{name} {label}");
                 assert!(
@@ -84,7 +87,7 @@ fn oracle_fixtures_are_bit_identical_at_every_expert_budget() {
                     "{name} {label}"
                 );
             }
-            let got = logits(&m, &ids);
+            let got = logits(m, &ids);
             assert!(
                 got.iter()
                     .zip(&want)
@@ -92,7 +95,7 @@ fn oracle_fixtures_are_bit_identical_at_every_expert_budget() {
                 "{name} {label}: logits differ (max diff {})",
                 max_abs_diff(&got, &want)
             );
-            assert_eq!(greedy(&m, &ids[..4], 8), want_tokens, "{name} {label}");
+            assert_eq!(greedy(m, &ids[..4], 8), want_tokens, "{name} {label}");
             let s = m.experts.stats().unwrap();
             if label == "no expert cache" {
                 assert_eq!(plan.cache_bytes, 0, "{name}");
@@ -100,11 +103,11 @@ fn oracle_fixtures_are_bit_identical_at_every_expert_budget() {
                 assert!(s.reads > 0);
             }
             assert!(
-                s.cache_peak_bytes <= plan.cache_bytes + m.store.as_ref().unwrap().io_bytes(),
+                s.cache_peak_bytes <= plan.cache_bytes + e.store.as_ref().unwrap().io_bytes(),
                 "{name} {label}: cache peaked at {} bytes over capacity {} + I/O {}",
                 s.cache_peak_bytes,
                 plan.cache_bytes,
-                m.store.as_ref().unwrap().io_bytes()
+                e.store.as_ref().unwrap().io_bytes()
             );
         }
         std::fs::remove_dir_all(&dir).unwrap();
@@ -355,27 +358,28 @@ fn int8_activations_give_identical_logits_on_every_isa_and_budget() {
 
 /// A synthetic model of two MoE layers in `dir`, streamed by `readers` reader threads with room
 /// for `experts` cached experts; with the index of its first MoE layer.
-fn small_store(dir: &Path, experts: u64, readers: usize) -> (Model, Plan, usize) {
+fn small_store(dir: &Path, experts: u64, readers: usize) -> (Engine, Plan, usize) {
     synth(dir, &["--layers", "2"]);
     let mut o = stream(Some(1 << 40), 8);
-    o.plan.readers = readers;
-    let (probe, p) = Model::load_streaming(dir, &o).unwrap();
+    o.readers = readers;
+    let (probe, p) = load_streaming(dir, &o);
     drop(probe);
-    o.plan.ram = Some(p.resident_bytes + experts * p.expert_bytes + p.expert_bytes / 2);
-    let (m, p) = Model::load_streaming(dir, &o).unwrap();
+    o.ram = Some(p.resident_bytes + experts * p.expert_bytes + p.expert_bytes / 2);
+    let (m, p) = load_streaming(dir, &o);
     assert_eq!(p.cache_experts, experts, "{p:?}");
-    let layer = m.layers.iter().find(|l| l.index > 0).unwrap().index;
+    let layer = m.model.layers.iter().find(|l| l.index > 0).unwrap().index;
     (m, p, layer)
 }
 
 /// One forward step of one token through MoE layer `layer` of streamed model `m`, routed to
 /// `ids` with equal weights.
-fn one_token_step(m: &Model, layer: usize, ids: &[u32]) {
-    use charm_worker::{ExpertBatch, ExpertExecutor};
+fn one_token_step(m: &Engine, layer: usize, ids: &[u32]) {
+    use charm_shared::expert::{ExpertBatch, ExpertExecutor};
     let store = m.store.as_ref().expect("a container streams");
-    let x = vec![0.01f32; m.spec.hidden_size];
+    let x = vec![0.01f32; m.model.spec.hidden_size];
     store
         .run(ExpertBatch {
+            step: 0,
             layer,
             x: &x,
             n_tokens: 1,
@@ -395,16 +399,17 @@ fn a_step_needing_experts_only_guessed_early_does_not_wait_forever() {
     // no expert cache: every expert comes from disk
     let (m, _, layer) = small_store(&dir, 0, 4);
     let store = m.store.clone().expect("a container streams");
-    let hidden = m.spec.hidden_size;
+    let hidden = m.model.spec.hidden_size;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        use charm_worker::{ExpertBatch, ExpertExecutor};
+        use charm_shared::expert::{ExpertBatch, ExpertExecutor};
         // guesses for every expert: the first few fill the I/O allowance, the rest stay queued
         let all: Vec<u32> = (0..32).collect();
         store.prefetch_early(layer, &all);
         std::thread::sleep(std::time::Duration::from_millis(50));
         let x = vec![0.01f32; hidden];
         let r = store.run(ExpertBatch {
+            step: 0,
             layer,
             x: &x,
             n_tokens: 1,
@@ -434,7 +439,7 @@ fn a_read_ahead_that_could_only_displace_hotter_experts_is_not_read() {
     for _ in 0..3 {
         step(&[0, 1, 2, 3]);
     }
-    use charm_worker::ExpertExecutor;
+    use charm_shared::expert::ExpertExecutor;
     let before = store.stats().unwrap();
     store.prefetch(layer, &[10, 11, 12, 13], 4);
     // time for a reader to take every guess it would take
@@ -471,7 +476,7 @@ fn less_sure_lookahead_predictions_wait_for_an_idle_disk() {
     let dir = scratch("stream-sure");
     let (m, _, layer) = small_store(&dir, 16, 4);
     let store = m.store.clone().expect("a container streams");
-    use charm_worker::{ExpertBatch, ExpertExecutor};
+    use charm_shared::expert::{ExpertBatch, ExpertExecutor};
     store.prefetch(layer, &[7, 3, 0, 5, 1, 6], 3);
     // nothing else to read: the disk idles, and the rest follows
     std::thread::sleep(std::time::Duration::from_millis(300));
@@ -481,9 +486,10 @@ fn less_sure_lookahead_predictions_wait_for_an_idle_disk() {
         (3, 3, 6),
         "{s:?}"
     );
-    let x = vec![0.01f32; m.spec.hidden_size];
+    let x = vec![0.01f32; m.model.spec.hidden_size];
     store
         .run(ExpertBatch {
+            step: 0,
             layer,
             x: &x,
             n_tokens: 1,
@@ -510,17 +516,17 @@ fn the_routing_history_seeds_usage_frequencies() {
     let (m, p, layer) = small_store(&dir, 4, 4);
     drop(m);
     let mut o = stream(Some(p.budget_bytes), 8);
-    o.plan.history = Some(hist.clone());
-    o.plan.pin_fraction = 0.0;
-    let (m, _) = Model::load_streaming(&dir, &o).unwrap();
+    o.history = HistoryPolicy::File(hist.clone());
+    o.pin_fraction = 0.0;
+    let (m, _) = load_streaming(&dir, &o);
     for _ in 0..8 {
         one_token_step(&m, layer, &[0, 1, 2, 3]);
     }
     m.store.as_ref().unwrap().save_history().unwrap();
     drop(m);
-    let (m, _) = Model::load_streaming(&dir, &o).unwrap();
+    let (m, _) = load_streaming(&dir, &o);
     let store = m.store.clone().unwrap();
-    use charm_worker::ExpertExecutor;
+    use charm_shared::expert::ExpertExecutor;
     assert_eq!(store.stats().unwrap().pinned, 0);
     one_token_step(&m, layer, &[0, 1, 2, 3]);
     one_token_step(&m, layer, &[8, 9, 10, 11]);
@@ -853,4 +859,56 @@ fn routing_history_pins_experts_and_refuses_another_model() {
     for d in [a, b, hdir] {
         std::fs::remove_dir_all(d).unwrap();
     }
+}
+
+#[test]
+fn two_activation_modes_in_one_process_match_two_processes() {
+    // The activation mode is a load option of each model: an f32 and an int8 model loaded side
+    // by side (weights in different layouts where the VNNI path runs) each give the bits the
+    // command line gives for its mode in a process of its own.
+    use charm_shared::quant::Activations;
+    let dir = scratch("two-modes");
+    synth(&dir, &["--layers", "2"]);
+    let ids = [5u32, 17, 3, 99, 100, 7, 8, 9];
+    let load = |activations| {
+        Engine::load(
+            &dir,
+            &EngineOptions {
+                activations,
+                ..stream(None, 16)
+            },
+        )
+        .unwrap()
+    };
+    let int8 = load(Activations::Int8);
+    let f32 = load(Activations::F32);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let got_int8 = bits(&logits(&int8.model, &ids));
+    let got_f32 = bits(&logits(&f32.model, &ids));
+    assert_eq!(bits(&logits(&int8.model, &ids)), got_int8);
+    assert_ne!(got_int8, got_f32, "the two modes should round differently");
+    let list = ids.map(|i| i.to_string()).join(",");
+    for (mode, got) in [("int8", &got_int8), ("f32", &got_f32)] {
+        let out = dir.join(format!("logits-{mode}.safetensors"));
+        let (ok, _, err) = charm(&[
+            "logits",
+            "--model",
+            dir.to_str().unwrap(),
+            "--ids",
+            &list,
+            "--out",
+            out.to_str().unwrap(),
+            "--activations",
+            mode,
+            "--mla",
+            "absorbed",
+            "--history",
+            "none",
+        ]);
+        assert!(ok, "{err}");
+        let (_, want) = tensor_f32(&out, "logits");
+        assert!(bits(&want) == *got, "{mode}: in-process logits differ");
+    }
+    drop((int8, f32));
+    std::fs::remove_dir_all(&dir).unwrap();
 }

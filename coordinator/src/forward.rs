@@ -4,11 +4,11 @@
 //! attend causally to everything cached.
 
 use charm_shared::config::{AttentionSpec, GqaSpec, IndexerKind, MlaSpec};
+use charm_shared::expert::{ExpertBatch, ExpertError, LookaheadPolicy};
 use charm_shared::kernels::{
     axpy, dot, dots, layer_norm, rms_norm, softmax, weighted_rows, Linear,
 };
 use charm_shared::routing::{route, top_k};
-use charm_worker::{ExpertBatch, ExpertError};
 use rayon::prelude::*;
 
 use crate::cache::{KvCache, LayerCache};
@@ -28,20 +28,6 @@ fn by_rank(ids: &[u32], n: usize, ranks: usize) -> Vec<u32> {
         .flat_map(|r| ids.chunks_exact(k).map(move |t| t[r]))
         .collect()
 }
-
-/// Of a token's `k` lookahead predictions (its router's choices on the layer's input, best
-/// first), how many are read as soon as there is room; the rest only while the disk idles. On the
-/// synthetic GLM-5.2 model (top-8) ranks 1-4 were right 95-100% of the time, rank 5 83%, ranks 6-8
-/// 62-68%: read eagerly, those made over half of the wasted bytes whenever an expert cache left the
-/// disk time (1.3 of 7.0 GB with a 4 GiB budget; 0.6 reading only the first 5 eagerly).
-fn lookahead_sure_ranks(k: usize) -> usize {
-    (5 * k).div_ceil(8)
-}
-
-/// Steps of more tokens than this make no early guesses (see `Model::guess_next_moe`): a prefill's
-/// own lookahead already covers most of what it reads, and guessing there was measured to slow it
-/// (8% with a 4 GiB expert cache, five alternating runs).
-const EARLY_GUESS_MAX_TOKENS: usize = 4;
 
 /// RMSNorm epsilon of MLA's `q_a_layernorm` / `kv_a_layernorm` (transformers builds them with the
 /// default 1e-6, not `rms_norm_eps`).
@@ -172,6 +158,8 @@ impl Model {
         rms_norm(&mut x, &self.norm, spec.rms_norm_eps);
         debug_assert_eq!(x.len(), n * h);
         self.experts.step_end();
+        self.steps
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(x)
     }
 
@@ -285,12 +273,12 @@ impl Model {
         // Router lookahead: this layer's router on its input (normed as its feed-forward input
         // will be) predicts its experts before attention runs, so a streaming store reads them
         // while attention computes.
-        if let Some(ids) = self.predict_experts(layer, x, n) {
+        if let Some((ids, policy)) = self.predict_experts(layer, x, n) {
             let k = ids.len() / n.max(1);
             self.experts.prefetch(
                 layer.index,
                 &by_rank(&ids, n, usize::MAX),
-                n * lookahead_sure_ranks(k),
+                n * policy.sure_ranks(k),
             );
         } else {
             // a dense layer: guess at the next MoE layer already (read while the disk idles)
@@ -353,16 +341,21 @@ impl Model {
                 if let Some(tr) = trace {
                     tr.router.push(picks);
                 }
-                let mut y = self.experts.run(ExpertBatch {
+                // Routed experts start first (they may run elsewhere); the shared expert
+                // computes meanwhile and is added after their sum, in that order everywhere.
+                let routed = self.experts.start(ExpertBatch {
+                    step: self.steps.load(std::sync::atomic::Ordering::Relaxed),
                     layer: layer.index,
                     x: &f,
                     n_tokens: n,
                     ids: &ids,
                     weights: &weights,
                     top_k: k,
-                })?;
-                if let Some(s) = shared {
-                    for (a, b) in y.iter_mut().zip(s.forward(&f, n)) {
+                });
+                let shared_y = shared.as_ref().map(|s| s.forward(&f, n));
+                let mut y = routed.wait()?;
+                if let Some(sy) = shared_y {
+                    for (a, b) in y.iter_mut().zip(sy) {
                         *a += b;
                     }
                 }
@@ -380,7 +373,11 @@ impl Model {
     /// residual stream a layer or more before it, read by a streaming store only while its disk
     /// would otherwise idle (between this layer's reads and that layer's own lookahead).
     fn guess_next_moe(&self, layer: &LayerWeights, x: &[f32], n: usize) {
-        if n > EARLY_GUESS_MAX_TOKENS {
+        if self
+            .experts
+            .lookahead()
+            .is_none_or(|p| n > p.early_max_tokens)
+        {
             return;
         }
         let Some(next) = self
@@ -390,23 +387,26 @@ impl Model {
         else {
             return;
         };
-        if let Some(ids) = self.predict_experts(next, x, n) {
-            // by rank: every token's first choice, then every token's second, ... down to a
-            // quarter of its choices (measured: the lower ranks, mostly wrong guesses with an
-            // expert cache, only added wasted reads)
+        if let Some((ids, policy)) = self.predict_experts(next, x, n) {
+            // by rank: every token's first choice, then every token's second, ... down to the
+            // ranks the executor's policy keeps
             let k = ids.len() / n.max(1);
             self.experts
-                .prefetch_early(next.index, &by_rank(&ids, n, (k / 4).max(1)));
+                .prefetch_early(next.index, &by_rank(&ids, n, policy.early_ranks(k)));
         }
     }
 
     /// The experts MoE layer `layer` will probably choose for the residual stream `x`: its router
-    /// on `x` normed by its post-attention norm (attention's update is not yet added). `None`
-    /// for dense layers or when the store keeps every expert in RAM.
-    fn predict_experts(&self, layer: &LayerWeights, x: &[f32], n: usize) -> Option<Vec<u32>> {
-        if !self.experts.wants_lookahead() {
-            return None;
-        }
+    /// on `x` normed by its post-attention norm (attention's update is not yet added), with the
+    /// executor's policy for them. `None` for dense layers or when the executor wants no
+    /// predictions (every expert in RAM).
+    fn predict_experts(
+        &self,
+        layer: &LayerWeights,
+        x: &[f32],
+        n: usize,
+    ) -> Option<(Vec<u32>, LookaheadPolicy)> {
+        let policy = self.experts.lookahead()?;
         let FfnWeights::Moe {
             router,
             correction_bias,
@@ -418,12 +418,11 @@ impl Model {
         let rs = self.spec.router.as_ref()?;
         let mut f = x.to_vec();
         rms_norm(&mut f, &layer.post_norm, self.spec.rms_norm_eps);
-        Some(
-            route_tokens(router, correction_bias.as_deref(), rs, &f, n)
-                .into_iter()
-                .flat_map(|r| r.ids)
-                .collect(),
-        )
+        let ids = route_tokens(router, correction_bias.as_deref(), rs, &f, n)
+            .into_iter()
+            .flat_map(|r| r.ids)
+            .collect();
+        Some((ids, policy))
     }
 
     /// Multi-head latent attention over the cache (with optional DSA selection).
@@ -746,7 +745,7 @@ fn gqa(
 
 #[cfg(test)]
 mod tests {
-    use super::{by_rank, lookahead_sure_ranks};
+    use super::by_rank;
 
     #[test]
     fn predictions_are_queued_by_rank_across_tokens() {
@@ -756,7 +755,5 @@ mod tests {
         assert_eq!(by_rank(&ids, 2, 1), vec![7, 4]);
         assert_eq!(by_rank(&ids, 2, usize::MAX), vec![7, 4, 2, 7, 9, 1]);
         assert!(by_rank(&[], 1, 2).is_empty());
-        let sure: Vec<usize> = [1, 2, 4, 6, 8, 10].map(lookahead_sure_ranks).to_vec();
-        assert_eq!(sure, vec![1, 2, 3, 4, 5, 7]);
     }
 }

@@ -2,9 +2,14 @@
 //! present (no tensor data is read), or from config.json alone.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 
 use charm_shared::checkpoint::Checkpoint;
 use charm_shared::config::{AttentionSpec, IndexerKind, MlpKind, ModelSpec};
+use charm_shared::LoadError;
+
+use crate::cache::KvCache;
+use crate::plan::human;
 
 /// Where a tensor belongs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -175,5 +180,176 @@ impl Accounting {
 
     pub fn total_params(&self) -> u64 {
         self.params.values().sum()
+    }
+}
+
+/// What `charm info` shows about a model directory: architecture, parameters and bytes per part,
+/// active bytes per token, KV cache per token.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub spec: ModelSpec,
+    pub accounting: Accounting,
+    /// Where the figures come from (checkpoint headers, or config.json alone).
+    pub source: &'static str,
+}
+
+/// The parts in the order `charm info` lists them, with their JSON names.
+const PARTS: [(&str, Part); 5] = [
+    ("dense", Part::Dense),
+    ("routed_experts", Part::Routed),
+    ("embedding", Part::Embedding),
+    ("head", Part::Head),
+    ("mtp", Part::Mtp),
+];
+
+impl ModelInfo {
+    /// Reads `dir`: from its safetensors headers when it has weights (no tensor data is read),
+    /// else from `config.json` alone (bf16 assumed).
+    pub fn read(dir: &Path) -> Result<Self, LoadError> {
+        let spec = ModelSpec::from_dir(dir)?;
+        let has_weights = std::fs::read_dir(dir)
+            .map_err(|source| LoadError::Io {
+                path: dir.to_path_buf(),
+                source,
+            })?
+            .filter_map(|e| e.ok())
+            .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"));
+        let (accounting, source) = if has_weights {
+            let ck = Checkpoint::open(dir)?;
+            (
+                Accounting::from_checkpoint(&spec, &ck),
+                "checkpoint headers",
+            )
+        } else {
+            (
+                Accounting::from_spec(&spec, 2.0),
+                "config.json only (bf16 assumed)",
+            )
+        };
+        Ok(Self {
+            spec,
+            accounting,
+            source,
+        })
+    }
+
+    fn part(m: &BTreeMap<Part, u64>, p: Part) -> u64 {
+        m.get(&p).copied().unwrap_or(0)
+    }
+
+    fn attention(&self) -> String {
+        match &self.spec.attention {
+            AttentionSpec::Mla(m) => format!(
+                "MLA (heads {}, q_lora {:?}, kv_lora {}, rope {}, v {})",
+                m.n_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim, m.v_head_dim
+            ),
+            AttentionSpec::Gqa(q) => format!(
+                "GQA (heads {}, kv heads {}, head dim {})",
+                q.n_heads, q.n_kv_heads, q.head_dim
+            ),
+        }
+    }
+
+    fn router(&self) -> Option<String> {
+        self.spec.router.as_ref().map(|r| {
+            format!(
+                "{:?} {} experts top-{} (groups {}/{}), scale {}",
+                r.scoring, r.n_experts, r.top_k, r.topk_group, r.n_group, r.routed_scaling_factor
+            )
+        })
+    }
+
+    fn kv_bytes_per_token(&self) -> usize {
+        KvCache::floats_per_token(&self.spec) * 4
+    }
+
+    /// The JSON `charm info --json` prints.
+    pub fn to_json(&self) -> serde_json::Value {
+        let (spec, acc) = (&self.spec, &self.accounting);
+        let mut p = serde_json::Map::new();
+        let mut b = serde_json::Map::new();
+        for (n, part) in PARTS {
+            p.insert(n.into(), Self::part(&acc.params, part).into());
+            b.insert(n.into(), Self::part(&acc.bytes, part).into());
+        }
+        serde_json::json!({
+            "architecture": spec.arch.model_type(),
+            "source": self.source,
+            "layers": spec.layers.len(),
+            "moe_layers": spec.moe_layers(),
+            "hidden_size": spec.hidden_size,
+            "vocab_size": spec.vocab_size,
+            "attention": self.attention(),
+            "router": self.router(),
+            "dsa_index_topk": spec.dsa.as_ref().map(|d| d.topk),
+            "mtp_layers": spec.mtp_layers,
+            "params": p,
+            "total_params": acc.total_params(),
+            "bytes": b,
+            "bytes_per_dtype": acc.dtype_bytes,
+            "active_params_per_token": acc.active_params_per_token,
+            "active_bytes_per_token": acc.active_bytes_per_token,
+            "kv_cache_bytes_per_token_f32": self.kv_bytes_per_token(),
+        })
+    }
+
+    /// The text `charm info` prints.
+    pub fn render(&self) -> String {
+        use std::fmt::Write;
+        let (spec, acc) = (&self.spec, &self.accounting);
+        let mut s = String::new();
+        let _ = writeln!(s, "architecture   {}", spec.arch.model_type());
+        let _ = writeln!(s, "source         {}", self.source);
+        let _ = writeln!(
+            s,
+            "layers         {} ({} MoE), hidden {}, vocab {}",
+            spec.layers.len(),
+            spec.moe_layers(),
+            spec.hidden_size,
+            spec.vocab_size
+        );
+        let _ = writeln!(s, "attention      {}", self.attention());
+        if let Some(d) = &spec.dsa {
+            let _ = writeln!(
+                s,
+                "sparse attn    DSA indexer: {} heads x {}, top-{} keys",
+                d.n_heads, d.head_dim, d.topk
+            );
+        }
+        if let Some(r) = self.router() {
+            let _ = writeln!(s, "router         {r}");
+        }
+        let _ = writeln!(s, "mtp layers     {}", spec.mtp_layers);
+        let _ = writeln!(
+            s,
+            "parameters     {:.3} B total",
+            acc.total_params() as f64 / 1e9
+        );
+        for (n, part) in PARTS {
+            let _ = writeln!(
+                s,
+                "  {n:<15} {:>16} params  {:>12}",
+                Self::part(&acc.params, part),
+                human(Self::part(&acc.bytes, part))
+            );
+        }
+        if !acc.dtype_bytes.is_empty() {
+            let _ = writeln!(s, "bytes per dtype");
+            for (d, b) in &acc.dtype_bytes {
+                let _ = writeln!(s, "  {d:<15} {:>12}", human(*b));
+            }
+        }
+        let _ = writeln!(
+            s,
+            "active/token   {:.3} B params, {} read per decoded token",
+            acc.active_params_per_token as f64 / 1e9,
+            human(acc.active_bytes_per_token)
+        );
+        let _ = writeln!(
+            s,
+            "kv cache       {} per token (f32)",
+            human(self.kv_bytes_per_token() as u64)
+        );
+        s
     }
 }

@@ -1,8 +1,9 @@
 //! charm's coordinator: the dense forward pass, the KV cache, routing and decoding.
 //!
 //! # Layout
+//! - [`engine`]: the one loader: model directory + options -> model, expert executor, plan.
 //! - [`model`]: weights of the dense skeleton, loaded from a checkpoint; routed experts are
-//!   handed to an [`charm_worker::ExpertExecutor`].
+//!   handed to an [`charm_shared::expert::ExpertExecutor`].
 //! - [`evaluate`]: held-out perplexity, MTP draft acceptance, routing skew.
 //! - [`forward`]: the forward pass (MLA / GQA attention, DSA selection, MoE), the MTP head, traces.
 //! - [`convert`]: Hugging Face checkpoint -> charm container, resumable.
@@ -20,6 +21,7 @@
 pub mod cache;
 pub mod convert;
 pub mod doctor;
+pub mod engine;
 pub mod evaluate;
 pub mod forward;
 pub mod generate;
@@ -33,5 +35,6 @@ pub mod synth;
 pub mod tokenizer;
 
 pub use cache::KvCache;
+pub use engine::{Engine, EngineOptions, HistoryPolicy};
 pub use forward::{ForwardError, ForwardOptions, MlaMode, Trace};
 pub use model::Model;

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use charm_shared::checkpoint::Checkpoint;
 use charm_shared::config::{AttentionSpec, IndexerKind, MlpKind, ModelSpec};
 use charm_shared::container::Container;
+use charm_shared::expert::ExpertExecutor;
 use charm_shared::kernels::{Linear, Matrix, SwiGlu};
+use charm_shared::quant::Activations;
 use charm_shared::LoadError;
-use charm_worker::{ExpertExecutor, RamExperts, StoreOptions, StreamingExperts};
-
-use crate::plan::{Plan, PlanInput};
+use charm_worker::RamExperts;
 
 /// MLA projections of one layer.
 #[derive(Debug)]
@@ -118,9 +118,12 @@ pub struct Model {
     /// `[vocab, hidden]`; `None` when tied to the embedding.
     pub lm_head: Option<Linear>,
     pub mtp: Option<MtpWeights>,
+    /// Whoever holds the routed experts: RAM, a streaming store, remote workers.
     pub experts: Arc<dyn ExpertExecutor>,
-    /// The streaming store behind `experts`, in single-box streaming mode.
-    pub store: Option<Arc<StreamingExperts>>,
+    /// How activations meet quantized weights in this model (a load option).
+    pub activations: Activations,
+    /// Forward steps run so far: names each step's expert requests ([`charm_shared::expert::ExpertBatch::step`]).
+    pub steps: std::sync::atomic::AtomicU64,
     /// Set when a DSA model was loaded without its indexer weights: attention is then dense,
     /// which is exact only up to this many tokens (`index_topk`); longer contexts are refused.
     pub dense_attention_limit: Option<usize>,
@@ -275,31 +278,12 @@ impl WeightSource for Container {
     }
 }
 
-/// Options of [`Model::load_streaming`].
-#[derive(Debug, Clone)]
-pub struct StreamOptions {
-    pub plan: PlanInput,
-    /// Try `O_DIRECT` reads (buffered where the filesystem refuses).
-    pub direct: bool,
-    /// Record the store's I/O timeline.
-    pub trace: bool,
-}
-
-impl Default for StreamOptions {
-    fn default() -> Self {
-        Self {
-            plan: PlanInput::default(),
-            direct: true,
-            trace: false,
-        }
-    }
-}
-
 struct Loader<'a> {
     src: &'a dyn WeightSource,
     spec: &'a ModelSpec,
-    /// Load routed experts into RAM (false: they stay on disk for a streaming store).
+    /// Load routed experts into RAM (false: another executor holds them).
     experts: bool,
+    act: Activations,
 }
 
 impl Loader<'_> {
@@ -310,7 +294,9 @@ impl Loader<'_> {
         self.src.matrix(name, rows, cols)
     }
     fn lin(&self, name: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
-        self.src.linear(name, rows, cols).map(Linear::prepared)
+        self.src
+            .linear(name, rows, cols)
+            .map(|l| l.prepared(self.act))
     }
     fn mlp(&self, p: &str, inter: usize) -> Result<SwiGlu, LoadError> {
         let h = self.spec.hidden_size;
@@ -438,7 +424,18 @@ impl Loader<'_> {
                 };
                 experts.resize_with(experts.len().max(index + 1), || None);
                 if self.experts {
-                    experts[index] = Some(self.src.experts(index, self.spec)?);
+                    let act = self.act;
+                    experts[index] = Some(
+                        self.src
+                            .experts(index, self.spec)?
+                            .into_iter()
+                            .map(|e| SwiGlu {
+                                gate: e.gate.with_activations(act),
+                                up: e.up.with_activations(act),
+                                down: e.down.with_activations(act),
+                            })
+                            .collect(),
+                    );
                 }
                 FfnWeights::Moe {
                     router: self.mat(&format!("{p}mlp.gate.weight"), r.n_experts, h)?,
@@ -474,89 +471,60 @@ impl Loader<'_> {
     }
 }
 
-impl Model {
-    /// Loads `dir` (config.json + safetensors shards) with every routed expert in RAM.
-    /// A charm container (`charm.json` present) loads with its stored formats.
-    pub fn load(dir: &Path) -> Result<Self, LoadError> {
-        if Container::is_container(dir) {
-            let (spec, c) = crate::plan::open_container(dir)?;
-            return Self::from_source(spec, &c);
-        }
-        let spec = ModelSpec::from_dir(dir)?;
-        if charm_shared::colibri::is_colibri(dir) {
-            return Self::from_source(spec, &ColibriSource(Checkpoint::open(dir)?));
-        }
-        let ck = Checkpoint::open(dir)?;
-        Self::from_checkpoint(spec, &ck)
-    }
-
-    /// Builds the model from an opened checkpoint.
-    pub fn from_checkpoint(spec: ModelSpec, ck: &Checkpoint) -> Result<Self, LoadError> {
-        Self::from_source(spec, ck)
-    }
-
-    /// Builds the model from any weight source.
-    pub fn from_source(spec: ModelSpec, ck: &dyn WeightSource) -> Result<Self, LoadError> {
-        Self::build(spec, ck, None)
-    }
-
-    /// Loads a charm container's dense skeleton and streams its routed experts from disk through
-    /// a RAM cache sized by [`crate::plan`]. Refuses, saying what would fit, when the budget
-    /// cannot hold the skeleton and a minimal expert cache.
-    pub fn load_streaming(dir: &Path, opts: &StreamOptions) -> Result<(Self, Plan), LoadError> {
+/// A model directory opened for loading: its spec and where its weights come from (a charm
+/// container, a colibrì conversion or a Hugging Face checkpoint). The one place that tells them
+/// apart.
+pub fn open_source(dir: &Path) -> Result<(ModelSpec, Box<dyn WeightSource>), LoadError> {
+    if Container::is_container(dir) {
         let (spec, c) = crate::plan::open_container(dir)?;
-        let p = crate::plan::plan_container(dir, &spec, &c, &opts.plan)?;
-        if !p.fits {
-            return Err(LoadError::config(dir, p.refusal()));
-        }
-        let store = StreamingExperts::open(
-            &c,
-            spec.hidden_size,
-            spec.moe_intermediate_size,
-            StoreOptions {
-                cache_bytes: p.cache_bytes,
-                readers: opts.plan.readers,
-                direct: opts.direct,
-                pin_fraction: if p.all_resident {
-                    0.0
-                } else {
-                    opts.plan.pin_fraction
-                },
-                history: opts.plan.history.clone(),
-                trace: opts.trace,
-                top_k: spec.router.as_ref().map_or(0, |r| r.top_k),
-                ..Default::default()
-            },
-        )
-        .map_err(|e| LoadError::config(dir, e.to_string()))?;
-        let store = Arc::new(store);
-        if p.all_resident {
-            store.warm_all();
-        }
-        let mut m = Self::build(spec, &c, Some(store.clone()))?;
-        // Pinned and (when everything fits) all experts finish loading before the first token.
-        store
-            .wait_warm()
-            .map_err(|e| LoadError::config(dir, e.to_string()))?;
-        m.store = Some(store);
-        Ok((m, p))
+        return Ok((spec, Box::new(c)));
+    }
+    let spec = ModelSpec::from_dir(dir)?;
+    let ck = Checkpoint::open(dir)?;
+    if charm_shared::colibri::is_colibri(dir) {
+        return Ok((spec, Box::new(ColibriSource(ck))));
+    }
+    Ok((spec, Box::new(ck)))
+}
+
+impl Model {
+    /// Loads `dir` (config.json + safetensors shards, a colibrì conversion or a charm
+    /// container) with every routed expert in RAM and f32 activations. [`crate::engine`] loads
+    /// with a RAM budget (streaming a container's experts) and the other options.
+    pub fn load(dir: &Path) -> Result<Self, LoadError> {
+        let (spec, src) = open_source(dir)?;
+        Self::build(spec, &*src, None, Activations::F32)
     }
 
-    fn build(
+    /// Builds the model from any weight source, every routed expert in RAM.
+    pub fn from_source(
         spec: ModelSpec,
-        ck: &dyn WeightSource,
-        store: Option<Arc<StreamingExperts>>,
+        src: &dyn WeightSource,
+        act: Activations,
     ) -> Result<Self, LoadError> {
+        Self::build(spec, src, None, act)
+    }
+
+    /// Builds the dense skeleton from `src`; routed experts run on `experts` (`None`: loaded
+    /// from `src` into RAM).
+    pub fn build(
+        spec: ModelSpec,
+        src: &dyn WeightSource,
+        executor: Option<Arc<dyn ExpertExecutor>>,
+        act: Activations,
+    ) -> Result<Self, LoadError> {
+        let ck = src;
         let l = Loader {
-            src: ck,
+            src,
             spec: &spec,
-            experts: store.is_none(),
+            experts: executor.is_none(),
+            act,
         };
         let (v, h) = (spec.vocab_size, spec.hidden_size);
-        let mut experts: Vec<Option<Vec<SwiGlu>>> = Vec::new();
+        let mut ram_experts: Vec<Option<Vec<SwiGlu>>> = Vec::new();
         let mut layers = Vec::with_capacity(spec.layers.len());
         for (i, ls) in spec.layers.iter().enumerate() {
-            layers.push(l.layer(i, ls.mlp, ls.indexer, &mut experts)?);
+            layers.push(l.layer(i, ls.mlp, ls.indexer, &mut ram_experts)?);
         }
         let embed = l.lin("model.embed_tokens.weight", v, h)?;
         let lm_head = if spec.tie_word_embeddings && !ck.has("lm_head.weight") {
@@ -576,7 +544,7 @@ impl Model {
                     IndexerKind::Shared
                 }
             });
-            let layer = l.layer(n, MlpKind::Moe, kind, &mut experts)?;
+            let layer = l.layer(n, MlpKind::Moe, kind, &mut ram_experts)?;
             Some(MtpWeights {
                 enorm: l.vec(&format!("{mtp_prefix}enorm.weight"), h)?,
                 hnorm: l.vec(&format!("{mtp_prefix}hnorm.weight"), h)?,
@@ -602,17 +570,18 @@ impl Model {
                 .any(|l| l.indexer_kind == Some(IndexerKind::Full) && l.indexer.is_none())
                 .then_some(d.topk)
         });
-        let executor: Arc<dyn ExpertExecutor> = match &store {
-            Some(s) => s.clone(),
+        let executor: Arc<dyn ExpertExecutor> = match executor {
+            Some(e) => e,
             None => Arc::new(RamExperts {
                 hidden: h,
-                layers: experts,
+                layers: ram_experts,
             }),
         };
         Ok(Self {
             dense_attention_limit,
             experts: executor,
-            store: None,
+            activations: act,
+            steps: Default::default(),
             spec,
             embed,
             layers,

@@ -124,5 +124,6 @@ pub fn linear(ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<L
         scales: scales.into(),
         mins: mins.into(),
         layout: Layout::RowMajor,
+        act: crate::quant::Activations::F32,
     }))
 }

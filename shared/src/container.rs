@@ -538,6 +538,7 @@ impl Container {
             scales,
             mins,
             layout: Layout::RowMajor,
+            act: crate::quant::Activations::F32,
         }))
     }
 

@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use crate::quant::{activations, active_isa, Activations, Isa, QMatrix};
+use crate::quant::{active_isa, Activations, Isa, QMatrix};
 
 /// A row-major `[rows, cols]` f32 weight (PyTorch `nn.Linear.weight` layout: `[out, in]`).
 #[derive(Clone, PartialEq)]
@@ -384,10 +384,11 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
-/// Whether weights loaded now should take [`crate::quant::Layout::Lanes16`]: the process multiplies with int8
-/// activations on the VNNI path, the one kernel that reads that layout directly.
-pub fn lanes_wanted() -> bool {
-    active_isa() == Isa::Avx512Vnni && activations() == Activations::Int8
+/// Whether weights multiplied with activations `act` should take
+/// [`crate::quant::Layout::Lanes16`]: int8 activations on the VNNI path, the one kernel that reads
+/// that layout directly.
+pub fn lanes_wanted(act: Activations) -> bool {
+    active_isa() == Isa::Avx512Vnni && act == Activations::Int8
 }
 
 /// A linear layer's weight `[out, in]`: f32, or quantized ([`QMatrix`]) and multiplied by the
@@ -415,15 +416,23 @@ impl Linear {
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
         match self {
             Self::F32(m) => m.matmul(x, n),
-            Self::Quant(q) => q.matmul_with(x, n, active_isa(), activations()),
+            Self::Quant(q) => q.matmul_with(x, n, active_isa(), q.act),
         }
     }
-    /// This weight in the memory layout the process's kernels run fastest on: quantized
-    /// weights go to [`crate::quant::Layout::Lanes16`] where [`lanes_wanted`] and the shape allows. The
-    /// products are bit-identical either way.
-    pub fn prepared(self) -> Self {
+    /// This weight multiplied with activations `act` (see [`QMatrix::act`]; f32 weights are
+    /// unaffected).
+    pub fn with_activations(self, act: Activations) -> Self {
         match self {
-            Self::Quant(q) if lanes_wanted() && q.lanes_apply() => {
+            Self::Quant(q) => Self::Quant(QMatrix { act, ..q }),
+            other => other,
+        }
+    }
+    /// [`Self::with_activations`], in the memory layout the kernels run fastest on: quantized
+    /// weights go to [`crate::quant::Layout::Lanes16`] where [`lanes_wanted`] and the shape
+    /// allow. The products are bit-identical either way.
+    pub fn prepared(self, act: Activations) -> Self {
+        match self.with_activations(act) {
+            Self::Quant(q) if lanes_wanted(act) && q.lanes_apply() => {
                 Self::Quant(q.to_lanes().expect("lanes apply"))
             }
             other => other,

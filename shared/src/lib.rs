@@ -11,6 +11,8 @@
 //! - [`kernels`]: f32 matmul, norms, activations, the SwiGLU block.
 //! - [`quant`]: int8 / int4 / int2 / bf16 weight formats and their run-time-dispatched kernels.
 //! - [`routing`]: pure MoE routing maths.
+//! - [`expert`]: the routed-expert seam: [`expert::ExpertExecutor`], its batch, errors and
+//!   statistics, and the grouping and ascending-order combine every executor shares.
 //! - [`error`]: load errors that name the file and tensor.
 
 pub mod arch;
@@ -20,6 +22,7 @@ pub mod config;
 pub mod container;
 pub mod dtype;
 pub mod error;
+pub mod expert;
 pub mod kernels;
 pub mod quant;
 pub mod routing;

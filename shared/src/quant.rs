@@ -116,21 +116,6 @@ pub enum Activations {
     Int8,
 }
 
-static ACTIVATIONS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-/// Sets the process-wide activation mode used by [`crate::kernels::Linear::matmul`].
-pub fn set_activations(a: Activations) {
-    ACTIVATIONS.store(a as u8, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// The process-wide activation mode.
-pub fn activations() -> Activations {
-    match ACTIVATIONS.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => Activations::Int8,
-        _ => Activations::F32,
-    }
-}
-
 /// Why a matrix cannot be quantized as asked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QuantError {
@@ -252,6 +237,9 @@ pub struct QMatrix {
     /// `[rows, cols / group]` offsets (int2 only).
     pub mins: WeightFloats,
     pub layout: Layout,
+    /// How [`crate::kernels::Linear::matmul`] multiplies activations with this matrix: a load
+    /// option of the model holding it (two models in one process may differ).
+    pub act: Activations,
 }
 
 impl std::fmt::Debug for QMatrix {
@@ -296,6 +284,7 @@ impl QMatrix {
             scales: WeightFloats::default(),
             mins: WeightFloats::default(),
             layout: Layout::RowMajor,
+            act: Activations::F32,
         };
         let (mut scales, mut mins) = (Vec::new(), Vec::new());
         let mut data: Vec<u8> = Vec::with_capacity(rows * q.row_bytes());
@@ -418,6 +407,7 @@ impl QMatrix {
             scales: WeightFloats::default(),
             mins: self.mins.clone(),
             layout: self.layout,
+            act: self.act,
         }
     }
 

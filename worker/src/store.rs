@@ -33,13 +33,16 @@ use charm_shared::container::{
     check_expert, decode_expert_shared, expert_to_lanes, Container, ExpertLayer,
 };
 use charm_shared::kernels::{lanes_wanted, Linear, SwiGlu};
-use charm_shared::quant::SharedBytes;
+use charm_shared::quant::{Activations, SharedBytes};
 use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::history::History;
 use crate::io::{AlignedBuf, RecordFile, DIRECT_ALIGN};
-use crate::{combine, gather, plan_runs, ExpertBatch, ExpertError, ExpertExecutor};
+use charm_shared::expert::{
+    combine, gather, plan_runs, ExpertBatch, ExpertError, ExpertExecutor, ExpertStats,
+    LookaheadPolicy,
+};
 
 /// How the store runs.
 #[derive(Debug, Clone)]
@@ -65,6 +68,8 @@ pub struct StoreOptions {
     pub prior_steps: f64,
     /// Record an I/O timeline (see [`StreamingExperts::io_trace`]).
     pub trace: bool,
+    /// How activations meet the experts' weights (decides their in-memory layout too).
+    pub activations: Activations,
 }
 
 impl Default for StoreOptions {
@@ -80,94 +85,29 @@ impl Default for StoreOptions {
             top_k: 0,
             prior_steps: 32.0,
             trace: false,
+            activations: Activations::F32,
         }
     }
 }
 
-/// What the store did, for one run or since start.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct StoreStats {
-    /// Expert uses served from RAM.
-    pub hits: u64,
-    /// Expert uses that waited for (or found in flight) a disk read.
-    pub misses: u64,
-    /// Expert records read from disk and their bytes.
-    pub reads: u64,
-    pub bytes_read: u64,
-    /// Seconds reader threads spent in reads (summed over readers).
-    pub read_seconds: f64,
-    /// Seconds the forward pass waited for experts to arrive.
-    pub wait_seconds: f64,
-    /// Seconds spent computing experts.
-    pub compute_seconds: f64,
-    pub evictions: u64,
-    /// Experts used once and not admitted to the cache (admission control).
-    pub not_admitted: u64,
-    /// Reads whose expert was never used (read ahead, then dropped or evicted), and their bytes:
-    /// `bytes_read - wasted_bytes` is what the disk delivered to the computation.
-    pub wasted_reads: u64,
-    pub wasted_bytes: u64,
-    /// Misses whose read-ahead had already arrived when the layer ran (no wait).
-    pub read_ahead_in_time: u64,
-    /// Lookahead: experts predicted for a layer before it ran, reads started for them, and how many
-    /// of the experts the layer then used had been predicted (recall = hits / used).
-    pub lookahead_reads: u64,
-    pub lookahead_used: u64,
-    pub lookahead_predicted_used: u64,
-    /// Early guesses (see [`ExpertExecutor::prefetch_early`]) read while the disk was otherwise
-    /// idle, and how many of them the layer then used.
-    pub early_reads: u64,
-    pub early_used: u64,
-    /// Seconds with at least one read in flight (the disk busy, as far as this process goes).
-    pub disk_busy_seconds: f64,
-    pub cache_capacity_bytes: u64,
-    pub cache_bytes: u64,
-    pub cache_peak_bytes: u64,
-    pub pinned: u64,
-    pub direct_io: bool,
-}
-
-impl StoreStats {
-    /// Share of expert uses served from RAM.
-    pub fn hit_rate(&self) -> f64 {
-        let n = self.hits + self.misses;
-        if n == 0 {
-            0.0
-        } else {
-            self.hits as f64 / n as f64
-        }
-    }
-    /// Share of used experts the lookahead had predicted.
-    pub fn lookahead_recall(&self) -> Option<f64> {
-        (self.lookahead_used > 0)
-            .then(|| self.lookahead_predicted_used as f64 / self.lookahead_used as f64)
-    }
-    /// Counters accrued since `earlier` (gauges keep their current value).
-    pub fn since(&self, earlier: &Self) -> Self {
-        Self {
-            hits: self.hits - earlier.hits,
-            misses: self.misses - earlier.misses,
-            reads: self.reads - earlier.reads,
-            bytes_read: self.bytes_read - earlier.bytes_read,
-            read_seconds: self.read_seconds - earlier.read_seconds,
-            wait_seconds: self.wait_seconds - earlier.wait_seconds,
-            compute_seconds: self.compute_seconds - earlier.compute_seconds,
-            evictions: self.evictions - earlier.evictions,
-            not_admitted: self.not_admitted - earlier.not_admitted,
-            wasted_reads: self.wasted_reads - earlier.wasted_reads,
-            wasted_bytes: self.wasted_bytes - earlier.wasted_bytes,
-            read_ahead_in_time: self.read_ahead_in_time - earlier.read_ahead_in_time,
-            lookahead_reads: self.lookahead_reads - earlier.lookahead_reads,
-            lookahead_used: self.lookahead_used - earlier.lookahead_used,
-            lookahead_predicted_used: self.lookahead_predicted_used
-                - earlier.lookahead_predicted_used,
-            early_reads: self.early_reads - earlier.early_reads,
-            early_used: self.early_used - earlier.early_used,
-            disk_busy_seconds: self.disk_busy_seconds - earlier.disk_busy_seconds,
-            ..self.clone()
-        }
-    }
-}
+/// How the store takes router predictions (its disk tuning).
+///
+/// Of a token's `k` lookahead predictions (its router's choices on the layer's input, best
+/// first) the first 5/8 are read as soon as there is room, the rest only while the disk idles. On
+/// the synthetic GLM-5.2 model (top-8) ranks 1-4 were right 95-100% of the time, rank 5 83%, ranks
+/// 6-8 62-68%: read eagerly, those made over half of the wasted bytes whenever an expert cache left
+/// the disk time (1.3 of 7.0 GB with a 4 GiB budget; 0.6 reading only the first 5 eagerly).
+///
+/// Early guesses at the next MoE layer keep a quarter of each token's choices (the lower ranks,
+/// mostly wrong guesses with an expert cache, only added wasted reads) and are made only for
+/// steps of at most 4 tokens: a prefill's own lookahead already covers most of what it reads, and
+/// guessing there was measured to slow it (8% with a 4 GiB expert cache, five alternating runs).
+pub const LOOKAHEAD: LookaheadPolicy = LookaheadPolicy {
+    sure_num: 5,
+    sure_den: 8,
+    early_max_tokens: 4,
+    early_rank_div: 4,
+};
 
 type Key = (usize, u32);
 
@@ -252,7 +192,7 @@ struct State {
     pinned: HashSet<Key>,
     history: History,
     predicted: HashMap<usize, HashSet<u32>>,
-    stats: StoreStats,
+    stats: ExpertStats,
     tick: u64,
     step: u64,
     shutdown: bool,
@@ -365,7 +305,8 @@ impl StreamingExperts {
         inter: usize,
         opts: StoreOptions,
     ) -> Result<Self, ExpertError> {
-        let io = |p: &Path, e: std::io::Error| ExpertError::Load(format!("{}: {e}", p.display()));
+        let io =
+            |p: &Path, e: std::io::Error| ExpertError::Internal(format!("{}: {e}", p.display()));
         let mut layers = BTreeMap::new();
         for l in c.expert_layers() {
             let p = c.dir.join(&l.file);
@@ -388,7 +329,7 @@ impl StreamingExperts {
             .unwrap_or(0);
         let readers = opts.readers.max(1);
         let history = History::load_or_new(opts.history.as_deref(), c)
-            .map_err(|e| ExpertError::Load(e.to_string()))?;
+            .map_err(|e| ExpertError::Internal(e.to_string()))?;
         let direct = layers.values().all(|l| l.file.direct);
         let total_bytes = layers
             .values()
@@ -419,7 +360,7 @@ impl StreamingExperts {
                 pinned: HashSet::new(),
                 history,
                 predicted: HashMap::new(),
-                stats: StoreStats {
+                stats: ExpertStats {
                     cache_capacity_bytes: opts.cache_bytes,
                     direct_io: direct,
                     ..Default::default()
@@ -514,7 +455,7 @@ impl StreamingExperts {
             return Ok(());
         };
         let h = lock(&self.inner.state).history.clone();
-        h.save(p).map_err(|e| ExpertError::Load(e.to_string()))
+        h.save(p).map_err(|e| ExpertError::Internal(e.to_string()))
     }
 
     /// Queues reads of every expert (for a cache that holds them all).
@@ -543,7 +484,11 @@ impl StreamingExperts {
         let mut failed: Vec<(&Key, &String)> = st.failed.iter().collect();
         failed.sort();
         match failed.first() {
-            Some((_, e)) => Err(ExpertError::Load((*e).clone())),
+            Some((&(layer, expert), why)) => Err(ExpertError::Unavailable {
+                layer,
+                expert,
+                why: (*why).clone(),
+            }),
             None => Ok(()),
         }
     }
@@ -653,7 +598,7 @@ impl Inner {
             let verify = !seen.load(std::sync::atomic::Ordering::Relaxed);
             // The CRC is checked on the bytes as stored, then the weights are rearranged in
             // place into the layout the kernels read fastest (when they have one).
-            let lanes = lanes_wanted();
+            let lanes = lanes_wanted(self.opts.activations);
             let res = read
                 .map_err(|e| format!("{}: {e}", src.file.path.display()))
                 .and_then(|()| {
@@ -727,7 +672,12 @@ impl Inner {
                 ));
             }
         }
-        Ok(SwiGlu { gate, up, down })
+        let act = self.opts.activations;
+        Ok(SwiGlu {
+            gate: gate.with_activations(act),
+            up: up.with_activations(act),
+            down: down.with_activations(act),
+        })
     }
 
     fn score(st: &State, k: &Key) -> f64 {
@@ -1037,9 +987,9 @@ impl StreamingExperts {
 }
 
 impl ExpertExecutor for StreamingExperts {
-    fn wants_lookahead(&self) -> bool {
+    fn lookahead(&self) -> Option<LookaheadPolicy> {
         // Nothing to read ahead when the cache holds every expert.
-        self.inner.capacity < self.inner.total_bytes
+        (self.inner.capacity < self.inner.total_bytes).then_some(LOOKAHEAD)
     }
 
     fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
@@ -1150,7 +1100,7 @@ impl ExpertExecutor for StreamingExperts {
                     while k < missing.len() {
                         let key = (layer, runs[missing[k]].0);
                         if let Some(e) = st.failed.remove(&key) {
-                            error.get_or_insert(e);
+                            error.get_or_insert((key, e));
                             // not taken: drop the reservation of a later arrival
                             missing.swap_remove(k);
                         } else if let Some(e) = st.entries.get_mut(&key) {
@@ -1182,8 +1132,8 @@ impl ExpertExecutor for StreamingExperts {
             st.stats.compute_seconds += compute_s;
         }
         Timeline::add(&inner.timeline, "experts", (layer, 0), false, called, 0);
-        if let Some(e) = error {
-            return Err(ExpertError::Load(e));
+        if let Some(((layer, expert), why)) = error {
+            return Err(ExpertError::Unavailable { layer, expert, why });
         }
         let outs: Vec<Vec<f32>> = outs
             .into_iter()
@@ -1222,7 +1172,7 @@ impl ExpertExecutor for StreamingExperts {
         }
     }
 
-    fn stats(&self) -> Option<StoreStats> {
+    fn stats(&self) -> Option<ExpertStats> {
         let st = lock(&self.inner.state);
         let mut s = st.stats.clone();
         s.cache_bytes = st.bytes;

@@ -1,0 +1,267 @@
+//! The one way to load a model for running: a model directory and [`EngineOptions`] in, a ready
+//! [`Engine`] out (the model, whoever executes its routed experts, and the memory plan).
+//!
+//! - A charm container keeps its dense skeleton resident and streams routed experts from disk
+//!   through a RAM cache sized by [`crate::plan`] (single-box mode); the load is refused, saying
+//!   what would fit, when the budget cannot hold the skeleton and a minimal cache.
+//! - A Hugging Face checkpoint or a colibrì conversion loads every expert in RAM.
+//!
+//! The command line and the servers keep only argument parsing and printing.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use charm_shared::container::Container;
+use charm_shared::expert::{ExpertExecutor, ExpertStats};
+use charm_shared::quant::Activations;
+use charm_shared::LoadError;
+use charm_worker::history::container_model_id;
+use charm_worker::{IoEvent, StoreOptions, StreamingExperts};
+
+use crate::model::{open_source, Model};
+use crate::plan::{rss, Plan, PlanInput};
+
+/// Where the routing history of a streamed container is kept (it picks the pinned hot set and
+/// seeds the cache's usage frequencies).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum HistoryPolicy {
+    /// One file per model under `$XDG_CACHE_HOME/charm` (or `~/.cache/charm`).
+    #[default]
+    PerModel,
+    /// None kept.
+    Off,
+    /// This file.
+    File(PathBuf),
+}
+
+/// How to load and run a model.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// RAM budget for the whole process in bytes (`None`: `MemAvailable` less a margin).
+    pub ram: Option<u64>,
+    /// Context tokens to reserve KV cache for.
+    pub context: usize,
+    /// Tokens of the longest prefill step to plan for (`None`: the context, at most 512).
+    pub batch_tokens: Option<usize>,
+    /// Reader threads fetching experts from disk.
+    pub readers: usize,
+    pub history: HistoryPolicy,
+    /// Share of the expert cache given to pinned experts.
+    pub pin_fraction: f64,
+    /// Try `O_DIRECT` reads (buffered where the filesystem refuses).
+    pub direct: bool,
+    /// Record the expert store's I/O timeline ([`Engine::io_trace`]).
+    pub trace: bool,
+    /// How activations meet quantized weights (also fixes their in-memory layout).
+    pub activations: Activations,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            ram: None,
+            context: 4096,
+            batch_tokens: None,
+            readers: 4,
+            history: HistoryPolicy::PerModel,
+            pin_fraction: 0.5,
+            direct: true,
+            trace: false,
+            activations: Activations::F32,
+        }
+    }
+}
+
+fn cache_home() -> Option<PathBuf> {
+    std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+}
+
+impl EngineOptions {
+    /// The routing-history file for the model in `dir`, if one is kept.
+    pub fn history_path(&self, dir: &Path) -> Option<PathBuf> {
+        match &self.history {
+            HistoryPolicy::Off => None,
+            HistoryPolicy::File(p) => Some(p.clone()),
+            HistoryPolicy::PerModel => {
+                let id = container_model_id(dir).ok()?;
+                Some(
+                    cache_home()?
+                        .join("charm")
+                        .join(format!("routing-{id}.json")),
+                )
+            }
+        }
+    }
+
+    /// The planner's input for the model in `dir`.
+    pub fn plan_input(&self, dir: &Path) -> PlanInput {
+        PlanInput {
+            ram: self.ram,
+            context: self.context,
+            batch_tokens: self
+                .batch_tokens
+                .unwrap_or_else(|| self.context.clamp(1, 512)),
+            readers: self.readers,
+            pin_fraction: self.pin_fraction,
+            history: self.history_path(dir),
+            ..Default::default()
+        }
+    }
+}
+
+/// A loaded model ready to run.
+#[derive(Debug)]
+pub struct Engine {
+    pub model: Model,
+    /// The streaming store behind `model.experts`, when a container streams its experts.
+    pub store: Option<Arc<StreamingExperts>>,
+    /// The memory plan the load followed (containers).
+    pub plan: Option<Plan>,
+    /// What the user should know about how the load went (buffered reads where `O_DIRECT` was
+    /// refused, a budget that does not apply).
+    pub warnings: Vec<String>,
+}
+
+impl Engine {
+    /// Loads the model in `dir` as `opts` say (see the module docs).
+    pub fn load(dir: &Path, opts: &EngineOptions) -> Result<Self, LoadError> {
+        if !Container::is_container(dir) {
+            let mut warnings = Vec::new();
+            if opts.ram.is_some() {
+                warnings.push(format!("--ram applies to charm containers; {} loads every expert in RAM (convert it to stream experts)", dir.display()));
+            }
+            let (spec, src) = open_source(dir)?;
+            let model = Model::from_source(spec, &*src, opts.activations)?;
+            return Ok(Self {
+                model,
+                store: None,
+                plan: None,
+                warnings,
+            });
+        }
+        let input = opts.plan_input(dir);
+        let (spec, c) = crate::plan::open_container(dir)?;
+        let p = crate::plan::plan_container(dir, &spec, &c, &input)?;
+        if !p.fits {
+            return Err(LoadError::config(dir, p.refusal()));
+        }
+        let store = StreamingExperts::open(
+            &c,
+            spec.hidden_size,
+            spec.moe_intermediate_size,
+            StoreOptions {
+                cache_bytes: p.cache_bytes,
+                readers: input.readers,
+                direct: opts.direct,
+                pin_fraction: if p.all_resident {
+                    0.0
+                } else {
+                    input.pin_fraction
+                },
+                history: input.history.clone(),
+                trace: opts.trace,
+                top_k: spec.router.as_ref().map_or(0, |r| r.top_k),
+                activations: opts.activations,
+                ..Default::default()
+            },
+        )
+        .map_err(|e| LoadError::config(dir, e.to_string()))?;
+        let store = Arc::new(store);
+        if p.all_resident {
+            store.warm_all();
+        }
+        let executor: Arc<dyn ExpertExecutor> = store.clone();
+        let model = Model::build(spec, &c, Some(executor), opts.activations)?;
+        // Pinned and (when everything fits) all experts finish loading before the first token.
+        store
+            .wait_warm()
+            .map_err(|e| LoadError::config(dir, e.to_string()))?;
+        let warnings = store
+            .io_fallbacks()
+            .into_iter()
+            .take(1)
+            .map(|(f, why)| {
+                format!(
+                    "{}: {why}; expert reads go through the page cache",
+                    f.display()
+                )
+            })
+            .collect();
+        Ok(Self {
+            model,
+            store: Some(store),
+            plan: Some(p),
+            warnings,
+        })
+    }
+
+    /// The expert executor's counters since start.
+    pub fn stats(&self) -> Option<ExpertStats> {
+        self.model.experts.stats()
+    }
+
+    /// Saves what the run learned (the routing history of a streamed container).
+    pub fn finish(&self) -> Result<(), String> {
+        match &self.store {
+            Some(s) => s
+                .save_history()
+                .map_err(|e| format!("routing history not saved: {e}")),
+            None => Ok(()),
+        }
+    }
+
+    /// The expert store's I/O timeline (empty unless [`EngineOptions::trace`]).
+    pub fn io_trace(&self) -> Vec<IoEvent> {
+        self.store
+            .as_ref()
+            .map(|s| s.io_trace())
+            .unwrap_or_default()
+    }
+
+    /// Per-run statistics as JSON: the executor's counters for the run `run`, peak RSS and the
+    /// plan's budget.
+    pub fn run_stats(&self, run: Option<&ExpertStats>) -> serde_json::Value {
+        let mut v = serde_json::json!({});
+        if let Some((peak, now)) = rss() {
+            v["peak_rss_bytes"] = peak.into();
+            v["rss_bytes"] = now.into();
+        }
+        if let Some(p) = &self.plan {
+            v["budget_bytes"] = p.budget_bytes.into();
+            v["expert_cache_bytes"] = p.cache_bytes.into();
+        }
+        if let Some(s) = run {
+            v["experts"] = serde_json::to_value(s).expect("stats serialize");
+            v["experts"]["hit_rate"] = s.hit_rate().into();
+            if let Some(r) = s.lookahead_recall() {
+                v["experts"]["lookahead_recall"] = r.into();
+            }
+        }
+        v
+    }
+}
+
+/// One line of [`Engine::run_stats`].
+pub fn render_stats(run: Option<&ExpertStats>) -> String {
+    let mut s = String::new();
+    if let Some(st) = run {
+        s += &format!(
+            "experts: hit rate {:.1}%, {:.2} GB read in {} reads, waited {:.2}s on disk, computed {:.2}s",
+            100.0 * st.hit_rate(),
+            st.bytes_read as f64 / 1e9,
+            st.reads,
+            st.wait_seconds,
+            st.compute_seconds
+        );
+        if let Some(r) = st.lookahead_recall() {
+            s += &format!(", lookahead recall {:.1}%", 100.0 * r);
+        }
+        s += "; ";
+    }
+    if let Some((peak, _)) = rss() {
+        s += &format!("peak RSS {:.2} GiB", peak as f64 / (1u64 << 30) as f64);
+    }
+    s
+}

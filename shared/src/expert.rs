@@ -1,0 +1,450 @@
+//! The routed-expert seam: what the MoE layer asks of whoever holds its experts.
+//!
+//! The forward pass routes each token (pure maths in [`crate::routing`]) and hands the layer's
+//! tokens, expert ids and gate weights to an [`ExpertExecutor`]; it gets back the weighted sum.
+//! Where the experts live (in RAM, streamed from disk, on other machines) is invisible to it.
+//!
+//! Contract of every executor: for each token the `top_k` contributions are added in ascending
+//! expert-id order ([`combine`]), each expert computing with the same kernels whatever else is in
+//! the batch, so the result does not depend on batch composition or on where each expert ran.
+//! [`plan_runs`], [`gather`] and [`combine`] are public so an executor that fans a batch out over
+//! several holders can keep that order.
+
+use rayon::prelude::*;
+use serde::Serialize;
+
+use crate::kernels::SwiGlu;
+
+/// What the caller of an executor can do about a failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorClass {
+    /// The request itself is wrong (shapes, ids, layers): retrying anywhere fails the same way.
+    BadRequest,
+    /// The expert could not be produced here (I/O error, damaged record, dead holder): another
+    /// holder of the same expert may succeed.
+    Unavailable,
+    /// A fault of the executor itself (bad setup): give up and report.
+    Internal,
+}
+
+/// Why an expert call failed, grouped by [`ErrorClass`].
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ExpertError {
+    /// The layer has no routed experts (a dense layer, or out of range).
+    #[error("layer {layer} has no routed experts")]
+    NoSuchLayer { layer: usize },
+    /// An expert id past the layer's expert count.
+    #[error("layer {layer}: expert {expert} out of range (layer has {count})")]
+    NoSuchExpert {
+        layer: usize,
+        expert: u32,
+        count: usize,
+    },
+    /// Inputs whose lengths disagree.
+    #[error("expert call shapes disagree: {0}")]
+    Shape(String),
+    /// An expert could not be produced (read error, damaged record, unreachable holder).
+    #[error("layer {layer} expert {expert} unavailable: {why}")]
+    Unavailable {
+        layer: usize,
+        expert: u32,
+        why: String,
+    },
+    /// The executor itself failed (setup, bookkeeping).
+    #[error("expert executor: {0}")]
+    Internal(String),
+}
+
+impl ExpertError {
+    /// What the caller can do about it.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            Self::NoSuchLayer { .. } | Self::NoSuchExpert { .. } | Self::Shape(_) => {
+                ErrorClass::BadRequest
+            }
+            Self::Unavailable { .. } => ErrorClass::Unavailable,
+            Self::Internal(_) => ErrorClass::Internal,
+        }
+    }
+}
+
+/// One routed-expert computation request for a batch of tokens of one MoE layer.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertBatch<'a> {
+    /// Forward step this request belongs to (the same for every layer of one step): with the
+    /// layer, it names the request, so a retried request can be recognized as the same one.
+    pub step: u64,
+    /// MoE layer index (decoder layer number).
+    pub layer: usize,
+    /// `[n_tokens, hidden]` post-attention-norm activations, f32: the kernels quantize them per
+    /// weight group themselves in int8-activation mode, with the same codes on every machine.
+    pub x: &'a [f32],
+    pub n_tokens: usize,
+    /// `[n_tokens, top_k]` expert ids.
+    pub ids: &'a [u32],
+    /// `[n_tokens, top_k]` gate weights.
+    pub weights: &'a [f32],
+    pub top_k: usize,
+}
+
+impl ExpertBatch<'_> {
+    /// Checks that the slices have the lengths `n_tokens`, `top_k` and `hidden` say.
+    pub fn check(&self, hidden: usize) -> Result<(), ExpertError> {
+        let n = self.n_tokens;
+        let slots = n.checked_mul(self.top_k);
+        if n.checked_mul(hidden) != Some(self.x.len())
+            || slots != Some(self.ids.len())
+            || slots != Some(self.weights.len())
+        {
+            return Err(ExpertError::Shape(format!(
+                "x {} (want {}x{hidden}), ids {}, weights {} (want {}x{})",
+                self.x.len(),
+                n,
+                self.ids.len(),
+                self.weights.len(),
+                n,
+                self.top_k
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// How an executor that streams experts wants to hear about predictions (see
+/// [`ExpertExecutor::lookahead`]); the numbers are the store's disk tuning, not the model's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LookaheadPolicy {
+    /// Of a token's `k` predictions (best first), how many are read as soon as there is room:
+    /// `ceil(k * sure_num / sure_den)`; the rest only while the disk idles.
+    pub sure_num: usize,
+    pub sure_den: usize,
+    /// Steps of more tokens than this make no early guesses at the next MoE layer.
+    pub early_max_tokens: usize,
+    /// Early guesses keep a token's first `max(1, k / early_rank_div)` choices.
+    pub early_rank_div: usize,
+}
+
+impl LookaheadPolicy {
+    /// Predictions of a token's `k` read as soon as there is room.
+    pub fn sure_ranks(&self, k: usize) -> usize {
+        (self.sure_num * k).div_ceil(self.sure_den.max(1))
+    }
+    /// Ranks of a token's `k` choices kept as an early guess.
+    pub fn early_ranks(&self, k: usize) -> usize {
+        (k / self.early_rank_div.max(1)).max(1)
+    }
+}
+
+/// What an executor did since it started. Stores without a disk leave the read counters at zero.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ExpertStats {
+    /// Expert uses served from RAM.
+    pub hits: u64,
+    /// Expert uses that waited for (or found in flight) a disk read.
+    pub misses: u64,
+    /// Expert records read from disk and their bytes.
+    pub reads: u64,
+    pub bytes_read: u64,
+    /// Seconds reader threads spent in reads (summed over readers).
+    pub read_seconds: f64,
+    /// Seconds the forward pass waited for experts to arrive.
+    pub wait_seconds: f64,
+    /// Seconds spent computing experts.
+    pub compute_seconds: f64,
+    pub evictions: u64,
+    /// Experts used once and not admitted to the cache (admission control).
+    pub not_admitted: u64,
+    /// Reads whose expert was never used (read ahead, then dropped or evicted), and their bytes:
+    /// `bytes_read - wasted_bytes` is what the disk delivered to the computation.
+    pub wasted_reads: u64,
+    pub wasted_bytes: u64,
+    /// Misses whose read-ahead had already arrived when the layer ran (no wait).
+    pub read_ahead_in_time: u64,
+    /// Lookahead: experts predicted for a layer before it ran, reads started for them, and how many
+    /// of the experts the layer then used had been predicted (recall = hits / used).
+    pub lookahead_reads: u64,
+    pub lookahead_used: u64,
+    pub lookahead_predicted_used: u64,
+    /// Early guesses (see [`ExpertExecutor::prefetch_early`]) read while the disk was otherwise
+    /// idle, and how many of them the layer then used.
+    pub early_reads: u64,
+    pub early_used: u64,
+    /// Seconds with at least one read in flight (the disk busy, as far as this process goes).
+    pub disk_busy_seconds: f64,
+    pub cache_capacity_bytes: u64,
+    pub cache_bytes: u64,
+    pub cache_peak_bytes: u64,
+    pub pinned: u64,
+    pub direct_io: bool,
+}
+
+impl ExpertStats {
+    /// Share of expert uses served from RAM.
+    pub fn hit_rate(&self) -> f64 {
+        let n = self.hits + self.misses;
+        if n == 0 {
+            0.0
+        } else {
+            self.hits as f64 / n as f64
+        }
+    }
+    /// Share of used experts the lookahead had predicted.
+    pub fn lookahead_recall(&self) -> Option<f64> {
+        (self.lookahead_used > 0)
+            .then(|| self.lookahead_predicted_used as f64 / self.lookahead_used as f64)
+    }
+    /// Counters accrued since `earlier` (gauges keep their current value).
+    pub fn since(&self, earlier: &Self) -> Self {
+        Self {
+            hits: self.hits - earlier.hits,
+            misses: self.misses - earlier.misses,
+            reads: self.reads - earlier.reads,
+            bytes_read: self.bytes_read - earlier.bytes_read,
+            read_seconds: self.read_seconds - earlier.read_seconds,
+            wait_seconds: self.wait_seconds - earlier.wait_seconds,
+            compute_seconds: self.compute_seconds - earlier.compute_seconds,
+            evictions: self.evictions - earlier.evictions,
+            not_admitted: self.not_admitted - earlier.not_admitted,
+            wasted_reads: self.wasted_reads - earlier.wasted_reads,
+            wasted_bytes: self.wasted_bytes - earlier.wasted_bytes,
+            read_ahead_in_time: self.read_ahead_in_time - earlier.read_ahead_in_time,
+            lookahead_reads: self.lookahead_reads - earlier.lookahead_reads,
+            lookahead_used: self.lookahead_used - earlier.lookahead_used,
+            lookahead_predicted_used: self.lookahead_predicted_used
+                - earlier.lookahead_predicted_used,
+            early_reads: self.early_reads - earlier.early_reads,
+            early_used: self.early_used - earlier.early_used,
+            disk_busy_seconds: self.disk_busy_seconds - earlier.disk_busy_seconds,
+            ..self.clone()
+        }
+    }
+}
+
+/// A layer's expert work started with [`ExpertExecutor::start`], collected with
+/// [`PendingExperts::wait`].
+#[derive(Debug)]
+pub struct PendingExperts(Pending);
+
+#[derive(Debug)]
+enum Pending {
+    Ready(Result<Vec<f32>, ExpertError>),
+    Running(std::sync::mpsc::Receiver<Result<Vec<f32>, ExpertError>>),
+}
+
+impl PendingExperts {
+    /// Work already done.
+    pub fn ready(r: Result<Vec<f32>, ExpertError>) -> Self {
+        Self(Pending::Ready(r))
+    }
+    /// Work that another thread finishes by sending its result on the paired sender.
+    pub fn channel() -> (
+        std::sync::mpsc::SyncSender<Result<Vec<f32>, ExpertError>>,
+        Self,
+    ) {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        (tx, Self(Pending::Running(rx)))
+    }
+    /// Blocks until the work is done: `[n_tokens, hidden]`, the weighted sum of routed experts.
+    pub fn wait(self) -> Result<Vec<f32>, ExpertError> {
+        match self.0 {
+            Pending::Ready(r) => r,
+            Pending::Running(rx) => rx.recv().unwrap_or_else(|_| {
+                Err(ExpertError::Internal(
+                    "expert work ended without a result".into(),
+                ))
+            }),
+        }
+    }
+}
+
+/// The routed-expert boundary: returns `[n_tokens, hidden]` with
+/// `out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`, contributions added in ascending
+/// expert-id order (see the module docs).
+pub trait ExpertExecutor: Send + Sync + std::fmt::Debug {
+    /// Runs a layer's experts and returns the weighted sum.
+    fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError>;
+
+    /// Starts a layer's expert work and returns at once where the executor can (experts on
+    /// other machines); the caller computes its own part (the shared expert) meanwhile and then
+    /// waits. Executors computing in this process run the work here: the caller's threads would
+    /// be the ones computing either way.
+    fn start(&self, batch: ExpertBatch<'_>) -> PendingExperts {
+        PendingExperts::ready(self.run(batch))
+    }
+
+    /// Whether and how the executor wants predictions of the experts a layer will use
+    /// ([`Self::prefetch`], [`Self::prefetch_early`]); `None` (executors holding every expert in
+    /// RAM) spares the caller computing them.
+    fn lookahead(&self) -> Option<LookaheadPolicy> {
+        None
+    }
+
+    /// MoE layer `layer` will probably use experts `ids`, most likely first: start reading them
+    /// in that order, the first `sure` as soon as there is room, the less sure rest only while
+    /// the disk would otherwise be idle.
+    fn prefetch(&self, layer: usize, ids: &[u32], sure: usize) {
+        let _ = (layer, ids, sure);
+    }
+
+    /// An earlier, less reliable guess at MoE layer `layer`'s experts (made a layer or more
+    /// before it): read them only while the disk would otherwise be idle. A later
+    /// [`Self::prefetch`] or `prefetch_early` for the layer replaces the guesses not yet read.
+    fn prefetch_early(&self, layer: usize, ids: &[u32]) {
+        let _ = (layer, ids);
+    }
+
+    /// A forward step (one token of decode, or one prefill) is complete: a safe point to update
+    /// caching decisions.
+    fn step_end(&self) {}
+
+    /// Counters since start, for executors that keep them.
+    fn stats(&self) -> Option<ExpertStats> {
+        None
+    }
+}
+
+/// Slots (`t * top_k + j`) grouped by expert id, ascending: each expert runs once per batch
+/// (batch-union) on the tokens that chose it.
+pub fn plan_runs(batch: &ExpertBatch<'_>) -> Vec<(u32, Vec<usize>)> {
+    let mut order: Vec<usize> = (0..batch.ids.len()).collect();
+    order.sort_by_key(|&s| (batch.ids[s], s));
+    let mut runs: Vec<(u32, Vec<usize>)> = Vec::new();
+    for s in order {
+        let id = batch.ids[s];
+        match runs.last_mut() {
+            Some((last, slots)) if *last == id => slots.push(s),
+            _ => runs.push((id, vec![s])),
+        }
+    }
+    runs
+}
+
+/// The activations of the tokens behind `slots`, `[slots, hidden]`.
+pub fn gather(batch: &ExpertBatch<'_>, slots: &[usize], hidden: usize) -> Vec<f32> {
+    let mut xs = Vec::with_capacity(slots.len() * hidden);
+    for &s in slots {
+        let t = s / batch.top_k;
+        xs.extend_from_slice(&batch.x[t * hidden..(t + 1) * hidden]);
+    }
+    xs
+}
+
+/// The weighted per-token sum of expert outputs `outs[r]` (rows in `runs[r]`'s slot order),
+/// added in ascending expert order.
+pub fn combine(
+    batch: &ExpertBatch<'_>,
+    hidden: usize,
+    runs: &[(u32, Vec<usize>)],
+    outs: &[Vec<f32>],
+) -> Vec<f32> {
+    let k = batch.top_k;
+    // slot -> (run, row)
+    let mut at = vec![(0usize, 0usize); batch.ids.len()];
+    for (r, (_, slots)) in runs.iter().enumerate() {
+        for (row, &s) in slots.iter().enumerate() {
+            at[s] = (r, row);
+        }
+    }
+    let mut out = vec![0.0f32; batch.n_tokens * hidden];
+    for t in 0..batch.n_tokens {
+        let mut slots: Vec<usize> = (t * k..(t + 1) * k).collect();
+        slots.sort_by_key(|&s| batch.ids[s]);
+        let o = &mut out[t * hidden..(t + 1) * hidden];
+        for s in slots {
+            let w = batch.weights[s];
+            let (r, row) = at[s];
+            for (a, b) in o.iter_mut().zip(&outs[r][row * hidden..(row + 1) * hidden]) {
+                *a += w * b;
+            }
+        }
+    }
+    out
+}
+
+/// Runs `batch` with `expert(id)` giving each expert's weights: each expert runs once per batch
+/// (experts in parallel, each with the same arithmetic as alone), then the per-token sum in
+/// ascending expert order.
+pub fn run_grouped<'e>(
+    hidden: usize,
+    batch: ExpertBatch<'_>,
+    expert: impl Fn(u32) -> Result<&'e SwiGlu, ExpertError>,
+) -> Result<Vec<f32>, ExpertError> {
+    batch.check(hidden)?;
+    let runs = plan_runs(&batch);
+    let experts: Vec<&SwiGlu> = runs
+        .iter()
+        .map(|(id, _)| expert(*id))
+        .collect::<Result<_, _>>()?;
+    let ys: Vec<Vec<f32>> = runs
+        .par_iter()
+        .zip(experts.par_iter())
+        .map(|((_, slots), e)| e.forward(&gather(&batch, slots, hidden), slots.len()))
+        .collect();
+    Ok(combine(&batch, hidden, &runs, &ys))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_are_classed_by_what_the_caller_can_do() {
+        assert_eq!(
+            ExpertError::NoSuchLayer { layer: 1 }.class(),
+            ErrorClass::BadRequest
+        );
+        assert_eq!(
+            ExpertError::Unavailable {
+                layer: 1,
+                expert: 2,
+                why: "read".into()
+            }
+            .class(),
+            ErrorClass::Unavailable
+        );
+        assert_eq!(
+            ExpertError::Internal("x".into()).class(),
+            ErrorClass::Internal
+        );
+    }
+
+    #[test]
+    fn pending_work_delivers_its_result_or_says_it_was_lost() {
+        let (tx, p) = PendingExperts::channel();
+        std::thread::spawn(move || tx.send(Ok(vec![1.0, 2.0])).unwrap());
+        assert_eq!(p.wait().unwrap(), vec![1.0, 2.0]);
+        let (tx, p) = PendingExperts::channel();
+        drop(tx);
+        assert_eq!(p.wait().unwrap_err().class(), ErrorClass::Internal);
+    }
+
+    #[test]
+    fn shape_check_refuses_overflowing_counts() {
+        let b = ExpertBatch {
+            step: 0,
+            layer: 0,
+            x: &[],
+            n_tokens: usize::MAX,
+            ids: &[],
+            weights: &[],
+            top_k: 2,
+        };
+        assert!(matches!(b.check(4), Err(ExpertError::Shape(_))));
+    }
+
+    #[test]
+    fn lookahead_policy_rounds_as_documented() {
+        let p = LookaheadPolicy {
+            sure_num: 5,
+            sure_den: 8,
+            early_max_tokens: 4,
+            early_rank_div: 4,
+        };
+        assert_eq!(
+            [1, 2, 4, 6, 8, 10].map(|k| p.sure_ranks(k)),
+            [1, 2, 3, 4, 5, 7]
+        );
+        assert_eq!([1, 4, 8].map(|k| p.early_ranks(k)), [1, 1, 2]);
+    }
+}
