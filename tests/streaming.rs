@@ -912,3 +912,67 @@ fn two_activation_modes_in_one_process_match_two_processes() {
     drop((int8, f32));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn the_budget_holds_at_peak_with_glm52_dense_shapes() {
+    // GLM-5.2's dense shapes (hidden 6144, a 154880-token vocabulary: embedding and head of 0.9
+    // GiB each at int8) with few small experts, so the file stays about 2 GiB. Loading used to
+    // hold each dense tensor twice (the read buffer and its copy): the peak then passed the
+    // budget by the largest tensor, which the tiny shapes of the other tests cannot show.
+    let dir = scratch("stream-glm-dense");
+    let (ok, _, err) = charm(&[
+        "synth",
+        "--out",
+        dir.to_str().unwrap(),
+        "--layers",
+        "1",
+        "--dense-layers",
+        "0",
+        "--n-experts",
+        "16",
+        "--moe-intermediate",
+        "256",
+        "--top-k",
+        "4",
+    ]);
+    assert!(ok, "{err}");
+    let prompt = "5,17,3";
+    let p = plan(&dir, 5);
+    let resident = p["resident_bytes"].as_u64().unwrap();
+    let expert = p["expert_bytes"].as_u64().unwrap();
+    // room for four experts: most are streamed
+    let ram = format!("{}", (resident + 4 * expert) as f64 / GIB);
+    for act in ["f32", "int8"] {
+        let (ok, out, err) = charm(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--ids",
+            prompt,
+            "--max-tokens",
+            "2",
+            "--ram",
+            &ram,
+            "--history",
+            "none",
+            "--activations",
+            act,
+            "--json",
+        ]);
+        assert!(ok, "{err}");
+        let v: Value = serde_json::from_str(&out).unwrap();
+        let s = &v["stats"];
+        let (peak, budget) = (
+            s["peak_rss_bytes"].as_u64().unwrap(),
+            s["budget_bytes"].as_u64().unwrap(),
+        );
+        assert!(s["experts"]["reads"].as_u64().unwrap() > 0, "{act}: {s}");
+        assert!(
+            peak <= budget,
+            "{act}: peak RSS {:.3} GiB over the budget of {:.3} GiB",
+            peak as f64 / GIB,
+            budget as f64 / GIB
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

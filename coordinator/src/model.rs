@@ -173,6 +173,17 @@ pub trait WeightSource {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError>;
     /// A 2-D tensor in its stored format.
     fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear, LoadError>;
+    /// [`Self::linear`] multiplied with activations `act`, in the layout its kernels run fastest
+    /// on ([`Linear::prepared`]).
+    fn linear_prepared(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        act: Activations,
+    ) -> Result<Linear, LoadError> {
+        Ok(self.linear(name, rows, cols)?.prepared(act))
+    }
     /// The routed experts of decoder layer `layer`.
     fn experts(&self, layer: usize, spec: &ModelSpec) -> Result<Vec<SwiGlu>, LoadError>;
 }
@@ -256,6 +267,17 @@ impl WeightSource for Container {
     fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
         Container::linear(self, name, &[rows, cols])
     }
+    /// Rearranged in place as it is read: the load holds each tensor once.
+    fn linear_prepared(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        act: Activations,
+    ) -> Result<Linear, LoadError> {
+        let lanes = charm_shared::kernels::lanes_wanted(act);
+        Ok(Container::linear_as(self, name, &[rows, cols], lanes)?.with_activations(act))
+    }
     fn experts(&self, layer: usize, spec: &ModelSpec) -> Result<Vec<SwiGlu>, LoadError> {
         let r = spec.router.as_ref().expect("MoE layer has a router");
         let (h, i) = (spec.hidden_size, spec.moe_intermediate_size);
@@ -294,9 +316,7 @@ impl Loader<'_> {
         self.src.matrix(name, rows, cols)
     }
     fn lin(&self, name: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
-        self.src
-            .linear(name, rows, cols)
-            .map(|l| l.prepared(self.act))
+        self.src.linear_prepared(name, rows, cols, self.act)
     }
     fn mlp(&self, p: &str, inter: usize) -> Result<SwiGlu, LoadError> {
         let h = self.spec.hidden_size;

@@ -30,6 +30,13 @@ pub const RECORD_ALIGN: usize = 4096;
 /// Alignment of each tensor part in `dense.bin`.
 pub const PART_ALIGN: usize = 64;
 
+// Record and part alignment, checked at compile time: records are whole pages (one aligned
+// read each), parts inside a record stay 64-byte aligned from the record's start, and scales
+// (f32) are aligned wherever a part starts.
+const _: () = assert!(RECORD_ALIGN.is_power_of_two() && RECORD_ALIGN >= 4096);
+const _: () = assert!(PART_ALIGN.is_power_of_two() && RECORD_ALIGN.is_multiple_of(PART_ALIGN));
+const _: () = assert!(PART_ALIGN.is_multiple_of(crate::quant::SCALE_BYTES));
+
 /// A tensor's storage format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Hash)]
 #[serde(rename_all = "lowercase")]
@@ -278,33 +285,37 @@ pub fn check_expert(l: &ExpertLayer, e: usize, rec: &[u8], path: &Path) -> Resul
 /// lie in `rec` or disagree with their shape are left alone (decoding reports them). `scratch` is
 /// reused between calls.
 pub fn expert_to_lanes(l: &ExpertLayer, rec: &mut [u8], scratch: &mut Vec<u8>) -> [bool; 3] {
-    [&l.gate, &l.up, &l.down].map(|part| {
-        let Some((kind, rows, cols, group)) = lanes_part(part) else {
-            return false;
-        };
-        let region = |r: Option<[u64; 2]>, want: Option<usize>| {
-            let [o, n] = r?;
-            let (o, n) = (usize::try_from(o).ok()?, usize::try_from(n).ok()?);
-            (n == want? && o.checked_add(n)? <= rec.len()).then(|| o..o + n)
-        };
-        let data_len = rows.checked_mul(cols / 8 * kind.bits());
-        let scales_len = rows.checked_mul(cols / group * 4);
-        let (Some(d), Some(sc)) = (
-            region(Some(part.data), data_len),
-            region(part.scales, scales_len),
-        ) else {
-            return false;
-        };
-        crate::quant::lanes_in_place(kind, cols, group, &mut rec[d], scratch);
-        crate::quant::lanes_in_place(
-            QuantKind::Int8,
-            4 * (cols / group),
-            4,
-            &mut rec[sc],
-            scratch,
-        );
-        true
-    })
+    [&l.gate, &l.up, &l.down].map(|part| part_to_lanes(part, rec, scratch))
+}
+
+/// Rearranges `part`'s weights and scales, whose regions lie in `rec`, into [`Layout::Lanes16`]
+/// in place where that layout fits; says whether it did.
+fn part_to_lanes(part: &Part, rec: &mut [u8], scratch: &mut Vec<u8>) -> bool {
+    let Some((kind, rows, cols, group)) = lanes_part(part) else {
+        return false;
+    };
+    let region = |r: Option<[u64; 2]>, want: Option<usize>| {
+        let [o, n] = r?;
+        let (o, n) = (usize::try_from(o).ok()?, usize::try_from(n).ok()?);
+        (n == want? && o.checked_add(n)? <= rec.len()).then(|| o..o + n)
+    };
+    let data_len = rows.checked_mul(cols / 8 * kind.bits());
+    let scales_len = rows.checked_mul(cols / group * 4);
+    let (Some(d), Some(sc)) = (
+        region(Some(part.data), data_len),
+        region(part.scales, scales_len),
+    ) else {
+        return false;
+    };
+    crate::quant::lanes_in_place(kind, cols, group, &mut rec[d], scratch);
+    crate::quant::lanes_in_place(
+        QuantKind::Int8,
+        4 * (cols / group),
+        4,
+        &mut rec[sc],
+        scratch,
+    );
+    true
 }
 
 /// `(kind, rows, cols, group)` of a part that has a [`Layout::Lanes16`] form.
@@ -549,6 +560,13 @@ impl Container {
 
     /// Tensor `name` in its stored format, its CRC-32 verified and its shape checked.
     pub fn linear(&self, name: &str, want: &[usize]) -> Result<Linear, LoadError> {
+        self.linear_as(name, want, false)
+    }
+
+    /// [`Self::linear`], rearranged into [`Layout::Lanes16`] where `lanes` asks and the layout
+    /// fits. The tensor is read once and its weights stay in that buffer (rearranged in place),
+    /// so loading takes the tensor's size once, not twice.
+    pub fn linear_as(&self, name: &str, want: &[usize], lanes: bool) -> Result<Linear, LoadError> {
         let t = self.tensor(name)?;
         let path = self.dense_path();
         if t.part.shape != want {
@@ -571,7 +589,7 @@ impl Container {
             lo = lo.min(span.start as u64);
             hi = hi.max(span.end as u64);
         }
-        let bytes = read_at(&self.dense, &path, lo, (hi - lo) as usize)?;
+        let mut bytes = read_at(&self.dense, &path, lo, (hi - lo) as usize)?;
         let rebase = |r: [u64; 2]| [r[0] - lo, r[1]];
         let mut h = crc32fast::Hasher::new();
         for r in &regions {
@@ -590,7 +608,15 @@ impl Container {
             mins: t.part.mins.map(rebase),
             ..t.part.clone()
         };
-        Self::decode(&part, &bytes, &path, name, None)
+        let lanes = lanes && part_to_lanes(&part, &mut bytes, &mut Vec::new());
+        let buf: SharedBytes = std::sync::Arc::new(bytes);
+        let mut w = Self::decode(&part, (*buf).as_ref(), &path, name, Some(&buf))?;
+        if let Linear::Quant(q) = &mut w {
+            if lanes {
+                q.layout = Layout::Lanes16;
+            }
+        }
+        Ok(w)
     }
 
     /// Expert `e` of decoder layer `layer` as (gate, up, down), its record's CRC-32 verified.

@@ -34,7 +34,7 @@ pub enum QuantKind {
 
 impl QuantKind {
     /// Bits per weight, scales excluded.
-    pub fn bits(self) -> usize {
+    pub const fn bits(self) -> usize {
         match self {
             Self::Bf16 => 16,
             Self::Int8 => 8,
@@ -42,7 +42,7 @@ impl QuantKind {
             Self::Int2 => 2,
         }
     }
-    pub fn name(self) -> &'static str {
+    pub const fn name(self) -> &'static str {
         match self {
             Self::Bf16 => "bf16",
             Self::Int8 => "int8",
@@ -51,6 +51,23 @@ impl QuantKind {
         }
     }
 }
+
+/// Bytes of one per-group scale (or int2 offset) on disk and in memory: f32.
+pub const SCALE_BYTES: usize = 4;
+/// Rows interleaved per block of [`Layout::Lanes16`].
+pub const LANE_ROWS: usize = 16;
+
+// The byte layouts the kernels and the container rely on, checked at compile time.
+const _: () = assert!(std::mem::size_of::<f32>() == SCALE_BYTES);
+// A Lanes16 load: one dword of each of the block's rows fills one 512-bit register.
+const _: () = assert!(LANE_ROWS * 4 == 64);
+// A 64-weight group: int8 codes fill one 512-bit load, int4 codes one 256-bit load (the
+// integer path's nibble block), int2 codes one 128-bit load.
+const _: () = assert!(QuantKind::Int8.bits() * 64 / 8 == 64);
+const _: () = assert!(QuantKind::Int4.bits() * 64 / 8 == 32);
+const _: () = assert!(QuantKind::Int2.bits() * 64 / 8 == 16);
+// bf16 keeps the top half of an f32.
+const _: () = assert!(QuantKind::Bf16.bits() * 2 == 8 * std::mem::size_of::<f32>());
 
 /// The instruction-set path a kernel runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

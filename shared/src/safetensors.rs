@@ -17,6 +17,9 @@ use crate::error::LoadError;
 
 /// Largest header we accept. Real checkpoints have headers of a few hundred KiB.
 pub const MAX_HEADER_BYTES: u64 = 100 << 20;
+/// The length prefix before the JSON header: a little-endian u64.
+pub const HEADER_PREFIX: usize = 8;
+const _: () = assert!(std::mem::size_of::<u64>() == HEADER_PREFIX);
 /// Largest rank we accept for one tensor.
 pub const MAX_RANK: usize = 8;
 
@@ -84,12 +87,12 @@ fn tensor_err(tensor: &str, reason: impl Into<String>) -> HeaderError {
 /// (element count x dtype size == byte count, no overflow), offsets inside the data area, no two
 /// tensors overlapping.
 pub fn parse_header(prefix: &[u8], file_len: u64) -> Result<Header, HeaderError> {
-    if file_len < 8 || prefix.len() < 8 {
+    if file_len < HEADER_PREFIX as u64 || prefix.len() < HEADER_PREFIX {
         return Err(HeaderError::Header(format!(
             "file is {file_len} bytes, too short for the 8-byte header length"
         )));
     }
-    let n = u64::from_le_bytes(prefix[..8].try_into().expect("8 bytes"));
+    let n = u64::from_le_bytes(prefix[..HEADER_PREFIX].try_into().expect("8 bytes"));
     if n > MAX_HEADER_BYTES {
         return Err(HeaderError::Header(format!(
             "header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit"

@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 
 /// Alignment `O_DIRECT` needs for buffer address, offset and length on common devices.
 pub const DIRECT_ALIGN: usize = 4096;
+// An expert record (whole container pages) is read with O_DIRECT into buffers of this alignment.
+const _: () = assert!(charm_shared::container::RECORD_ALIGN.is_multiple_of(DIRECT_ALIGN));
 
 /// A zeroed buffer aligned to [`DIRECT_ALIGN`], its length a multiple of it: an anonymous
 /// memory mapping, so the kernel supplies zeroed pages without a user-space memset, and large
