@@ -18,7 +18,8 @@ use charm_shared::checkpoint::Checkpoint;
 use charm_shared::config::ModelSpec;
 use charm_shared::container::{Manifest, Part, StoreFormat};
 use charm_shared::dtype::to_f32;
-use charm_shared::kernels::{Linear, Matrix, SwiGlu};
+use charm_shared::kernels::Matrix;
+use charm_shared::linear::{Linear, SwiGlu};
 use charm_shared::safetensors::SafetensorsFile;
 use charm_shared::LoadError;
 
@@ -124,7 +125,7 @@ impl WeightSource for Simulated<'_> {
             .map(|e| {
                 let (g, u, d) = read_expert(
                     self.ck,
-                    &format!("model.layers.{layer}.mlp.experts."),
+                    &charm_shared::arch::names::Layer::new(layer),
                     e,
                     l.count,
                     h,

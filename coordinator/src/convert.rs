@@ -14,6 +14,7 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use charm_shared::arch::names::{self, Kind};
 use charm_shared::checkpoint::Checkpoint;
 use charm_shared::config::{MlpKind, ModelSpec};
 use charm_shared::container::{
@@ -53,38 +54,19 @@ pub(crate) enum Role {
     /// Norms, router weights and bias, indexer head weights, biases: always f32.
     KeepF32,
     Dense,
+    /// Embedding tables and output heads.
     Embedding,
     Mtp,
 }
 
 pub(crate) fn role(name: &str, n_layers: usize) -> Role {
-    let keep = name.ends_with("norm.weight")
-        || name.ends_with("norm.bias")
-        || name.ends_with("mlp.gate.weight")
-        || name.ends_with("e_score_correction_bias")
-        || name.ends_with("weights_proj.weight")
-        || name.ends_with(".bias");
-    if keep {
-        return Role::KeepF32;
+    let c = names::classify(name, n_layers);
+    match c.kind {
+        Kind::Exact => Role::KeepF32,
+        Kind::Embedding | Kind::Head => Role::Embedding,
+        _ if c.mtp => Role::Mtp,
+        _ => Role::Dense,
     }
-    if name == "model.embed_tokens.weight"
-        || name == "lm_head.weight"
-        || name.ends_with("shared_head.head.weight")
-        || name.ends_with(".embed_tokens.weight")
-    {
-        return Role::Embedding;
-    }
-    if let Some(rest) = name.strip_prefix("model.layers.") {
-        if rest
-            .split('.')
-            .next()
-            .and_then(|s| s.parse::<usize>().ok())
-            .is_some_and(|i| i >= n_layers)
-        {
-            return Role::Mtp;
-        }
-    }
-    Role::Dense
 }
 
 /// Lays parts out one after another, each aligned.
@@ -129,7 +111,7 @@ pub(crate) fn choose(want: StoreFormat, cols: usize, group: usize) -> (StoreForm
 /// A container's full layout, decided from the checkpoint's headers before any byte is written
 /// (what `charm plan` reports for a checkpoint directory).
 #[derive(Debug, Clone)]
-pub struct Layout {
+pub struct ContainerLayout {
     /// Dense tensors and where each lies in the dense file.
     pub dense: Vec<(String, Part)>,
     /// Length of the dense file.
@@ -161,13 +143,17 @@ pub fn check_policy(policy: &Policy) -> Result<(), ConvertError> {
 
 /// The layout `convert` would give `ck` (a checkpoint of `spec`) under `policy`; reads only the
 /// checkpoint's headers.
-pub fn layout(spec: &ModelSpec, ck: &Checkpoint, policy: &Policy) -> Result<Layout, ConvertError> {
+pub fn layout(
+    spec: &ModelSpec,
+    ck: &Checkpoint,
+    policy: &Policy,
+) -> Result<ContainerLayout, ConvertError> {
     check_policy(policy)?;
     let n = spec.layers.len();
     let mut c = Cursor(0);
     let mut dense = Vec::new();
     for name in ck.names() {
-        if name.contains(".mlp.experts.") || name.ends_with("_scale_inv") {
+        if names::classify(name, n).kind == Kind::Routed || name.ends_with("_scale_inv") {
             continue;
         }
         let (info, _) = ck.info(name).expect("listed");
@@ -215,10 +201,8 @@ pub fn layout(spec: &ModelSpec, ck: &Checkpoint, policy: &Policy) -> Result<Layo
         .filter(|(_, l)| l.mlp == MlpKind::Moe)
         .map(|(k, _)| (k, policy.experts))
         .collect();
-    if spec.mtp_layers > 0
-        && (ck.has(&format!("model.layers.{n}.mlp.experts.gate_up_proj"))
-            || ck.has(&format!("model.layers.{n}.mlp.experts.0.gate_proj.weight")))
-    {
+    let has = |t: &str| ck.has(t);
+    if names::has_mtp(spec, has) && names::Layer::new(n).expert_layout(has).is_some() {
         moe.push((n, policy.mtp));
     }
     for (layer, want) in moe {
@@ -242,7 +226,7 @@ pub fn layout(spec: &ModelSpec, ck: &Checkpoint, policy: &Policy) -> Result<Layo
             payload_bytes: payload,
         });
     }
-    Ok(Layout {
+    Ok(ContainerLayout {
         dense,
         dense_bytes: c.0,
         experts,
@@ -405,10 +389,10 @@ pub fn convert(
         let tmp = dst.with_extension("bin.partial");
         let f = File::create(&tmp).map_err(io(&tmp))?;
         f.set_len(size).map_err(io(&tmp))?;
-        let prefix = format!("model.layers.{}.mlp.experts.", l.layer);
+        let layer = names::Layer::new(l.layer);
         l.crc32.clear();
         for e in 0..l.count {
-            let (g, u, d) = read_expert(&ck, &prefix, e, l.count, h, inter)?;
+            let (g, u, d) = read_expert(&ck, &layer, e, l.count, h, inter)?;
             let mut rec = vec![0u8; l.record_bytes as usize];
             for (part, m) in [
                 (&l.gate, Matrix::new(inter, h, g)),

@@ -142,7 +142,7 @@ impl Engine {
             });
         }
         let input = opts.plan_input(dir);
-        let (spec, c) = crate::plan::open_container(dir)?;
+        let (spec, c) = crate::model::open_container(dir)?;
         let p = crate::plan::plan_container(dir, &spec, &c, &input)?;
         if !p.fits {
             return Err(LoadError::config(dir, p.refusal()));

@@ -5,9 +5,8 @@
 
 use charm_shared::config::{AttentionSpec, GqaSpec, IndexerKind, MlaSpec};
 use charm_shared::expert::{ExpertBatch, ExpertError, LookaheadPolicy};
-use charm_shared::kernels::{
-    axpy, dot, dots, layer_norm, rms_norm, softmax, weighted_rows, Linear,
-};
+use charm_shared::kernels::{axpy, dot, dots, layer_norm, rms_norm, softmax, weighted_rows};
+use charm_shared::linear::Linear;
 use charm_shared::routing::{route, top_k};
 use rayon::prelude::*;
 

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use charm_shared::arch::names::{self, Kind};
 use charm_shared::checkpoint::Checkpoint;
 use charm_shared::config::{AttentionSpec, IndexerKind, MlpKind, ModelSpec};
 use charm_shared::LoadError;
@@ -13,7 +14,7 @@ use crate::plan::human;
 
 /// Where a tensor belongs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Part {
+pub enum Category {
     /// Resident every token: attention, norms, routers, shared experts, dense MLPs.
     Dense,
     /// Routed experts of the main layers.
@@ -27,33 +28,22 @@ pub enum Part {
 }
 
 /// Classifies a checkpoint tensor name.
-pub fn classify(name: &str, n_layers: usize) -> Part {
-    if let Some(rest) = name.strip_prefix("model.layers.") {
-        let idx: usize = rest
-            .split('.')
-            .next()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        if idx >= n_layers {
-            return Part::Mtp;
-        }
-        if rest.contains(".mlp.experts.") {
-            return Part::Routed;
-        }
-        return Part::Dense;
-    }
-    match name {
-        "model.embed_tokens.weight" => Part::Embedding,
-        "lm_head.weight" => Part::Head,
-        _ => Part::Dense,
+pub fn classify(name: &str, n_layers: usize) -> Category {
+    let c = names::classify(name, n_layers);
+    match c.kind {
+        _ if c.mtp => Category::Mtp,
+        Kind::Routed => Category::Routed,
+        Kind::Embedding if c.layer.is_none() => Category::Embedding,
+        Kind::Head if c.layer.is_none() => Category::Head,
+        _ => Category::Dense,
     }
 }
 
 /// Parameter counts and bytes per part.
 #[derive(Debug, Clone, Default)]
 pub struct Accounting {
-    pub params: BTreeMap<Part, u64>,
-    pub bytes: BTreeMap<Part, u64>,
+    pub params: BTreeMap<Category, u64>,
+    pub bytes: BTreeMap<Category, u64>,
     /// Bytes per storage dtype (checkpoint only).
     pub dtype_bytes: BTreeMap<String, u64>,
     /// Bytes one decoded token reads: dense + head + one embedding row + its share of routed experts.
@@ -82,7 +72,7 @@ impl Accounting {
     pub fn from_spec(spec: &ModelSpec, bytes_per_param: f64) -> Self {
         let h = spec.hidden_size as u64;
         let mut a = Accounting::default();
-        let mut add = |p: Part, n: u64| {
+        let mut add = |p: Category, n: u64| {
             *a.params.entry(p).or_insert(0) += n;
         };
         let attn: u64 = match &spec.attention {
@@ -117,23 +107,23 @@ impl Accounting {
         });
         let mi = spec.moe_intermediate_size as u64;
         for l in &spec.layers {
-            add(Part::Dense, attn + 2 * h);
+            add(Category::Dense, attn + 2 * h);
             if l.indexer == Some(IndexerKind::Full) {
-                add(Part::Dense, indexer);
+                add(Category::Dense, indexer);
             }
             match l.mlp {
-                MlpKind::Dense => add(Part::Dense, 3 * h * spec.intermediate_size as u64),
+                MlpKind::Dense => add(Category::Dense, 3 * h * spec.intermediate_size as u64),
                 MlpKind::Moe => {
                     let r = spec.router.as_ref().expect("validated");
                     add(
-                        Part::Dense,
+                        Category::Dense,
                         r.n_experts as u64 * (h + 1) + 3 * h * mi * spec.n_shared_experts as u64,
                     );
-                    add(Part::Routed, r.n_experts as u64 * 3 * h * mi);
+                    add(Category::Routed, r.n_experts as u64 * 3 * h * mi);
                 }
             }
         }
-        add(Part::Dense, h);
+        add(Category::Dense, h);
         if spec.mtp_layers > 0 {
             // Each MTP layer: one sparse decoder layer (with its own indexer) plus eh_proj and the
             // enorm / hnorm / head norms; its embedding and head are counted as shared.
@@ -148,11 +138,11 @@ impl Accounting {
                 + 3 * h * mi * spec.n_shared_experts as u64
                 + 2 * h * h
                 + 3 * h;
-            add(Part::Mtp, one * spec.mtp_layers as u64);
+            add(Category::Mtp, one * spec.mtp_layers as u64);
         }
-        add(Part::Embedding, spec.vocab_size as u64 * h);
+        add(Category::Embedding, spec.vocab_size as u64 * h);
         if !spec.tie_word_embeddings {
-            add(Part::Head, spec.vocab_size as u64 * h);
+            add(Category::Head, spec.vocab_size as u64 * h);
         }
         for (p, n) in a.params.clone() {
             a.bytes.insert(p, (n as f64 * bytes_per_param) as u64);
@@ -162,20 +152,21 @@ impl Accounting {
     }
 
     fn finish(&mut self, spec: &ModelSpec) {
-        let get = |m: &BTreeMap<Part, u64>, p| m.get(&p).copied().unwrap_or(0);
+        let get = |m: &BTreeMap<Category, u64>, p| m.get(&p).copied().unwrap_or(0);
         let frac = spec
             .router
             .as_ref()
             .map_or(0.0, |r| r.top_k as f64 / r.n_experts as f64);
-        let row = |m: &BTreeMap<Part, u64>| get(m, Part::Embedding) / spec.vocab_size as u64;
-        self.active_bytes_per_token = get(&self.bytes, Part::Dense)
-            + get(&self.bytes, Part::Head)
+        let row =
+            |m: &BTreeMap<Category, u64>| get(m, Category::Embedding) / spec.vocab_size as u64;
+        self.active_bytes_per_token = get(&self.bytes, Category::Dense)
+            + get(&self.bytes, Category::Head)
             + row(&self.bytes)
-            + (get(&self.bytes, Part::Routed) as f64 * frac) as u64;
-        self.active_params_per_token = get(&self.params, Part::Dense)
-            + get(&self.params, Part::Head)
+            + (get(&self.bytes, Category::Routed) as f64 * frac) as u64;
+        self.active_params_per_token = get(&self.params, Category::Dense)
+            + get(&self.params, Category::Head)
             + row(&self.params)
-            + (get(&self.params, Part::Routed) as f64 * frac) as u64;
+            + (get(&self.params, Category::Routed) as f64 * frac) as u64;
     }
 
     pub fn total_params(&self) -> u64 {
@@ -194,12 +185,12 @@ pub struct ModelInfo {
 }
 
 /// The parts in the order `charm info` lists them, with their JSON names.
-const PARTS: [(&str, Part); 5] = [
-    ("dense", Part::Dense),
-    ("routed_experts", Part::Routed),
-    ("embedding", Part::Embedding),
-    ("head", Part::Head),
-    ("mtp", Part::Mtp),
+const PARTS: [(&str, Category); 5] = [
+    ("dense", Category::Dense),
+    ("routed_experts", Category::Routed),
+    ("embedding", Category::Embedding),
+    ("head", Category::Head),
+    ("mtp", Category::Mtp),
 ];
 
 impl ModelInfo {
@@ -233,7 +224,7 @@ impl ModelInfo {
         })
     }
 
-    fn part(m: &BTreeMap<Part, u64>, p: Part) -> u64 {
+    fn part(m: &BTreeMap<Category, u64>, p: Category) -> u64 {
         m.get(&p).copied().unwrap_or(0)
     }
 

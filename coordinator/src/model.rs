@@ -5,11 +5,13 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use charm_shared::arch::names::{self, ExpertLayout};
 use charm_shared::checkpoint::Checkpoint;
 use charm_shared::config::{AttentionSpec, IndexerKind, MlpKind, ModelSpec};
 use charm_shared::container::Container;
 use charm_shared::expert::ExpertExecutor;
-use charm_shared::kernels::{Linear, Matrix, SwiGlu};
+use charm_shared::kernels::Matrix;
+use charm_shared::linear::{Linear, SwiGlu};
 use charm_shared::quant::Activations;
 use charm_shared::LoadError;
 use charm_worker::RamExperts;
@@ -149,13 +151,14 @@ impl WeightSource for ColibriSource {
     fn experts(&self, layer: usize, spec: &ModelSpec) -> Result<Vec<SwiGlu>, LoadError> {
         let r = spec.router.as_ref().expect("MoE layer has a router");
         let (h, i) = (spec.hidden_size, spec.moe_intermediate_size);
-        let p = format!("model.layers.{layer}.mlp.experts.");
+        let n = names::Layer::new(layer);
         (0..r.n_experts)
             .map(|e| {
+                let m = n.expert(e);
                 Ok(SwiGlu {
-                    gate: self.linear(&format!("{p}{e}.gate_proj.weight"), i, h)?,
-                    up: self.linear(&format!("{p}{e}.up_proj.weight"), i, h)?,
-                    down: self.linear(&format!("{p}{e}.down_proj.weight"), h, i)?,
+                    gate: self.linear(&m.gate(), i, h)?,
+                    up: self.linear(&m.up(), i, h)?,
+                    down: self.linear(&m.down(), h, i)?,
                 })
             })
             .collect()
@@ -206,10 +209,10 @@ impl WeightSource for Checkpoint {
     fn experts(&self, layer: usize, spec: &ModelSpec) -> Result<Vec<SwiGlu>, LoadError> {
         let r = spec.router.as_ref().expect("MoE layer has a router");
         let (e, h, i) = (r.n_experts, spec.hidden_size, spec.moe_intermediate_size);
-        let p = format!("model.layers.{layer}.mlp.experts.");
+        let n = names::Layer::new(layer);
         (0..e)
             .map(|x| {
-                let (g, u, d) = read_expert(self, &p, x, e, h, i)?;
+                let (g, u, d) = read_expert(self, &n, x, e, h, i)?;
                 Ok(SwiGlu {
                     gate: Linear::F32(Matrix::new(i, h, g)),
                     up: Linear::F32(Matrix::new(i, h, u)),
@@ -223,30 +226,29 @@ impl WeightSource for Checkpoint {
 /// One expert's `(gate [I, H], up [I, H], down [H, I])` weights as f32.
 pub type ExpertF32 = (Vec<f32>, Vec<f32>, Vec<f32>);
 
-/// Reads expert `x` of the layer whose expert prefix is `p` (`model.layers.{l}.mlp.experts.`)
-/// as f32 `(gate [I, H], up [I, H], down [H, I])`, whichever layout the checkpoint uses. Only this
-/// expert's bytes are decoded.
+/// Reads expert `x` of layer `n` as f32 `(gate [I, H], up [I, H], down [H, I])`, whichever
+/// layout the checkpoint uses. Only this expert's bytes are decoded.
 pub fn read_expert(
     ck: &Checkpoint,
-    p: &str,
+    n: &names::Layer,
     x: usize,
     e: usize,
     h: usize,
     i: usize,
 ) -> Result<ExpertF32, LoadError> {
-    let fused = format!("{p}gate_up_proj");
-    if ck.has(&fused) {
-        let gu = ck.f32_slice(&fused, &[e, 2 * i, h], x)?;
-        let d = ck.f32_slice(&format!("{p}down_proj"), &[e, h, i], x)?;
+    if n.expert_layout(|t| ck.has(t)) == Some(ExpertLayout::Fused) {
+        let gu = ck.f32_slice(&n.experts_gate_up(), &[e, 2 * i, h], x)?;
+        let d = ck.f32_slice(&n.experts_down(), &[e, h, i], x)?;
         let u = gu[i * h..].to_vec();
         let mut g = gu;
         g.truncate(i * h);
         Ok((g, u, d))
     } else {
+        let m = n.expert(x);
         Ok((
-            ck.f32(&format!("{p}{x}.gate_proj.weight"), &[i, h])?,
-            ck.f32(&format!("{p}{x}.up_proj.weight"), &[i, h])?,
-            ck.f32(&format!("{p}{x}.down_proj.weight"), &[h, i])?,
+            ck.f32(&m.gate(), &[i, h])?,
+            ck.f32(&m.up(), &[i, h])?,
+            ck.f32(&m.down(), &[h, i])?,
         ))
     }
 }
@@ -275,7 +277,7 @@ impl WeightSource for Container {
         cols: usize,
         act: Activations,
     ) -> Result<Linear, LoadError> {
-        let lanes = charm_shared::kernels::lanes_wanted(act);
+        let lanes = charm_shared::quant::lanes_wanted(act);
         Ok(Container::linear_as(self, name, &[rows, cols], lanes)?.with_activations(act))
     }
     fn experts(&self, layer: usize, spec: &ModelSpec) -> Result<Vec<SwiGlu>, LoadError> {
@@ -318,104 +320,78 @@ impl Loader<'_> {
     fn lin(&self, name: &str, rows: usize, cols: usize) -> Result<Linear, LoadError> {
         self.src.linear_prepared(name, rows, cols, self.act)
     }
-    fn mlp(&self, p: &str, inter: usize) -> Result<SwiGlu, LoadError> {
+    fn mlp(&self, m: names::Mlp, inter: usize) -> Result<SwiGlu, LoadError> {
         let h = self.spec.hidden_size;
         Ok(SwiGlu {
-            gate: self.lin(&format!("{p}gate_proj.weight"), inter, h)?,
-            up: self.lin(&format!("{p}up_proj.weight"), inter, h)?,
-            down: self.lin(&format!("{p}down_proj.weight"), h, inter)?,
+            gate: self.lin(&m.gate(), inter, h)?,
+            up: self.lin(&m.up(), inter, h)?,
+            down: self.lin(&m.down(), h, inter)?,
         })
     }
 
-    fn attn(&self, p: &str) -> Result<AttnWeights, LoadError> {
+    fn attn(&self, n: &names::Layer) -> Result<AttnWeights, LoadError> {
         let h = self.spec.hidden_size;
         Ok(match &self.spec.attention {
             AttentionSpec::Mla(m) => {
                 let qk = m.n_heads * m.qk_head_dim();
                 let (q_a, q_a_norm, q_b) = match m.q_lora_rank {
                     Some(r) => (
-                        Some(self.lin(&format!("{p}self_attn.q_a_proj.weight"), r, h)?),
-                        Some(self.vec(&format!("{p}self_attn.q_a_layernorm.weight"), r)?),
-                        self.lin(&format!("{p}self_attn.q_b_proj.weight"), qk, r)?,
+                        Some(self.lin(&n.q_a(), r, h)?),
+                        Some(self.vec(&n.q_a_norm(), r)?),
+                        self.lin(&n.q_b(), qk, r)?,
                     ),
-                    None => (
-                        None,
-                        None,
-                        self.lin(&format!("{p}self_attn.q_proj.weight"), qk, h)?,
-                    ),
+                    None => (None, None, self.lin(&n.q(), qk, h)?),
                 };
                 AttnWeights::Mla(MlaWeights {
                     q_a,
                     q_a_norm,
                     q_b,
-                    kv_a: self.lin(
-                        &format!("{p}self_attn.kv_a_proj_with_mqa.weight"),
-                        m.cache_width(),
-                        h,
-                    )?,
-                    kv_a_norm: self.vec(
-                        &format!("{p}self_attn.kv_a_layernorm.weight"),
-                        m.kv_lora_rank,
-                    )?,
+                    kv_a: self.lin(&n.kv_a(), m.cache_width(), h)?,
+                    kv_a_norm: self.vec(&n.kv_a_norm(), m.kv_lora_rank)?,
                     kv_b: self.mat(
-                        &format!("{p}self_attn.kv_b_proj.weight"),
+                        &n.kv_b(),
                         m.n_heads * (m.qk_nope_head_dim + m.v_head_dim),
                         m.kv_lora_rank,
                     )?,
-                    o: self.lin(
-                        &format!("{p}self_attn.o_proj.weight"),
-                        h,
-                        m.n_heads * m.v_head_dim,
-                    )?,
+                    o: self.lin(&n.o(), h, m.n_heads * m.v_head_dim)?,
                 })
             }
             AttentionSpec::Gqa(g) => {
                 let (q, kv) = (g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim);
-                let bias = |n: &str, len| -> Result<Option<Vec<f32>>, LoadError> {
-                    if g.bias {
-                        Ok(Some(self.vec(&format!("{p}self_attn.{n}.bias"), len)?))
-                    } else {
-                        Ok(None)
-                    }
+                let bias = |name: String, len| -> Result<Option<Vec<f32>>, LoadError> {
+                    g.bias.then(|| self.vec(&name, len)).transpose()
                 };
-                let norm = |n: &str| -> Result<Option<Vec<f32>>, LoadError> {
-                    if g.qk_norm {
-                        Ok(Some(
-                            self.vec(&format!("{p}self_attn.{n}.weight"), g.head_dim)?,
-                        ))
-                    } else {
-                        Ok(None)
-                    }
+                let norm = |name: String| -> Result<Option<Vec<f32>>, LoadError> {
+                    g.qk_norm.then(|| self.vec(&name, g.head_dim)).transpose()
                 };
                 AttnWeights::Gqa(GqaWeights {
-                    q: self.lin(&format!("{p}self_attn.q_proj.weight"), q, h)?,
-                    k: self.lin(&format!("{p}self_attn.k_proj.weight"), kv, h)?,
-                    v: self.lin(&format!("{p}self_attn.v_proj.weight"), kv, h)?,
-                    o: self.lin(&format!("{p}self_attn.o_proj.weight"), h, q)?,
-                    q_bias: bias("q_proj", q)?,
-                    k_bias: bias("k_proj", kv)?,
-                    v_bias: bias("v_proj", kv)?,
-                    q_norm: norm("q_norm")?,
-                    k_norm: norm("k_norm")?,
+                    q: self.lin(&n.q(), q, h)?,
+                    k: self.lin(&n.k(), kv, h)?,
+                    v: self.lin(&n.v(), kv, h)?,
+                    o: self.lin(&n.o(), h, q)?,
+                    q_bias: bias(n.q_bias(), q)?,
+                    k_bias: bias(n.k_bias(), kv)?,
+                    v_bias: bias(n.v_bias(), kv)?,
+                    q_norm: norm(n.q_norm())?,
+                    k_norm: norm(n.k_norm())?,
                 })
             }
         })
     }
 
-    fn indexer(&self, p: &str) -> Result<IndexerWeights, LoadError> {
+    fn indexer(&self, n: &names::Layer) -> Result<IndexerWeights, LoadError> {
         let d = self.spec.dsa.as_ref().expect("indexer only on DSA models");
         let h = self.spec.hidden_size;
         let q_rank = match &self.spec.attention {
             AttentionSpec::Mla(m) => m.q_lora_rank.unwrap_or(h),
             AttentionSpec::Gqa(_) => h,
         };
-        let p = format!("{p}self_attn.indexer.");
         Ok(IndexerWeights {
-            wq_b: self.lin(&format!("{p}wq_b.weight"), d.n_heads * d.head_dim, q_rank)?,
-            wk: self.lin(&format!("{p}wk.weight"), d.head_dim, h)?,
-            k_norm_w: self.vec(&format!("{p}k_norm.weight"), d.head_dim)?,
-            k_norm_b: self.vec(&format!("{p}k_norm.bias"), d.head_dim)?,
-            weights_proj: self.mat(&format!("{p}weights_proj.weight"), d.n_heads, h)?,
+            wq_b: self.lin(&n.indexer_wq_b(), d.n_heads * d.head_dim, q_rank)?,
+            wk: self.lin(&n.indexer_wk(), d.head_dim, h)?,
+            k_norm_w: self.vec(&n.indexer_k_norm(), d.head_dim)?,
+            k_norm_b: self.vec(&n.indexer_k_norm_bias(), d.head_dim)?,
+            weights_proj: self.mat(&n.indexer_weights(), d.n_heads, h)?,
         })
     }
 
@@ -427,16 +403,14 @@ impl Loader<'_> {
         experts: &mut Vec<Option<Vec<SwiGlu>>>,
     ) -> Result<LayerWeights, LoadError> {
         let h = self.spec.hidden_size;
-        let p = format!("model.layers.{index}.");
+        let n = names::Layer::new(index);
         let ffn = match mlp {
-            MlpKind::Dense => {
-                FfnWeights::Dense(self.mlp(&format!("{p}mlp."), self.spec.intermediate_size)?)
-            }
+            MlpKind::Dense => FfnWeights::Dense(self.mlp(n.mlp(), self.spec.intermediate_size)?),
             MlpKind::Moe => {
                 let r = self.spec.router.as_ref().expect("validated");
                 let shared = if self.spec.n_shared_experts > 0 {
                     Some(self.mlp(
-                        &format!("{p}mlp.shared_experts."),
+                        n.shared_experts(),
                         self.spec.moe_intermediate_size * self.spec.n_shared_experts,
                     )?)
                 } else {
@@ -458,11 +432,9 @@ impl Loader<'_> {
                     );
                 }
                 FfnWeights::Moe {
-                    router: self.mat(&format!("{p}mlp.gate.weight"), r.n_experts, h)?,
+                    router: self.mat(&n.router(), r.n_experts, h)?,
                     correction_bias: if r.correction_bias {
-                        Some(
-                            self.vec(&format!("{p}mlp.gate.e_score_correction_bias"), r.n_experts)?,
-                        )
+                        Some(self.vec(&n.router_bias(), r.n_experts)?)
                     } else {
                         None
                     },
@@ -472,16 +444,14 @@ impl Loader<'_> {
         };
         Ok(LayerWeights {
             index,
-            input_norm: self.vec(&format!("{p}input_layernorm.weight"), h)?,
-            post_norm: self.vec(&format!("{p}post_attention_layernorm.weight"), h)?,
-            attn: self.attn(&p)?,
+            input_norm: self.vec(&n.input_norm(), h)?,
+            post_norm: self.vec(&n.post_norm(), h)?,
+            attn: self.attn(&n)?,
             // A checkpoint without indexer weights (colibrì's conversions drop them) runs dense
             // attention, which equals DSA while a query sees at most `index_topk` keys; the
             // forward pass refuses longer contexts (`Model::dense_attention_limit`).
-            indexer: if indexer_kind == Some(IndexerKind::Full)
-                && self.src.has(&format!("{p}self_attn.indexer.wk.weight"))
-            {
-                Some(self.indexer(&p)?)
+            indexer: if indexer_kind == Some(IndexerKind::Full) && self.src.has(&n.indexer_wk()) {
+                Some(self.indexer(&n)?)
             } else {
                 None
             },
@@ -491,12 +461,36 @@ impl Loader<'_> {
     }
 }
 
+/// `dir`'s config and container, refusing a directory that is not a container (streaming reads
+/// expert records) or whose container was made from another architecture.
+pub fn open_container(dir: &Path) -> Result<(ModelSpec, Container), LoadError> {
+    let spec = ModelSpec::from_dir(dir)?;
+    if !Container::is_container(dir) {
+        return Err(LoadError::config(
+            dir.join(charm_shared::container::MANIFEST),
+            "streaming experts from disk needs a charm container: convert the model with `charm convert` first",
+        ));
+    }
+    let c = Container::open(dir)?;
+    if c.manifest.model_type != spec.arch.model_type() {
+        return Err(LoadError::config(
+            dir.join("config.json"),
+            format!(
+                "config.json says {} but the container was made from {}",
+                spec.arch.model_type(),
+                c.manifest.model_type
+            ),
+        ));
+    }
+    Ok((spec, c))
+}
+
 /// A model directory opened for loading: its spec and where its weights come from (a charm
 /// container, a colibrì conversion or a Hugging Face checkpoint). The one place that tells them
 /// apart.
 pub fn open_source(dir: &Path) -> Result<(ModelSpec, Box<dyn WeightSource>), LoadError> {
     if Container::is_container(dir) {
-        let (spec, c) = crate::plan::open_container(dir)?;
+        let (spec, c) = open_container(dir)?;
         return Ok((spec, Box::new(c)));
     }
     let spec = ModelSpec::from_dir(dir)?;
@@ -546,19 +540,19 @@ impl Model {
         for (i, ls) in spec.layers.iter().enumerate() {
             layers.push(l.layer(i, ls.mlp, ls.indexer, &mut ram_experts)?);
         }
-        let embed = l.lin("model.embed_tokens.weight", v, h)?;
-        let lm_head = if spec.tie_word_embeddings && !ck.has("lm_head.weight") {
+        let embed = l.lin(names::EMBED, v, h)?;
+        let lm_head = if spec.tie_word_embeddings && !ck.has(names::HEAD) {
             None
         } else {
-            Some(l.lin("lm_head.weight", v, h)?)
+            Some(l.lin(names::HEAD, v, h)?)
         };
         // The MTP layer is loaded when the config announces it and its tensors are present; it is
         // never run as part of the main model.
         let n = spec.layers.len();
-        let mtp_prefix = format!("model.layers.{n}.");
-        let mtp = if spec.mtp_layers > 0 && ck.has(&format!("{mtp_prefix}eh_proj.weight")) {
+        let m = names::Layer::new(n);
+        let mtp = if names::has_mtp(&spec, |t| ck.has(t)) {
             let kind = spec.dsa.as_ref().map(|_| {
-                if ck.has(&format!("{mtp_prefix}self_attn.indexer.wk.weight")) {
+                if ck.has(&m.indexer_wk()) {
                     IndexerKind::Full
                 } else {
                     IndexerKind::Shared
@@ -566,24 +560,24 @@ impl Model {
             });
             let layer = l.layer(n, MlpKind::Moe, kind, &mut ram_experts)?;
             Some(MtpWeights {
-                enorm: l.vec(&format!("{mtp_prefix}enorm.weight"), h)?,
-                hnorm: l.vec(&format!("{mtp_prefix}hnorm.weight"), h)?,
-                eh_proj: l.lin(&format!("{mtp_prefix}eh_proj.weight"), h, 2 * h)?,
+                enorm: l.vec(&m.mtp_enorm(), h)?,
+                hnorm: l.vec(&m.mtp_hnorm(), h)?,
+                eh_proj: l.lin(&m.mtp_eh_proj(), h, 2 * h)?,
                 layer,
-                head_norm: l.vec(&format!("{mtp_prefix}shared_head.norm.weight"), h)?,
+                head_norm: l.vec(&m.mtp_head_norm(), h)?,
                 head: ck
-                    .has(&format!("{mtp_prefix}shared_head.head.weight"))
-                    .then(|| l.lin(&format!("{mtp_prefix}shared_head.head.weight"), v, h))
+                    .has(&m.mtp_head())
+                    .then(|| l.lin(&m.mtp_head(), v, h))
                     .transpose()?,
                 embed: ck
-                    .has(&format!("{mtp_prefix}embed_tokens.weight"))
-                    .then(|| l.lin(&format!("{mtp_prefix}embed_tokens.weight"), v, h))
+                    .has(&m.mtp_embed())
+                    .then(|| l.lin(&m.mtp_embed(), v, h))
                     .transpose()?,
             })
         } else {
             None
         };
-        let norm = l.vec("model.norm.weight", h)?;
+        let norm = l.vec(names::FINAL_NORM, h)?;
         let dense_attention_limit = spec.dsa.as_ref().and_then(|d| {
             layers
                 .iter()

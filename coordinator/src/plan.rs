@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use charm_shared::arch::names;
 use charm_shared::checkpoint::Checkpoint;
 use charm_shared::config::ModelSpec;
 use charm_shared::container::{Container, ExpertLayer, Part, Policy, StoreFormat};
@@ -153,10 +154,10 @@ pub struct Plan {
 /// bf16 rows whose width is not a multiple of 8.
 fn dense_ram(name: &str, p: &Part) -> u64 {
     let n: u64 = p.shape.iter().map(|&d| d as u64).product();
+    // the loader multiplies these in f32 whatever their storage (see `model::Loader::mat`)
     let f32_kept = p.shape.len() == 1
-        || name.ends_with("kv_b_proj.weight")
-        || name.ends_with("mlp.gate.weight")
-        || name.ends_with("weights_proj.weight");
+        || names::is_kv_b(name)
+        || names::classify(name, usize::MAX).kind == names::Kind::Exact;
     let odd_bf16 = p.format == StoreFormat::Bf16 && p.shape.last().is_none_or(|c| c % 8 != 0);
     if f32_kept || odd_bf16 || p.format == StoreFormat::F32 {
         4 * n
@@ -181,7 +182,7 @@ pub fn plan(dir: &Path, input: &PlanInput) -> Result<Plan, LoadError> {
         })?;
         let l = crate::convert::layout(&spec, &ck, &input.policy)
             .map_err(|e| LoadError::config(dir, e.to_string()))?;
-        let model = Model {
+        let model = Stored {
             dir,
             spec: &spec,
             source: "checkpoint",
@@ -193,32 +194,8 @@ pub fn plan(dir: &Path, input: &PlanInput) -> Result<Plan, LoadError> {
         };
         return Ok(model.plan(input));
     }
-    let (spec, c) = open_container(dir)?;
+    let (spec, c) = crate::model::open_container(dir)?;
     plan_container(dir, &spec, &c, input)
-}
-
-/// `dir`'s config and container, refusing a directory that is not a container (streaming reads
-/// expert records) or whose container was made from another architecture.
-pub fn open_container(dir: &Path) -> Result<(ModelSpec, Container), LoadError> {
-    let spec = ModelSpec::from_dir(dir)?;
-    if !Container::is_container(dir) {
-        return Err(LoadError::config(
-            dir.join(charm_shared::container::MANIFEST),
-            "streaming experts from disk needs a charm container: convert the model with `charm convert` first",
-        ));
-    }
-    let c = Container::open(dir)?;
-    if c.manifest.model_type != spec.arch.model_type() {
-        return Err(LoadError::config(
-            dir.join("config.json"),
-            format!(
-                "config.json says {} but the container was made from {}",
-                spec.arch.model_type(),
-                c.manifest.model_type
-            ),
-        ));
-    }
-    Ok((spec, c))
 }
 
 /// [`plan`] for an opened container.
@@ -233,7 +210,7 @@ pub fn plan_container(
         Some(p) => History::load_for(p, c).map_err(|e| LoadError::config(e.path(), e.reason()))?,
         None => None,
     };
-    let model = Model {
+    let model = Stored {
         dir,
         spec,
         source: "container",
@@ -251,7 +228,7 @@ pub fn plan_container(
 }
 
 /// What planning needs to know of a model: its config, dense tensors and expert layers as stored.
-struct Model<'a> {
+struct Stored<'a> {
     dir: &'a Path,
     spec: &'a ModelSpec,
     source: &'static str,
@@ -263,7 +240,7 @@ struct Model<'a> {
     history: Option<History>,
 }
 
-impl Model<'_> {
+impl Stored<'_> {
     fn plan(self, input: &PlanInput) -> Plan {
         let (dir, spec) = (self.dir, self.spec);
         let dense_bytes: u64 = self.dense.iter().map(|(n, p)| dense_ram(n, p)).sum();
@@ -299,10 +276,9 @@ impl Model<'_> {
             .sum::<u64>();
         let tensor = |name: &str| self.dense.iter().find(|(n, _)| *n == name).map(|(_, p)| *p);
         // the embedding table is read one row per token; it is resident but not streamed per token
-        let embed = tensor("model.embed_tokens.weight")
-            .map_or(0, |p| dense_ram("model.embed_tokens.weight", p));
+        let embed = tensor(names::EMBED).map_or(0, |p| dense_ram(names::EMBED, p));
         // a tied head reads the embedding table whole every token
-        let tied = spec.tie_word_embeddings && tensor("lm_head.weight").is_none();
+        let tied = spec.tie_word_embeddings && tensor(names::HEAD).is_none();
         let resident_bytes = dense_bytes + kv_bytes + io + working_bytes;
         let mem = meminfo();
         let (budget, source) = match input.ram {

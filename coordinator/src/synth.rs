@@ -8,6 +8,8 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+use charm_shared::arch::names;
+use charm_shared::config::ModelSpec;
 use charm_shared::container::{
     DenseTensor, ExpertLayer, Manifest, Part, Policy, StoreFormat, FORMAT, MANIFEST, RECORD_ALIGN,
     VERSION,
@@ -168,66 +170,6 @@ pub fn config(o: &SynthOptions) -> Result<Value, String> {
     Ok(c)
 }
 
-/// The dense tensors of a `glm_moe_dsa` config, `(name, shape)`.
-fn dense_tensors(c: &Value) -> Vec<(String, Vec<usize>)> {
-    let g = |k: &str| c[k].as_u64().unwrap_or(0) as usize;
-    let (h, v, inter, mi) = (
-        g("hidden_size"),
-        g("vocab_size"),
-        g("intermediate_size"),
-        g("moe_intermediate_size"),
-    );
-    let (heads, ql, kvl) = (
-        g("num_attention_heads"),
-        g("q_lora_rank"),
-        g("kv_lora_rank"),
-    );
-    let (nope, rope, vd) = (
-        g("qk_nope_head_dim"),
-        g("qk_rope_head_dim"),
-        g("v_head_dim"),
-    );
-    let (e, sh) = (g("n_routed_experts"), g("n_shared_experts"));
-    let (ih, id) = (g("index_n_heads"), g("index_head_dim"));
-    let mut t = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
-    let types = c["mlp_layer_types"].as_array().cloned().unwrap_or_default();
-    let idx = c["indexer_types"].as_array().cloned().unwrap_or_default();
-    for (l, kind) in types.iter().enumerate() {
-        let p = format!("model.layers.{l}.");
-        let mut add = |n: &str, s: Vec<usize>| t.push((format!("{p}{n}"), s));
-        add("input_layernorm.weight", vec![h]);
-        add("post_attention_layernorm.weight", vec![h]);
-        add("self_attn.q_a_proj.weight", vec![ql, h]);
-        add("self_attn.q_a_layernorm.weight", vec![ql]);
-        add("self_attn.q_b_proj.weight", vec![heads * (nope + rope), ql]);
-        add("self_attn.kv_a_proj_with_mqa.weight", vec![kvl + rope, h]);
-        add("self_attn.kv_a_layernorm.weight", vec![kvl]);
-        add("self_attn.kv_b_proj.weight", vec![heads * (nope + vd), kvl]);
-        add("self_attn.o_proj.weight", vec![h, heads * vd]);
-        if idx.get(l).and_then(|x| x.as_str()) == Some("full") {
-            add("self_attn.indexer.wq_b.weight", vec![ih * id, ql]);
-            add("self_attn.indexer.wk.weight", vec![id, h]);
-            add("self_attn.indexer.k_norm.weight", vec![id]);
-            add("self_attn.indexer.k_norm.bias", vec![id]);
-            add("self_attn.indexer.weights_proj.weight", vec![ih, h]);
-        }
-        if kind.as_str() == Some("dense") {
-            add("mlp.gate_proj.weight", vec![inter, h]);
-            add("mlp.up_proj.weight", vec![inter, h]);
-            add("mlp.down_proj.weight", vec![h, inter]);
-        } else {
-            add("mlp.gate.weight", vec![e, h]);
-            add("mlp.gate.e_score_correction_bias", vec![e]);
-            add("mlp.shared_experts.gate_proj.weight", vec![mi * sh, h]);
-            add("mlp.shared_experts.up_proj.weight", vec![mi * sh, h]);
-            add("mlp.shared_experts.down_proj.weight", vec![h, mi * sh]);
-        }
-    }
-    t.push(("model.norm.weight".into(), vec![h]));
-    t.push(("lm_head.weight".into(), vec![v, h]));
-    t
-}
-
 /// Random bytes of a part's regions: weights uniform over the format's codes, scales giving
 /// each weight a standard deviation near `1/sqrt(cols)` (`std` for embeddings).
 fn fill(part: &Part, seed: u64, std: f32, out: &mut [u8], base: u64) {
@@ -291,7 +233,9 @@ pub fn synth(
     // dense skeleton layout
     let mut c = Cursor(0);
     let mut parts = Vec::new();
-    for (name, shape) in dense_tensors(&cfg) {
+    let spec = ModelSpec::from_json(&cfg.to_string(), Path::new("config.json"))
+        .map_err(|e| format!("synthetic config: {e}"))?;
+    for (name, shape) in names::dense_tensors(&spec) {
         let r = role(&name, n_layers);
         let part = if shape.len() == 1 || r == Role::KeepF32 {
             c.part(StoreFormat::F32, shape, 0)
@@ -351,7 +295,7 @@ pub fn synth(
                 c.copy_from_slice(&v.to_le_bytes());
             }
         } else {
-            let std = if name == "model.embed_tokens.weight" {
+            let std = if name == names::EMBED {
                 1.0
             } else {
                 1.0 / (cols as f32).sqrt()

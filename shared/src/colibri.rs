@@ -20,7 +20,8 @@
 use crate::checkpoint::Checkpoint;
 use crate::dtype::DType;
 use crate::error::LoadError;
-use crate::kernels::{Linear, Matrix};
+use crate::kernels::Matrix;
+use crate::linear::Linear;
 use crate::quant::{Layout, QMatrix, QuantKind};
 
 /// Whether `dir` looks like a colibrì conversion (an `out-*.safetensors` shard).

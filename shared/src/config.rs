@@ -1,5 +1,5 @@
 //! Architecture-independent description of a model ([`ModelSpec`]), built from `config.json` by
-//! the per-architecture modules in [`crate::arch`]. The forward pass reads only this: architecture
+//! the per-architecture modules in `crate::arch`. The forward pass reads only this: architecture
 //! differences are data (which attention, which router, which layer schedule), not code paths.
 
 use std::path::Path;
@@ -182,38 +182,6 @@ pub mod limits {
 }
 
 impl ModelSpec {
-    /// Reads `dir/config.json` and dispatches on `model_type`.
-    pub fn from_dir(dir: &Path) -> Result<Self, LoadError> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| LoadError::io(&path, e))?;
-        Self::from_json(&text, &path)
-    }
-
-    /// Parses a config.json text; `path` is only used in errors.
-    pub fn from_json(text: &str, path: &Path) -> Result<Self, LoadError> {
-        let v: serde_json::Value = serde_json::from_str(text)
-            .map_err(|e| LoadError::config(path, format!("invalid JSON: {e}")))?;
-        let mt = v
-            .get("model_type")
-            .and_then(|m| m.as_str())
-            .ok_or_else(|| LoadError::config(path, "no string `model_type`"))?;
-        let spec = match mt {
-            "glm_moe_dsa" => crate::arch::glm_moe_dsa::spec(v, path)?,
-            "deepseek_v3" | "kimi_k2" => crate::arch::deepseek_v3::spec(v, path)?,
-            "qwen3_moe" => crate::arch::qwen3_moe::spec(v, path)?,
-            other => {
-                return Err(LoadError::config(
-                    path,
-                    format!(
-                    "unknown model_type `{other}` (charm runs glm_moe_dsa, deepseek_v3, qwen3_moe)"
-                ),
-                ))
-            }
-        };
-        spec.validate(path)?;
-        Ok(spec)
-    }
-
     /// Refuses zero and absurd dimensions, and inconsistent routing.
     pub fn validate(&self, path: &Path) -> Result<(), LoadError> {
         use limits::*;

@@ -16,7 +16,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::LoadError;
-use crate::kernels::{Linear, Matrix};
+use crate::kernels::Matrix;
+use crate::linear::Linear;
 use crate::quant::{Layout, QMatrix, QuantKind, SharedBytes, WeightBytes, WeightFloats};
 
 /// Format name in the manifest.

@@ -13,7 +13,7 @@
 use rayon::prelude::*;
 use serde::Serialize;
 
-use crate::kernels::SwiGlu;
+use crate::linear::SwiGlu;
 
 /// What the caller of an executor can do about a failure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

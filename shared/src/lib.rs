@@ -8,7 +8,8 @@
 //! - [`checkpoint`]: a Hugging Face model directory (shards, index, FP8 block scales).
 //! - [`container`]: the converted charm container (manifest, dense file, expert records).
 //! - [`dtype`]: storage dtypes and exact conversion to f32.
-//! - [`kernels`]: f32 matmul, norms, activations, the SwiGLU block.
+//! - [`kernels`]: f32 matmul, norms, activations.
+//! - [`linear`]: a linear layer (f32 or quantized weight) and the SwiGLU block.
 //! - [`quant`]: int8 / int4 / int2 / bf16 weight formats and their run-time-dispatched kernels.
 //! - [`routing`]: pure MoE routing maths.
 //! - [`expert`]: the routed-expert seam: [`expert::ExpertExecutor`], its batch, errors and
@@ -24,6 +25,7 @@ pub mod dtype;
 pub mod error;
 pub mod expert;
 pub mod kernels;
+pub mod linear;
 pub mod quant;
 pub mod routing;
 pub mod safetensors;

@@ -15,7 +15,7 @@ pub mod store;
 pub use store::{IoEvent, StoreOptions, StreamingExperts};
 
 use charm_shared::expert::{run_grouped, ExpertBatch, ExpertError, ExpertExecutor};
-use charm_shared::kernels::SwiGlu;
+use charm_shared::linear::SwiGlu;
 
 /// All routed experts resident in RAM, per layer (`None` for dense layers).
 #[derive(Debug, Default)]

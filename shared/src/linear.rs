@@ -1,0 +1,117 @@
+//! Linear layers: a weight in f32 or quantized, multiplied by the kernel the CPU supports best,
+//! and the SwiGLU MLP built from three of them.
+
+use crate::kernels::{silu, Matrix};
+use crate::quant::{active_isa, lanes_wanted, Activations, QMatrix};
+
+/// A linear layer's weight `[out, in]`: f32, or quantized ([`QMatrix`]) and multiplied by the
+/// kernel the CPU supports best.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Linear {
+    F32(Matrix),
+    Quant(QMatrix),
+}
+
+impl Linear {
+    pub fn rows(&self) -> usize {
+        match self {
+            Self::F32(m) => m.rows,
+            Self::Quant(q) => q.rows,
+        }
+    }
+    pub fn cols(&self) -> usize {
+        match self {
+            Self::F32(m) => m.cols,
+            Self::Quant(q) => q.cols,
+        }
+    }
+    /// `x`: `[n, cols]` -> `[n, rows]`.
+    pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
+        match self {
+            Self::F32(m) => m.matmul(x, n),
+            Self::Quant(q) => q.matmul_with(x, n, active_isa(), q.act),
+        }
+    }
+    /// This weight multiplied with activations `act` (see [`QMatrix::act`]; f32 weights are
+    /// unaffected).
+    pub fn with_activations(self, act: Activations) -> Self {
+        match self {
+            Self::Quant(q) => Self::Quant(QMatrix { act, ..q }),
+            other => other,
+        }
+    }
+    /// [`Self::with_activations`], in the memory layout the kernels run fastest on: quantized
+    /// weights go to [`crate::quant::Layout::Lanes16`] where [`lanes_wanted`] and the shape
+    /// allow. The products are bit-identical either way.
+    pub fn prepared(self, act: Activations) -> Self {
+        match self.with_activations(act) {
+            Self::Quant(q) if lanes_wanted(act) && q.lanes_apply() => {
+                Self::Quant(q.to_lanes().expect("lanes apply"))
+            }
+            other => other,
+        }
+    }
+    /// Row `r` as f32 (embedding lookup).
+    pub fn row_f32(&self, r: usize) -> Vec<f32> {
+        match self {
+            Self::F32(m) => m.row(r).to_vec(),
+            Self::Quant(q) => q.dequantize_row(r),
+        }
+    }
+    /// The whole weight as f32.
+    pub fn to_f32(&self) -> Matrix {
+        match self {
+            Self::F32(m) => m.clone(),
+            Self::Quant(q) => q.dequantize(),
+        }
+    }
+    /// Bytes held in memory.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::F32(m) => 4 * m.data.len(),
+            Self::Quant(q) => q.data.len() + 4 * (q.scales.len() + q.mins.len()),
+        }
+    }
+    /// Number of weights.
+    pub fn params(&self) -> usize {
+        self.rows() * self.cols()
+    }
+}
+
+impl From<Matrix> for Linear {
+    fn from(m: Matrix) -> Self {
+        Self::F32(m)
+    }
+}
+
+/// A SwiGLU feed-forward block: `down(silu(gate x) * up x)`. Dense MLPs, shared experts and
+/// routed experts are all this.
+#[derive(Debug, Clone)]
+pub struct SwiGlu {
+    /// `[inter, hidden]`
+    pub gate: Linear,
+    /// `[inter, hidden]`
+    pub up: Linear,
+    /// `[hidden, inter]`
+    pub down: Linear,
+}
+
+impl SwiGlu {
+    /// `x`: `[n, hidden]` -> `[n, hidden]`.
+    pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let g = self.gate.matmul(x, n); // [n, inter]
+        let u = self.up.matmul(x, n); // [n, inter]
+        let h: Vec<f32> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
+        self.down.matmul(&h, n)
+    }
+
+    /// Parameters in this block.
+    pub fn params(&self) -> usize {
+        self.gate.params() + self.up.params() + self.down.params()
+    }
+
+    /// Bytes held in memory.
+    pub fn bytes(&self) -> usize {
+        self.gate.bytes() + self.up.bytes() + self.down.bytes()
+    }
+}

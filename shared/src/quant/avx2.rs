@@ -1,0 +1,375 @@
+use std::arch::x86_64::*;
+
+use super::{Codes, QuantKind};
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn hsum_tree(v: __m256) -> f32 {
+    // lanes (0+4, 1+5, 2+6, 3+7), then ((a+b) + (c+d)): the scalar tree's order.
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let mut a = [0.0f32; 4];
+    // SAFETY: `a` has room for 4 floats.
+    unsafe { _mm_storeu_ps(a.as_mut_ptr(), s) };
+    (a[0] + a[1]) + (a[2] + a[3])
+}
+
+/// AVX2 twin of [`super::scalar::quantize_group`] for lengths that are multiples of 8: the
+/// same maximum (NaN ignored), the same scale and reciprocal, and round half away from zero
+/// as `trunc(y) + (|y - trunc(y)| >= 0.5 ? sign(y) : 0)` (the difference is exact).
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn quantize_group(xs: &[f32], out: &mut [i8]) -> f32 {
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
+    let mut m = _mm256_setzero_ps();
+    for c in xs.chunks_exact(8) {
+        // SAFETY: `c` holds 8 floats.
+        let v = unsafe { _mm256_loadu_ps(c.as_ptr()) };
+        // max_ps returns its second operand when either is NaN: NaNs are skipped
+        m = _mm256_max_ps(_mm256_and_ps(v, abs_mask), m);
+    }
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: `lanes` has room for 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
+    let amax = lanes.iter().fold(0.0f32, |a, v| a.max(*v));
+    let d = amax / 127.0;
+    let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+    let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+    let sign = _mm256_set1_ps(-0.0);
+    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    for (c, o) in xs.chunks_exact(8).zip(out.chunks_exact_mut(8)) {
+        // SAFETY: `c` holds 8 floats.
+        let y = _mm256_mul_ps(unsafe { _mm256_loadu_ps(c.as_ptr()) }, inv);
+        let t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        let f = _mm256_and_ps(_mm256_sub_ps(y, t), abs_mask);
+        let away = _mm256_and_ps(_mm256_cmp_ps(f, half, _CMP_GE_OQ), one);
+        let r = _mm256_add_ps(t, _mm256_or_ps(away, _mm256_and_ps(y, sign)));
+        let r = _mm256_and_ps(r, _mm256_cmp_ps(y, y, _CMP_ORD_Q));
+        let r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+        let mut v = [0i32; 8];
+        // SAFETY: `v` has room for 8 i32.
+        unsafe { _mm256_storeu_si256(v.as_mut_ptr() as *mut __m256i, _mm256_cvtps_epi32(r)) };
+        for (a, b) in o.iter_mut().zip(v) {
+            *a = b as i8;
+        }
+    }
+    d
+}
+
+/// 8 codes starting at element `i`, as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn codes8(kind: QuantKind, row: &[u8], i: usize) -> __m256 {
+    match kind {
+        QuantKind::Bf16 => {
+            let b = &row[2 * i..2 * i + 16];
+            // SAFETY: `b` holds 16 bytes.
+            let h = unsafe { _mm_loadu_si128(b.as_ptr() as *const __m128i) };
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        }
+        QuantKind::Int8 => {
+            let b = &row[i..i + 8];
+            // SAFETY: `b` holds 8 bytes.
+            let h = unsafe { _mm_loadl_epi64(b.as_ptr() as *const __m128i) };
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h))
+        }
+        QuantKind::Int4 => {
+            let w = u32::from_le_bytes(row[i / 2..i / 2 + 4].try_into().expect("4 bytes"));
+            let v = _mm256_set1_epi32(w as i32);
+            let sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+            let c = _mm256_and_si256(_mm256_srlv_epi32(v, sh), _mm256_set1_epi32(15));
+            _mm256_cvtepi32_ps(_mm256_sub_epi32(c, _mm256_set1_epi32(8)))
+        }
+        QuantKind::Int2 => {
+            let w = u16::from_le_bytes([row[i / 4], row[i / 4 + 1]]);
+            let v = _mm256_set1_epi32(w as i32);
+            let sh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+            let c = _mm256_and_si256(_mm256_srlv_epi32(v, sh), _mm256_set1_epi32(3));
+            _mm256_cvtepi32_ps(c)
+        }
+    }
+}
+
+/// i8 x i8 products of 32 pairs, summed in i32 lanes: `maddubs` on `aw = |w|` and the
+/// activations with `w`'s signs.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn dot32_abs(aw: __m256i, w: __m256i, a: __m256i) -> __m256i {
+    let sa = _mm256_sign_epi8(a, w);
+    _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), _mm256_set1_epi16(1))
+}
+
+/// The four sums `[sum(a), sum(b), sum(c), sum(d)]` of 8-lane i32 vectors (exact).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn reduce4(v: [__m256i; 4]) -> __m128i {
+    let ab = _mm256_hadd_epi32(v[0], v[1]);
+    let cd = _mm256_hadd_epi32(v[2], v[3]);
+    let abcd = _mm256_hadd_epi32(ab, cd);
+    _mm_add_epi32(
+        _mm256_castsi256_si128(abcd),
+        _mm256_extracti128_si256(abcd, 1),
+    )
+}
+
+/// The float step of the integer path for the `R * T <= 4` (row, token) pairs of a block, pair
+/// `p = r * T + t` in lane `p`: `acc = fma(sc[r][g] * ascale[t][g], isum, acc)`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn fma_step<const R: usize, const T: usize>(
+    acc: __m128,
+    isum: __m128i,
+    sc: [&[f32]; R],
+    ascale: [&[f32]; T],
+    g: usize,
+) -> __m128 {
+    let mut p = [0.0f32; 4];
+    for r in 0..R {
+        for t in 0..T {
+            p[r * T + t] = sc[r][g] * ascale[t][g];
+        }
+    }
+    // SAFETY: `p` holds 4 floats.
+    let pv = unsafe { _mm_loadu_ps(p.as_ptr()) };
+    _mm_fmadd_ps(pv, _mm_cvtepi32_ps(isum), acc)
+}
+
+/// Unpacks `acc` (pair `r * T + t` in lane `r * T + t`) into `[rows][tokens]`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn unpack<const R: usize, const T: usize>(acc: __m128) -> [[f32; T]; R] {
+    let mut v = [0.0f32; 4];
+    // SAFETY: `v` has room for 4 floats.
+    unsafe { _mm_storeu_ps(v.as_mut_ptr(), acc) };
+    std::array::from_fn(|r| std::array::from_fn(|t| v[r * T + t]))
+}
+
+/// AVX2 twin of [`super::scalar::row_dot_i8`] for `R` rows and `T` tokens, `R * T` being 1 or
+/// 4 (see [`super::block_dot_i8`]): the same exact integer sums and fused float steps, so the
+/// same results.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn block_dot_i8<const R: usize, const T: usize>(
+    kind: QuantKind,
+    group: usize,
+    rows: [&[u8]; R],
+    sc: [&[f32]; R],
+    aq: [&[i8]; T],
+    ascale: [&[f32]; T],
+    ahead: &[u8],
+) -> [[f32; T]; R] {
+    assert!(R * T <= 4);
+    let gb = group * kind.bits() / 8;
+    let ng = aq[0].len() / group;
+    let pf = super::Prefetch::new(ahead, ng);
+    for r in 0..R {
+        assert!(rows[r].len() >= ng * gb && sc[r].len() >= ng);
+    }
+    for t in 0..T {
+        assert!(aq[t].len() >= ng * group && ascale[t].len() >= ng);
+    }
+    let (wp, ap) = (rows.map(|r| r.as_ptr()), aq.map(|a| a.as_ptr()));
+    // SAFETY (every load below): weight offsets stay below `ng * gb` and activation offsets
+    // below `ng * group`, the lengths asserted above.
+    let ld = |p: *const u8| unsafe { _mm256_loadu_si256(p as *const __m256i) };
+    let lda = |t: usize, i: usize| unsafe { _mm256_loadu_si256(ap[t].add(i) as *const __m256i) };
+    let eight = _mm256_set1_epi8(8);
+    let m = _mm256_set1_epi8(15);
+    let mut acc = _mm_setzero_ps();
+    for g in 0..ng {
+        pf.step(g);
+        let (wo, base) = (g * gb, g * group);
+        let mut s = [[_mm256_setzero_si256(); T]; R];
+        match kind {
+            QuantKind::Int8 => {
+                for c in 0..group / 32 {
+                    let av: [__m256i; T] = std::array::from_fn(|t| lda(t, base + 32 * c));
+                    for r in 0..R {
+                        // SAFETY: see above.
+                        let wv = ld(unsafe { wp[r].add(wo + 32 * c) });
+                        let aw = _mm256_sign_epi8(wv, wv);
+                        for t in 0..T {
+                            s[r][t] = _mm256_add_epi32(s[r][t], dot32_abs(aw, wv, av[t]));
+                        }
+                    }
+                }
+            }
+            _ if group.is_multiple_of(64) => {
+                // 64-element nibble blocks: 32 packed bytes, low nibbles meet the first 32
+                // activations, high nibbles the next 32.
+                for c in 0..group / 64 {
+                    let a0: [__m256i; T] = std::array::from_fn(|t| lda(t, base + 64 * c));
+                    let a1: [__m256i; T] = std::array::from_fn(|t| lda(t, base + 64 * c + 32));
+                    for r in 0..R {
+                        // SAFETY: see above.
+                        let v = ld(unsafe { wp[r].add(wo + 32 * c) });
+                        let lo = _mm256_sub_epi8(_mm256_and_si256(v, m), eight);
+                        let hi =
+                            _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), m), eight);
+                        let (alo, ahi) = (_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(hi, hi));
+                        for t in 0..T {
+                            let d = _mm256_add_epi32(
+                                dot32_abs(alo, lo, a0[t]),
+                                dot32_abs(ahi, hi, a1[t]),
+                            );
+                            s[r][t] = _mm256_add_epi32(s[r][t], d);
+                        }
+                    }
+                }
+            }
+            _ => {
+                let m = _mm_set1_epi8(15);
+                for c in 0..group / 32 {
+                    let av: [__m256i; T] = std::array::from_fn(|t| lda(t, base + 32 * c));
+                    for r in 0..R {
+                        // SAFETY: see above (16 bytes).
+                        let v =
+                            unsafe { _mm_loadu_si128(wp[r].add(wo + 16 * c) as *const __m128i) };
+                        let lo = _mm_and_si128(v, m);
+                        let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
+                        let wv = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight);
+                        let aw = _mm256_sign_epi8(wv, wv);
+                        for t in 0..T {
+                            s[r][t] = _mm256_add_epi32(s[r][t], dot32_abs(aw, wv, av[t]));
+                        }
+                    }
+                }
+            }
+        }
+        let mut v = [_mm256_setzero_si256(); 4];
+        for r in 0..R {
+            for t in 0..T {
+                v[r * T + t] = s[r][t];
+            }
+        }
+        acc = fma_step(acc, reduce4(v), sc, ascale, g);
+    }
+    unpack(acc)
+}
+
+/// Decodes a packed row into f32 codes.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn decode_row(kind: QuantKind, row: &[u8], out: &mut [f32]) {
+    for i in (0..out.len()).step_by(8) {
+        let o = &mut out[i..i + 8];
+        // SAFETY: `o` holds 8 floats.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), codes8(kind, row, i)) };
+    }
+}
+
+/// [`row_dot`] of `R` packed rows against one token, their accumulator chains interleaved (each
+/// row's arithmetic is exactly `row_dot`'s); `ahead` is prefetched along the way.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn rows_dot<const R: usize>(
+    kind: QuantKind,
+    group: usize,
+    rows: [&[u8]; R],
+    sc: [&[f32]; R],
+    mn: [&[f32]; R],
+    x: &[f32],
+    xs: &[f32],
+    ahead: &[u8],
+) -> [f32; R] {
+    let ng = x.len() / group;
+    let pf = super::Prefetch::new(ahead, ng);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut offs = [0.0f32; R];
+    for g in 0..ng {
+        pf.step(g);
+        let mut l = [_mm256_setzero_ps(); R];
+        for i in (g * group..(g + 1) * group).step_by(8) {
+            let xv = &x[i..i + 8];
+            // SAFETY: `xv` holds 8 floats.
+            let xv = unsafe { _mm256_loadu_ps(xv.as_ptr()) };
+            for r in 0..R {
+                l[r] = _mm256_fmadd_ps(codes8(kind, rows[r], i), xv, l[r]);
+            }
+        }
+        for r in 0..R {
+            let s = if kind == QuantKind::Bf16 {
+                1.0
+            } else {
+                sc[r][g]
+            };
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s), l[r], acc[r]);
+            if kind == QuantKind::Int2 {
+                offs[r] = mn[r][g].mul_add(xs[g], offs[r]);
+            }
+        }
+    }
+    std::array::from_fn(|r| hsum_tree(acc[r]) + offs[r])
+}
+
+/// [`row_dot`] over a row's decoded codes for `T` tokens, their accumulator chains interleaved
+/// (each token's arithmetic is exactly `row_dot`'s).
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn codes_dot<const T: usize>(
+    kind: QuantKind,
+    group: usize,
+    codes: &[f32],
+    sc: &[f32],
+    mn: &[f32],
+    x: [&[f32]; T],
+    xs: [&[f32]; T],
+) -> [f32; T] {
+    let ng = codes.len() / group;
+    for xt in x {
+        assert_eq!(xt.len(), codes.len());
+    }
+    let mut acc = [_mm256_setzero_ps(); T];
+    let mut offs = [0.0f32; T];
+    for g in 0..ng {
+        let mut l = [_mm256_setzero_ps(); T];
+        for i in (g * group..(g + 1) * group).step_by(8) {
+            // SAFETY: `i + 8 <= codes.len()`, the length of every `x[t]` too (asserted).
+            let c = unsafe { _mm256_loadu_ps(codes.as_ptr().add(i)) };
+            for t in 0..T {
+                // SAFETY: as above.
+                let xv = unsafe { _mm256_loadu_ps(x[t].as_ptr().add(i)) };
+                l[t] = _mm256_fmadd_ps(c, xv, l[t]);
+            }
+        }
+        let s = if kind == QuantKind::Bf16 { 1.0 } else { sc[g] };
+        for t in 0..T {
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(s), l[t], acc[t]);
+            if kind == QuantKind::Int2 {
+                offs[t] = mn[g].mul_add(xs[t][g], offs[t]);
+            }
+        }
+    }
+    std::array::from_fn(|t| hsum_tree(acc[t]) + offs[t])
+}
+
+/// AVX2 twin of [`super::scalar::row_dot`]: the same lanes, order and fused multiply-adds, so
+/// the results are bit-identical.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn row_dot(
+    kind: QuantKind,
+    group: usize,
+    codes: Codes<'_>,
+    sc: &[f32],
+    mn: &[f32],
+    x: &[f32],
+    xs: &[f32],
+) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut offs = 0.0f32;
+    for g in 0..x.len() / group {
+        let mut l = _mm256_setzero_ps();
+        for i in (g * group..(g + 1) * group).step_by(8) {
+            let xv = &x[i..i + 8];
+            // SAFETY: `xv` holds 8 floats.
+            let xv = unsafe { _mm256_loadu_ps(xv.as_ptr()) };
+            let c = match codes {
+                Codes::Packed(row) => codes8(kind, row, i),
+                // SAFETY: `d` holds the row's `cols` codes and `i + 8 <= cols`.
+                Codes::Decoded(d) => unsafe { _mm256_loadu_ps(d[i..i + 8].as_ptr()) },
+            };
+            l = _mm256_fmadd_ps(c, xv, l);
+        }
+        let s = if kind == QuantKind::Bf16 { 1.0 } else { sc[g] };
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(s), l, acc);
+        if kind == QuantKind::Int2 {
+            offs = mn[g].mul_add(xs[g], offs);
+        }
+    }
+    hsum_tree(acc) + offs
+}
