@@ -3,6 +3,7 @@
 //! # Layout
 //! - [`config`]: the architecture-independent [`config::ModelSpec`]; [`arch`] builds it from each
 //!   architecture's `config.json`.
+//! - [`arch::names`]: the tensor-name table every loader, converter and accounting shares.
 //! - [`safetensors`]: header parser (untrusted bytes), memory-mapped files, a writer.
 //! - [`colibri`]: directories made by colibrì's converter (`out-*.safetensors`, `.qs` scales).
 //! - [`checkpoint`]: a Hugging Face model directory (shards, index, FP8 block scales).
@@ -10,7 +11,8 @@
 //! - [`dtype`]: storage dtypes and exact conversion to f32.
 //! - [`kernels`]: f32 matmul, norms, activations.
 //! - [`linear`]: a linear layer (f32 or quantized weight) and the SwiGLU block.
-//! - [`quant`]: int8 / int4 / int2 / bf16 weight formats and their run-time-dispatched kernels.
+//! - [`quant`]: int8 / int4 / int2 / bf16 weight formats, the lane layout, and their kernels (one
+//!   module per ISA, chosen at run time, each bit-identical to the scalar twin).
 //! - [`routing`]: pure MoE routing maths.
 //! - [`expert`]: the routed-expert seam: [`expert::ExpertExecutor`], its batch, errors and
 //!   statistics, and the grouping and ascending-order combine every executor shares.

@@ -6,7 +6,8 @@
 //!   the weighted sum back, wherever the experts live.
 //! - [`RamExperts`]: every expert resident in RAM.
 //! - [`store::StreamingExperts`]: experts streamed from a container on disk through a bounded RAM
-//!   cache (single-box mode), with [`history`] for the pinned hot set and [`io`] for the reads.
+//!   cache (single-box mode): its cache policy, reader threads and I/O timeline in submodules,
+//!   with [`history`] for the pinned hot set and [`io`] for the reads.
 
 pub mod history;
 pub mod io;
