@@ -7,9 +7,10 @@ use anyhow::{bail, Context, Result};
 use charm_coordinator::plan::{human, PlanInput};
 use charm_coordinator::synth::{synth, SynthOptions};
 use charm_coordinator::{Engine, EngineOptions, HistoryPolicy};
-use charm_shared::container::{Container, Policy, StoreFormat};
+use charm_shared::container::{Policy, StoreFormat};
 use charm_shared::quant::Activations;
-use charm_worker::io::{random_reads, AlignedBuf, Pages, RecordFile};
+use charm_worker::io::Pages;
+use charm_worker::iobench;
 use clap::Args;
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -217,75 +218,39 @@ pub struct IoBenchArgs {
 /// `charm iobench`: random aligned reads of `block_mib` from a model's expert files, or from a
 /// scratch file of `file_gib` made in `dir`.
 pub fn cmd_iobench(a: &IoBenchArgs) -> Result<()> {
-    let (block_mib, memory_load) = (a.block_mib, a.memory_load);
-    let pages = if a.small_pages {
-        Pages::Small
-    } else {
-        Pages::Huge
-    };
-    let direct = !a.no_direct;
-    if !(block_mib > 0.0 && block_mib <= 1024.0) {
+    if !(a.block_mib > 0.0 && a.block_mib <= 1024.0) {
         bail!("--block-mib must be in (0, 1024]");
     }
-    if memory_load > 64 {
+    if a.memory_load > 64 {
         bail!("--memory-load must be in 0..=64");
     }
-    let block = ((block_mib * (1u64 << 20) as f64) as usize).div_ceil(4096) * 4096;
-    let mut scratch = None;
-    let files: Vec<(RecordFile, u64)> = match (a.model.as_deref(), a.dir.as_deref()) {
-        (Some(m), _) => {
-            let c = Container::open(m)?;
-            c.expert_layers()
-                .map(|l| {
-                    let p = m.join(&l.file);
-                    Ok((
-                        RecordFile::open(&p, direct)?,
-                        l.record_bytes * l.count as u64,
-                    ))
-                })
-                .collect::<std::io::Result<_>>()?
-        }
-        (None, Some(d)) => {
-            let p = d.join(format!("charm-iobench-{}.bin", std::process::id()));
-            let len = ((a.file_gib * GIB) as u64).div_ceil(block as u64) * block as u64;
-            write_scratch(&p, len, block)?;
-            scratch = Some(p.clone());
-            vec![(RecordFile::open(&p, direct)?, len)]
-        }
+    let block = (a.block_mib * (1u64 << 20) as f64) as usize;
+    let source = match (&a.model, &a.dir) {
+        (Some(m), _) => iobench::Source::Container(m.clone()),
+        (None, Some(d)) => iobench::Source::Scratch {
+            dir: d.clone(),
+            bytes: (a.file_gib * GIB) as u64,
+        },
         _ => bail!("give --model DIR or --dir DIR"),
     };
-    let refs: Vec<(&RecordFile, u64)> = files.iter().map(|(f, n)| (f, *n)).collect();
-    // Optional memory traffic beside the reads, as a forward pass makes: on some machines (VMs)
-    // the disk reads markedly slower while the cores stream memory.
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    // the reads start once every load thread has its buffer and streams
-    let ready = std::sync::Barrier::new(memory_load + 1);
-    let (r, streamed) = std::thread::scope(|sc| {
-        let loads: Vec<_> = (0..memory_load)
-            .map(|_| sc.spawn(|| stream_memory(&stop, &ready)))
-            .collect();
-        ready.wait();
-        let r = random_reads(&refs, block, a.threads, (u64::MAX, a.seconds), 11, pages);
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let streamed: (u64, f64) = loads
-            .into_iter()
-            .map(|h| h.join().expect("memory load thread panicked"))
-            .fold((0, 0.0), |(b, t), (b2, t2)| (b + b2, f64::max(t, t2)));
-        (r, streamed)
-    });
-    if let Some(p) = scratch {
-        let _ = std::fs::remove_file(p);
-    }
-    let r = r?;
-    let mem_bps = if streamed.1 > 0.0 {
-        streamed.0 as f64 / streamed.1
-    } else {
-        0.0
+    let cfg = iobench::Config {
+        block,
+        seconds: a.seconds,
+        threads: a.threads,
+        direct: !a.no_direct,
+        memory_load: a.memory_load,
+        pages: if a.small_pages {
+            Pages::Small
+        } else {
+            Pages::Huge
+        },
     };
+    let rep = iobench::run(&source, &cfg)?;
+    let (r, mem_bps) = (rep.reads, rep.memory_load_bytes_per_s);
     if a.json {
         let mut v = serde_json::to_value(r)?;
         v["bytes_per_s"] = r.bytes_per_s().into();
-        v["memory_load_threads"] = memory_load.into();
+        v["memory_load_threads"] = a.memory_load.into();
         v["memory_load_bytes_per_s"] = mem_bps.into();
         println!("{v}");
     } else {
@@ -293,7 +258,7 @@ pub fn cmd_iobench(a: &IoBenchArgs) -> Result<()> {
             "{:.3} GB/s: {} random reads of {:.2} MiB in {:.2}s, {} threads, {}, into {}",
             r.bytes_per_s() / 1e9,
             r.reads,
-            block as f64 / (1u64 << 20) as f64,
+            r.block_bytes as f64 / (1u64 << 20) as f64,
             r.seconds,
             r.threads,
             if r.direct { "O_DIRECT" } else { "buffered" },
@@ -302,58 +267,13 @@ pub fn cmd_iobench(a: &IoBenchArgs) -> Result<()> {
                 Pages::Small => "4 KiB pages",
             }
         );
-        if memory_load > 0 {
+        if a.memory_load > 0 {
             println!(
-                "  beside {memory_load} thread(s) streaming memory at {:.1} GB/s",
+                "  beside {} thread(s) streaming memory at {:.1} GB/s",
+                a.memory_load,
                 mem_bps / 1e9
             );
         }
     }
-    Ok(())
-}
-
-/// Fills a 256 MiB buffer, waits at `ready`, then sums the buffer over and over until `stop`
-/// (at least one chunk); returns (bytes read, seconds).
-fn stream_memory(stop: &std::sync::atomic::AtomicBool, ready: &std::sync::Barrier) -> (u64, f64) {
-    let buf: Vec<u64> = (0..32u64 << 20).collect();
-    ready.wait();
-    let t = std::time::Instant::now();
-    let (mut bytes, mut acc) = (0u64, 0u64);
-    loop {
-        for c in buf.chunks(1 << 16) {
-            let mut l = [0u64; 8];
-            for w in c.chunks_exact(8) {
-                for k in 0..8 {
-                    l[k] = l[k].wrapping_add(w[k]);
-                }
-            }
-            acc = l.iter().fold(acc, |a, v| a.wrapping_add(*v));
-            bytes += 8 * c.len() as u64;
-            if stop.load(std::sync::atomic::Ordering::Relaxed) {
-                std::hint::black_box(acc);
-                return (bytes, t.elapsed().as_secs_f64());
-            }
-        }
-    }
-}
-
-fn write_scratch(p: &Path, len: u64, block: usize) -> Result<()> {
-    use std::os::unix::fs::FileExt;
-    let f = std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?;
-    let mut b = AlignedBuf::new(block);
-    let mut s = 0x1234_5678u64;
-    for c in b.as_mut_slice().chunks_mut(8) {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        c.copy_from_slice(&s.to_le_bytes()[..c.len()]);
-    }
-    let mut off = 0;
-    while off < len {
-        f.write_all_at(b.as_slice(), off)
-            .with_context(|| format!("writing {}", p.display()))?;
-        off += block as u64;
-    }
-    f.sync_all()?;
     Ok(())
 }

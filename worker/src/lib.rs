@@ -8,9 +8,11 @@
 //! - [`store::StreamingExperts`]: experts streamed from a container on disk through a bounded RAM
 //!   cache (single-box mode): its cache policy, reader threads and I/O timeline in submodules,
 //!   with [`history`] for the pinned hot set and [`io`] for the reads.
+//! - [`iobench`]: the disk benchmark of `charm iobench`.
 
 pub mod history;
 pub mod io;
+pub mod iobench;
 pub mod store;
 
 pub use store::{IoEvent, StoreOptions, StreamingExperts};
