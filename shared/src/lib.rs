@@ -16,6 +16,7 @@
 //! - [`routing`]: pure MoE routing maths.
 //! - [`expert`]: the routed-expert seam: [`expert::ExpertExecutor`], its batch, errors and
 //!   statistics, and the grouping and ascending-order combine every executor shares.
+//! - [`wire`]: the cluster's typed messages, their framing and the checks they pass on receipt.
 //! - [`error`]: load errors that name the file and tensor.
 
 pub mod arch;
@@ -31,5 +32,6 @@ pub mod linear;
 pub mod quant;
 pub mod routing;
 pub mod safetensors;
+pub mod wire;
 
 pub use error::LoadError;
