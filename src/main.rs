@@ -23,6 +23,7 @@ use charm_shared::quant::Activations;
 use clap::{Parser, Subcommand, ValueEnum};
 use single_box::StoreArgs;
 
+mod cluster_cli;
 mod single_box;
 
 #[derive(Parser, Debug)]
@@ -236,6 +237,52 @@ enum Cmd {
     },
     /// Disk read bandwidth for random aligned reads of expert-record size, O_DIRECT.
     Iobench(single_box::IoBenchArgs),
+    /// Serves routed experts to a cluster's coordinator over QUIC with mutual TLS.
+    Worker {
+        /// Address to listen on (UDP), e.g. 0.0.0.0:7070 (port 0: any free port).
+        #[arg(long)]
+        listen: String,
+        #[arg(long)]
+        model: PathBuf,
+        /// This worker's node name: its certificate in the cluster directory.
+        #[arg(long)]
+        node: String,
+        /// Activation mode it computes in (the coordinator's must match).
+        #[arg(long, value_enum, default_value = "f32")]
+        activations: Act,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Cluster set-up and health.
+    Cluster {
+        #[command(subcommand)]
+        cmd: ClusterCmd,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ClusterCmd {
+    /// Makes a cluster authority and a certificate and key per node (keys 0600).
+    Init {
+        #[arg(long)]
+        out: PathBuf,
+        /// Node names, comma-separated (`coordinator` is always added).
+        #[arg(long)]
+        nodes: String,
+    },
+    /// Dials every worker of the cluster: health, experts placed, RAM, latency. Exit 1 when
+    /// none answers.
+    Status {
+        /// The model the cluster serves (its fingerprint is checked by every worker).
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, value_enum, default_value = "f32")]
+        activations: Act,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
 }
 
 fn parse_ids(s: &str) -> Result<Vec<u32>> {
@@ -771,5 +818,21 @@ fn run(cli: Cli) -> Result<()> {
             )
         }
         Cmd::Iobench(args) => single_box::cmd_iobench(&args),
+        Cmd::Worker {
+            listen,
+            model,
+            node,
+            activations,
+            store,
+        } => cluster_cli::cmd_worker(&listen, &model, &node, &store, activations.into()),
+        Cmd::Cluster { cmd } => match cmd {
+            ClusterCmd::Init { out, nodes } => cluster_cli::cmd_cluster_init(&out, &nodes),
+            ClusterCmd::Status {
+                model,
+                activations,
+                json,
+                store,
+            } => cluster_cli::cmd_cluster_status(&model, &store, activations.into(), json),
+        },
     }
 }

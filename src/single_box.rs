@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use charm_coordinator::cluster::{ClusterOptions, WorkerAddr};
 use charm_coordinator::plan::{human, PlanInput};
 use charm_coordinator::synth::{synth, SynthOptions};
 use charm_coordinator::{Engine, EngineOptions, HistoryPolicy};
@@ -43,6 +44,17 @@ pub struct StoreArgs {
     /// `benches/io_phases.py FILE` summarizes it.
     #[arg(long)]
     pub io_trace: Option<PathBuf>,
+    /// Cluster file (JSON: workers, certificates, deadline, replicas; see deploy/cluster.json)
+    /// or a cluster directory made by `charm cluster init` (its cluster.json). Routed experts go
+    /// to the workers; what none answers runs here.
+    #[arg(long)]
+    pub cluster: Option<PathBuf>,
+    /// Expert workers, `NAME@HOST:PORT,...` (instead of the cluster file's list).
+    #[arg(long, requires = "cluster")]
+    pub workers: Option<String>,
+    /// Copies of each hot expert on different workers (instead of the cluster file's).
+    #[arg(long, requires = "cluster")]
+    pub replicas: Option<usize>,
 }
 
 impl StoreArgs {
@@ -80,7 +92,29 @@ impl StoreArgs {
             direct: !self.no_direct,
             trace: self.io_trace.is_some(),
             activations,
+            cluster: self.cluster_options()?,
         })
+    }
+
+    /// The cluster to use: the cluster file, with `--workers` and `--replicas` applied.
+    pub fn cluster_options(&self) -> Result<Option<ClusterOptions>> {
+        let Some(path) = &self.cluster else {
+            return Ok(None);
+        };
+        let mut o = ClusterOptions::load(path).map_err(anyhow::Error::msg)?;
+        if let Some(w) = &self.workers {
+            o.workers = w
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(|s| s.parse::<WorkerAddr>().map_err(anyhow::Error::msg))
+                .collect::<Result<_>>()?;
+        }
+        if let Some(r) = self.replicas {
+            o.replicas = r;
+        }
+        o.check().map_err(anyhow::Error::msg)?;
+        Ok(Some(o))
     }
 
     /// The planner's input for `dir` with `context` tokens (unless `--ctx` says otherwise).

@@ -18,8 +18,10 @@ use charm_shared::LoadError;
 use charm_worker::history::container_model_id;
 use charm_worker::{IoEvent, StoreOptions, StreamingExperts};
 
+use crate::cluster::{model_fingerprint, ClusterOptions};
 use crate::model::{open_source, Model};
 use crate::plan::{rss, Plan, PlanInput};
+use crate::remote::RemoteExperts;
 
 /// Where the routing history of a streamed container is kept (it picks the pinned hot set and
 /// seeds the cache's usage frequencies).
@@ -54,6 +56,8 @@ pub struct EngineOptions {
     pub trace: bool,
     /// How activations meet quantized weights (also fixes their in-memory layout).
     pub activations: Activations,
+    /// Expert workers to send routed experts to (`None`: this machine computes them all).
+    pub cluster: Option<ClusterOptions>,
 }
 
 impl Default for EngineOptions {
@@ -68,6 +72,7 @@ impl Default for EngineOptions {
             direct: true,
             trace: false,
             activations: Activations::F32,
+            cluster: None,
         }
     }
 }
@@ -115,8 +120,11 @@ impl EngineOptions {
 #[derive(Debug)]
 pub struct Engine {
     pub model: Model,
-    /// The streaming store behind `model.experts`, when a container streams its experts.
+    /// The streaming store behind `model.experts` (or behind the cluster client, for experts no
+    /// worker answers), when a container streams its experts.
     pub store: Option<Arc<StreamingExperts>>,
+    /// The cluster client, when workers compute routed experts.
+    pub remote: Option<Arc<RemoteExperts>>,
     /// The memory plan the load followed (containers).
     pub plan: Option<Plan>,
     /// What the user should know about how the load went (buffered reads where `O_DIRECT` was
@@ -125,8 +133,42 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Loads the model in `dir` as `opts` say (see the module docs).
+    /// Loads the model in `dir` as `opts` say (see the module docs). With
+    /// [`EngineOptions::cluster`] the reachable workers compute routed experts and the local
+    /// executor serves what they do not answer; no reachable worker is single-box mode, with a
+    /// warning.
     pub fn load(dir: &Path, opts: &EngineOptions) -> Result<Self, LoadError> {
+        let mut e = Self::load_local(dir, opts)?;
+        let Some(c) = &opts.cluster else {
+            return Ok(e);
+        };
+        if c.workers.is_empty() {
+            e.warnings
+                .push("the cluster lists no workers: every expert runs on this machine".into());
+            return Ok(e);
+        }
+        let model = model_fingerprint(dir).map_err(|m| LoadError::config(dir, m))?;
+        let act = match opts.activations {
+            Activations::F32 => "f32",
+            Activations::Int8 => "int8",
+        };
+        let (r, warnings) = RemoteExperts::connect(
+            c,
+            &model,
+            act,
+            &e.model.spec,
+            routing_heat(dir, opts),
+            e.model.experts.clone(),
+        )
+        .map_err(|m| LoadError::config(&c.certs, m))?;
+        e.warnings.extend(warnings);
+        let r = Arc::new(r);
+        e.model.experts = r.clone();
+        e.remote = Some(r);
+        Ok(e)
+    }
+
+    fn load_local(dir: &Path, opts: &EngineOptions) -> Result<Self, LoadError> {
         if !Container::is_container(dir) {
             let mut warnings = Vec::new();
             if opts.ram.is_some() {
@@ -137,6 +179,7 @@ impl Engine {
             return Ok(Self {
                 model,
                 store: None,
+                remote: None,
                 plan: None,
                 warnings,
             });
@@ -192,6 +235,7 @@ impl Engine {
         Ok(Self {
             model,
             store: Some(store),
+            remote: None,
             plan: Some(p),
             warnings,
         })
@@ -232,6 +276,13 @@ impl Engine {
             v["budget_bytes"] = p.budget_bytes.into();
             v["expert_cache_bytes"] = p.cache_bytes.into();
         }
+        if let Some(r) = &self.remote {
+            v["cluster"] = serde_json::json!({
+                "workers": r.status(),
+                "wire_bytes": r.wire_bytes(),
+                "local_runs": r.fallbacks(),
+            });
+        }
         if let Some(s) = run {
             v["experts"] = serde_json::to_value(s).expect("stats serialize");
             v["experts"]["hit_rate"] = s.hit_rate().into();
@@ -240,6 +291,24 @@ impl Engine {
             }
         }
         v
+    }
+}
+
+/// Uses per `(layer, expert)` from the routing history of a container, for placement.
+fn routing_heat(dir: &Path, opts: &EngineOptions) -> std::collections::HashMap<(usize, u32), u64> {
+    let Some(path) = opts.history_path(dir) else {
+        return Default::default();
+    };
+    let Ok(c) = Container::open(dir) else {
+        return Default::default();
+    };
+    match charm_worker::history::History::load_for(&path, &c) {
+        Ok(Some(h)) => h
+            .ranked()
+            .into_iter()
+            .map(|(l, e, n)| ((l, e), n))
+            .collect(),
+        _ => Default::default(),
     }
 }
 

@@ -16,9 +16,12 @@
 //! - [`info`]: parameter and byte accounting for `charm info`.
 //! - [`synth`]: deterministic synthetic containers with GLM-5.2 shapes.
 //! - [`doctor`]: readiness checks with stable ids.
+//! - [`cluster`]: the cluster file and the placement of routed experts on workers.
+//! - [`remote`]: the expert executor that sends routed experts to workers over QUIC.
 //! - [`plan`]: single-box memory planning (budget, expert cache size, expected disk traffic).
 
 pub mod cache;
+pub mod cluster;
 pub mod convert;
 pub mod doctor;
 pub mod engine;
@@ -29,6 +32,7 @@ pub mod info;
 pub mod model;
 pub mod plan;
 pub mod quality;
+pub mod remote;
 pub mod rope;
 pub mod sampling;
 pub mod synth;

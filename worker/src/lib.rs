@@ -13,7 +13,9 @@
 pub mod history;
 pub mod io;
 pub mod iobench;
+pub mod server;
 pub mod store;
+pub mod tls;
 
 pub use store::{IoEvent, StoreOptions, StreamingExperts};
 

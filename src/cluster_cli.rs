@@ -1,0 +1,170 @@
+//! The cluster on the command line: `charm worker`, `charm cluster init`, `charm cluster status`.
+
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use charm_coordinator::cluster::{model_fingerprint, ClusterOptions};
+use charm_coordinator::remote::{moe_layers, RemoteExperts};
+use charm_coordinator::Engine;
+use charm_shared::config::ModelSpec;
+use charm_shared::quant::Activations;
+use charm_shared::wire::{Hello, LayerExperts, Limits, PROTOCOL_VERSION};
+
+use crate::single_box::StoreArgs;
+
+/// The wire name of an activation mode.
+pub fn act_name(a: Activations) -> &'static str {
+    match a {
+        Activations::F32 => "f32",
+        Activations::Int8 => "int8",
+    }
+}
+
+/// `charm worker`: serves the routed experts of `model` to the cluster's coordinator until
+/// killed. Prints `listening on ADDR` once it accepts connections.
+pub fn cmd_worker(
+    listen: &str,
+    model: &Path,
+    node: &str,
+    args: &StoreArgs,
+    act: Activations,
+) -> Result<()> {
+    let Some(cluster) = &args.cluster else {
+        bail!("give --cluster (a cluster file or the directory `charm cluster init` made): workers only speak mutual TLS");
+    };
+    if args.workers.is_some() || args.replicas.is_some() {
+        bail!("--workers and --replicas are the coordinator's");
+    }
+    let certs = ClusterOptions::load(cluster)
+        .map_err(anyhow::Error::msg)?
+        .certs;
+    let addr: std::net::SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(listen)
+        .with_context(|| format!("--listen {listen}"))?
+        .next()
+        .with_context(|| format!("--listen {listen}: no address"))?;
+    let identity = charm_worker::tls::Identity::load(&certs, node)
+        .with_context(|| format!("node {node} of {}", certs.display()))?;
+    let mut opts = args.engine_options(4096, act)?;
+    opts.cluster = None;
+    let e = Engine::load(model, &opts).with_context(|| format!("loading {}", model.display()))?;
+    for w in &e.warnings {
+        eprintln!("warning: {w}");
+    }
+    let spec = &e.model.spec;
+    let layers = moe_layers(spec);
+    let svc = Arc::new(charm_worker::server::Service {
+        executor: e.model.experts.clone(),
+        hello: Hello {
+            version: PROTOCOL_VERSION,
+            node: node.to_string(),
+            model: model_fingerprint(model).map_err(anyhow::Error::msg)?,
+            activations: vec![act_name(act).into()],
+            experts: layers
+                .iter()
+                .map(|&(l, n)| LayerExperts {
+                    layer: l as u32,
+                    ids: (0..n as u32).collect(),
+                })
+                .collect(),
+            ram_bytes: e.plan.as_ref().map_or(0, |p| p.cache_bytes),
+        },
+        limits: Limits {
+            hidden: spec.hidden_size,
+            n_experts: layers.first().map_or(0, |l| l.1),
+            max_tokens: 1 << 16,
+        },
+    });
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async move {
+        let ep = charm_worker::server::listen(addr, &identity)
+            .map_err(|e| anyhow::anyhow!("--listen {addr}: {e}"))?;
+        // the bound address (port 0 picks one), for scripts and tests
+        println!("listening on {}", ep.local_addr()?);
+        std::io::stdout().flush()?;
+        charm_worker::server::serve(ep, svc).await;
+        Ok::<_, anyhow::Error>(())
+    })
+}
+
+/// `charm cluster init`: a cluster authority and node certificates in `out`.
+pub fn cmd_cluster_init(out: &Path, nodes: &str) -> Result<()> {
+    let mut names: Vec<String> = nodes
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect();
+    if !names.iter().any(|n| n == "coordinator") {
+        names.insert(0, "coordinator".into());
+    }
+    let files = charm_worker::tls::init_cluster(out, &names)?;
+    for f in files {
+        println!("{}", f.display());
+    }
+    eprintln!(
+        "copy ca.pem and NODE.pem/NODE.key to each node (keep ca.key here); list the workers in {}",
+        out.join(charm_coordinator::cluster::CLUSTER_FILE).display()
+    );
+    Ok(())
+}
+
+/// `charm cluster status`: dials every worker of the cluster for `model` and reports each one's
+/// health, holdings and latency.
+pub fn cmd_cluster_status(
+    model: &Path,
+    args: &StoreArgs,
+    act: Activations,
+    json: bool,
+) -> Result<()> {
+    let Some(opts) = args.cluster_options()? else {
+        bail!("give --cluster");
+    };
+    let spec = ModelSpec::from_dir(model)?;
+    let fingerprint = model_fingerprint(model).map_err(anyhow::Error::msg)?;
+    // never asked to compute: status sends no expert work
+    let none: Arc<dyn charm_shared::expert::ExpertExecutor> =
+        Arc::new(charm_worker::RamExperts::default());
+    let (r, warnings) = RemoteExperts::connect(
+        &opts,
+        &fingerprint,
+        act_name(act),
+        &spec,
+        Default::default(),
+        none,
+    )
+    .map_err(anyhow::Error::msg)?;
+    // one heartbeat, for a round-trip figure
+    std::thread::sleep(opts.heartbeat + std::time::Duration::from_millis(50));
+    let st = r.status();
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({ "model": fingerprint, "workers": st })
+        );
+    } else {
+        for w in &warnings {
+            eprintln!("warning: {w}");
+        }
+        println!("model {fingerprint}, {} workers", st.len());
+        for w in &st {
+            let health = match (&w.error, w.connected) {
+                (_, true) => "up".to_string(),
+                (Some(e), false) => format!("down: {e}"),
+                (None, false) => "down".to_string(),
+            };
+            println!(
+                "  {:<12} {:<22} {health}; {} experts placed, {:.1} GiB expert RAM, ping {}",
+                w.name,
+                w.addr,
+                w.experts,
+                w.ram_bytes as f64 / (1u64 << 30) as f64,
+                w.ping_ms.map_or("-".into(), |p| format!("{p:.2} ms"))
+            );
+        }
+    }
+    if st.iter().all(|w| !w.connected) {
+        std::process::exit(1);
+    }
+    Ok(())
+}
