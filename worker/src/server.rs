@@ -245,3 +245,235 @@ async fn connection(conn: quinn::Connection, svc: Arc<Service>) {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tls::{init_cluster, Identity};
+    use crate::RamExperts;
+    use charm_shared::kernels::Matrix;
+    use charm_shared::linear::SwiGlu;
+    use charm_shared::wire::{LayerExperts, Run};
+
+    const H: usize = 8;
+
+    fn expert(seed: f32) -> SwiGlu {
+        let m = |r, c, s: f32| {
+            Matrix::new(
+                r,
+                c,
+                (0..r * c)
+                    .map(|k| ((k as f32 + s) * 0.37).sin() * 0.3)
+                    .collect(),
+            )
+        };
+        SwiGlu {
+            gate: m(4, H, seed).into(),
+            up: m(4, H, seed + 1.0).into(),
+            down: m(H, 4, seed + 2.0).into(),
+        }
+    }
+
+    fn hello(node: &str, version: u32, model: &str) -> Hello {
+        Hello {
+            version,
+            node: node.into(),
+            model: model.into(),
+            activations: vec!["f32".into()],
+            experts: vec![],
+            ram_bytes: 0,
+        }
+    }
+
+    fn certs(tag: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("charm-srv-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        init_cluster(&d, &["coordinator".into(), "w1".into()]).unwrap();
+        d
+    }
+
+    async fn dial(dir: &Path, addr: SocketAddr) -> Result<quinn::Connection, String> {
+        let id = Identity::load(dir, "coordinator").unwrap();
+        let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        ep.set_default_client_config(id.client_config().unwrap());
+        let c = ep.connect(addr, "w1").map_err(|e| e.to_string())?;
+        tokio::time::timeout(Duration::from_secs(10), c)
+            .await
+            .map_err(|_| "timeout".to_string())?
+            .map_err(|e| e.to_string())
+    }
+
+    /// Sends raw `bytes` on a new stream and reads the answer.
+    async fn exchange(c: &quinn::Connection, bytes: &[u8]) -> Message {
+        let (mut s, mut r) = c.open_bi().await.unwrap();
+        s.write_all(bytes).await.unwrap();
+        s.finish().unwrap();
+        read_frame(&mut r).await.unwrap().0
+    }
+
+    use std::path::Path;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_worker_refuses_what_it_must_and_keeps_serving() {
+        let dir = certs("main");
+        let store = Arc::new(RamExperts {
+            hidden: H,
+            layers: vec![Some((0..4).map(|e| expert(e as f32)).collect())],
+        });
+        let svc = Arc::new(Service {
+            executor: store.clone(),
+            hello: Hello {
+                experts: vec![LayerExperts {
+                    layer: 0,
+                    ids: vec![0, 1, 2, 3],
+                }],
+                ..hello("w1", PROTOCOL_VERSION, "m1")
+            },
+            limits: Limits {
+                hidden: H,
+                n_experts: 4,
+                max_tokens: 16,
+            },
+        });
+        let ep = listen(
+            "127.0.0.1:0".parse().unwrap(),
+            &Identity::load(&dir, "w1").unwrap(),
+        )
+        .unwrap();
+        let addr = ep.local_addr().unwrap();
+        tokio::spawn(serve(ep, svc));
+
+        // plaintext garbage at the port: ignored
+        let u = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        u.send_to(b"GET / HTTP/1.0\r\n\r\n", addr).unwrap();
+        u.send_to(&[0xff; 1200], addr).unwrap();
+
+        // wrong protocol version, another model: refused, naming what differs
+        for (h, why) in [
+            (
+                hello("coordinator", PROTOCOL_VERSION + 1, "m1"),
+                "protocol version",
+            ),
+            (hello("coordinator", PROTOCOL_VERSION, "m2"), "model m2"),
+        ] {
+            let c = dial(&dir, addr).await.unwrap();
+            match exchange(&c, &encode(&Message::Hello(h)).unwrap()).await {
+                Message::Refused { reason } => assert!(reason.contains(why), "{reason}"),
+                m => panic!("{m:?}"),
+            }
+        }
+
+        // a certificate from another cluster's authority (trusting this one's, so it is the
+        // worker that must refuse it), and a client of another cluster: the TLS handshake fails
+        let other = certs("other");
+        let mixed = other.join("mixed");
+        std::fs::create_dir(&mixed).unwrap();
+        std::fs::copy(dir.join("ca.pem"), mixed.join("ca.pem")).unwrap();
+        for f in ["coordinator.pem", "coordinator.key"] {
+            std::fs::copy(other.join(f), mixed.join(f)).unwrap();
+        }
+        for d in [&mixed, &other] {
+            let refused = match dial(d, addr).await {
+                Err(_) => true,
+                // TLS 1.3: the client may finish before the server's verdict arrives
+                Ok(c) => match c.open_bi().await {
+                    Err(_) => true,
+                    Ok((mut s, mut r)) => {
+                        let ping = encode(&Message::Ping { seq: 1 }).unwrap();
+                        let _ = s.write_all(&ping).await;
+                        let _ = s.finish();
+                        read_frame(&mut r).await.is_err()
+                    }
+                },
+            };
+            assert!(
+                refused,
+                "a node of another cluster was served ({})",
+                d.display()
+            );
+        }
+
+        let c = dial(&dir, addr).await.unwrap();
+        match exchange(
+            &c,
+            &encode(&Message::Hello(hello(
+                "coordinator",
+                PROTOCOL_VERSION,
+                "m1",
+            )))
+            .unwrap(),
+        )
+        .await
+        {
+            Message::Hello(h) => assert_eq!(h.node, "w1"),
+            m => panic!("{m:?}"),
+        }
+        let req = |experts: &[u32]| ComputeRequest {
+            id: 5,
+            step: 1,
+            layer: 0,
+            hidden: H as u32,
+            activations: "f32".into(),
+            x: (0..2 * H).map(|k| (k as f32 * 0.3).cos()).collect(),
+            runs: experts
+                .iter()
+                .map(|&e| Run {
+                    expert: e,
+                    rows: vec![1, 0],
+                })
+                .collect(),
+        };
+        let bad = |m: Message, why: &str| match m {
+            Message::Failed { class, message, .. } => {
+                assert_eq!(class, FailureClass::BadRequest, "{message}");
+                assert!(message.contains(why), "{message} (wanted {why})");
+            }
+            m => panic!("{m:?}"),
+        };
+        // malformed, truncated, oversized, out of range: refused on their own streams
+        let mut junk = encode(&Message::Compute(req(&[1]))).unwrap();
+        for b in junk.iter_mut().skip(LEN_BYTES + 8) {
+            *b ^= 0x5a;
+        }
+        bad(exchange(&c, &junk).await, "malformed");
+        let ok = encode(&Message::Compute(req(&[1]))).unwrap();
+        bad(exchange(&c, &ok[..ok.len() - 3]).await, "stream");
+        bad(
+            exchange(&c, &((MAX_FRAME + 1) as u32).to_le_bytes()).await,
+            "exceeds",
+        );
+        bad(
+            exchange(&c, &encode(&Message::Compute(req(&[9]))).unwrap()).await,
+            "expert 9",
+        );
+        let mut wide = req(&[1]);
+        wide.hidden = 4;
+        bad(
+            exchange(&c, &encode(&Message::Compute(wide)).unwrap()).await,
+            "hidden 4",
+        );
+        // the same connection still computes, exactly as the store does
+        let r = req(&[1, 3]);
+        match exchange(&c, &encode(&Message::Compute(r.clone())).unwrap()).await {
+            Message::Computed(res) => {
+                res.check(&r).unwrap();
+                for (run, out) in r.runs.iter().zip(&res.outputs) {
+                    let e = &store.layers[0].as_ref().unwrap()[run.expert as usize];
+                    let xs: Vec<f32> = run
+                        .rows
+                        .iter()
+                        .flat_map(|&row| r.x[row as usize * H..(row as usize + 1) * H].to_vec())
+                        .collect();
+                    assert_eq!(&e.forward(&xs, 2), out);
+                }
+            }
+            m => panic!("{m:?}"),
+        }
+        match exchange(&c, &encode(&Message::Ping { seq: 4 }).unwrap()).await {
+            Message::Pong { seq } => assert_eq!(seq, 4),
+            m => panic!("{m:?}"),
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+        std::fs::remove_dir_all(&other).unwrap();
+    }
+}

@@ -1,0 +1,418 @@
+//! The expert-parallel cluster with real processes on loopback: `charm worker` processes over
+//! QUIC with mutual TLS, the coordinator as the `charm` CLI or in this process (for the kill and
+//! rejoin test, which needs to act between tokens).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use charm_coordinator::cache::KvCache;
+use charm_coordinator::cluster::{ClusterOptions, WorkerAddr};
+use charm_coordinator::generate::generate;
+use charm_coordinator::remote::moe_layers;
+use charm_coordinator::sampling::{Sampler, SamplingParams};
+use charm_coordinator::{Engine, EngineOptions, ForwardOptions, HistoryPolicy};
+use common::*;
+use serde_json::Value;
+
+/// A running `charm worker`, killed when dropped.
+struct Worker {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Worker {
+    /// Starts `charm worker` for `model` as node `node` of the cluster in `certs` on `port`
+    /// (0: any), and waits until it listens.
+    fn start(model: &Path, certs: &Path, node: &str, port: u16, extra: &[&str]) -> Self {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_charm"));
+        c.args([
+            "worker",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--model",
+        ])
+        .arg(model)
+        .args(["--node", node, "--cluster"])
+        .arg(certs)
+        .args(["--history", "none"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        let mut child = c.spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let Some(port) = line
+            .trim()
+            .strip_prefix("listening on ")
+            .and_then(|a| a.rsplit(':').next())
+            .and_then(|p| p.parse().ok())
+        else {
+            let _ = child.kill();
+            let mut err = String::new();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            panic!("worker {node} did not start: {line} {err}");
+        };
+        Self { child, port }
+    }
+
+    fn addr(&self, node: &str) -> String {
+        format!("{node}@127.0.0.1:{}", self.port)
+    }
+}
+
+/// A cluster authority with certificates for the coordinator and workers w1..w3.
+fn certs(tag: &str) -> PathBuf {
+    let d = scratch(tag);
+    let (ok, _, err) = charm(&[
+        "cluster",
+        "init",
+        "--out",
+        d.to_str().unwrap(),
+        "--nodes",
+        "w1,w2,w3",
+    ]);
+    assert!(ok, "{err}");
+    d
+}
+
+fn workers_arg(ws: &[(&Worker, &str)]) -> String {
+    ws.iter()
+        .map(|(w, n)| w.addr(n))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn json(s: &str) -> Value {
+    serde_json::from_str(s.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {s}"))
+}
+
+/// `charm logits` (with `extra` arguments) of `ids` on `model`: the output file's bytes and
+/// stderr.
+fn logits_bytes(model: &Path, ids: &str, out: &Path, extra: &[&str]) -> (Vec<u8>, String) {
+    let mut a = vec![
+        "logits",
+        "--model",
+        model.to_str().unwrap(),
+        "--ids",
+        ids,
+        "--out",
+        out.to_str().unwrap(),
+        "--history",
+        "none",
+    ];
+    a.extend_from_slice(extra);
+    let (ok, _, err) = charm(&a);
+    assert!(ok, "{a:?}: {err}");
+    (std::fs::read(out).unwrap(), err)
+}
+
+/// `charm generate --json` (greedy, 12 tokens, with `extra` arguments): the JSON and stderr.
+fn generate_json(model: &Path, ids: &str, extra: &[&str]) -> (Value, String) {
+    let mut a = vec![
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--ids",
+        ids,
+        "--max-tokens",
+        "12",
+        "--json",
+        "--history",
+        "none",
+    ];
+    a.extend_from_slice(extra);
+    let (ok, out, err) = charm(&a);
+    assert!(ok, "{a:?}: {err}");
+    (json(&out), err)
+}
+
+/// Every listed worker served requests, none failed, and nothing ran on the coordinator.
+fn all_served_remotely(v: &Value, n: usize) {
+    let c = &v["stats"]["cluster"];
+    let ws = c["workers"].as_array().unwrap_or_else(|| panic!("{v}"));
+    assert_eq!(ws.len(), n, "{c}");
+    for w in ws {
+        assert!(w["requests"].as_u64().unwrap() > 0, "{c}");
+        assert_eq!(w["failures"], 0, "{c}");
+        assert_eq!(w["connected"], true, "{c}");
+    }
+    assert_eq!(c["local_runs"], 0, "{c}");
+    assert!(c["wire_bytes"].as_u64().unwrap() > 0, "{c}");
+}
+
+/// Single-box output and the cluster's, for 2 workers and for 3 with every expert on two of
+/// them, in activation mode `act`.
+fn compare_on_cluster(model: &Path, ids: &[u32], act: &str, tag: &str) {
+    let dir = certs(tag);
+    let m = ["--activations", act];
+    let start = |n| Worker::start(model, &dir, n, 0, &m);
+    let (w1, w2, w3) = (start("w1"), start("w2"), start("w3"));
+    let all: String = ids
+        .iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let prompt: String = all.split(',').take(4).collect::<Vec<_>>().join(",");
+    let out = dir.join("l.safetensors");
+    let (single, _) = logits_bytes(model, &all, &out, &m);
+    let (single_gen, _) = generate_json(model, &prompt, &m);
+
+    let cluster = dir.to_str().unwrap();
+    let two = workers_arg(&[(&w1, "w1"), (&w2, "w2")]);
+    let two_args = [&m[..], &["--cluster", cluster, "--workers", &two]].concat();
+    let (bytes, err) = logits_bytes(model, &all, &out, &two_args);
+    assert!(
+        bytes == single,
+        "{tag}: 2-worker logits differ from single-box"
+    );
+    assert!(!err.contains("warning"), "{err}");
+    let (g, _) = generate_json(model, &prompt, &two_args);
+    assert_eq!(g["ids"], single_gen["ids"], "{tag}: 2 workers");
+    all_served_remotely(&g, 2);
+
+    // three workers, every expert replicated twice (a cluster file with the replica settings)
+    let file = dir.join("three.json");
+    std::fs::write(
+        &file,
+        serde_json::json!({
+            "workers": [w1.addr("w1"), w2.addr("w2"), w3.addr("w3")],
+            "replicas": 2,
+            "hot_share": 1.0,
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let three_args = [&m[..], &["--cluster", file.to_str().unwrap()]].concat();
+    let (bytes, _) = logits_bytes(model, &all, &out, &three_args);
+    assert!(bytes == single, "{tag}: 3-worker replicated logits differ");
+    let (g, _) = generate_json(model, &prompt, &three_args);
+    assert_eq!(g["ids"], single_gen["ids"], "{tag}: 3 workers");
+    all_served_remotely(&g, 3);
+    let placed: u64 = g["stats"]["cluster"]["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["experts"].as_u64().unwrap())
+        .sum();
+    let spec = charm_shared::config::ModelSpec::from_dir(model).unwrap();
+    let experts: usize = moe_layers(&spec).iter().map(|l| l.1).sum();
+    assert_eq!(placed, 2 * experts as u64, "every expert twice");
+    drop((w1, w2, w3));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn every_oracle_fixture_gives_single_box_bits_on_two_and_three_workers() {
+    for f in FIXTURES {
+        let ids = oracle_ids(f, "tf_input_ids");
+        for act in ["f32", "int8"] {
+            compare_on_cluster(&fixture(f), &ids, act, &format!("cl-{f}-{act}"));
+        }
+    }
+}
+
+#[test]
+fn a_synthetic_glm_container_gives_single_box_bits_on_workers() {
+    let dir = scratch("cl-synth");
+    let (ok, _, err) = charm(&[
+        "synth",
+        "--out",
+        dir.to_str().unwrap(),
+        "--preset",
+        "tiny",
+        "--layers",
+        "2",
+    ]);
+    assert!(ok, "{err}");
+    let ids: Vec<u32> = vec![5, 17, 3, 99, 100, 7, 8, 9, 1, 2];
+    for act in ["f32", "int8"] {
+        compare_on_cluster(&dir, &ids, act, &format!("cl-synth-{act}"));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn workers_of_another_cluster_or_model_are_refused_and_the_coordinator_carries_on() {
+    let model = fixture("glm5-tiny");
+    let dir = certs("cl-refuse");
+    let other = certs("cl-refuse-other");
+    let stranger = Worker::start(&model, &other, "w1", 0, &[]);
+    let wrong_model = Worker::start(&fixture("deepseek3-tiny"), &dir, "w2", 0, &[]);
+    let int8 = Worker::start(&model, &dir, "w3", 0, &["--activations", "int8"]);
+    let (single, _) = generate_json(&model, "1,2,3", &[]);
+    let list = workers_arg(&[(&stranger, "w1"), (&wrong_model, "w2"), (&int8, "w3")]);
+    let (g, err) = generate_json(
+        &model,
+        "1,2,3",
+        &["--cluster", dir.to_str().unwrap(), "--workers", &list],
+    );
+    assert_eq!(g["ids"], single["ids"]);
+    for why in [
+        "worker w1",
+        "handshake",
+        "worker w2",
+        "model",
+        "worker w3",
+        "int8",
+        "no worker reachable",
+    ] {
+        assert!(err.contains(why), "wanted `{why}` in: {err}");
+    }
+    assert!(g["stats"]["cluster"]["local_runs"].as_u64().unwrap() > 0);
+    // a worker without a certificate of its own cannot start
+    let (ok, _, err) = charm(&[
+        "worker",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        model.to_str().unwrap(),
+        "--node",
+        "w9",
+        "--cluster",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(!ok && err.contains("w9"), "{err}");
+    drop((stranger, wrong_model, int8));
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&other).unwrap();
+}
+
+/// Greedy decoding step by step, calling `between(token index)` before each step.
+fn decode(e: &Engine, prompt: &[u32], n: usize, mut between: impl FnMut(usize)) -> Vec<u32> {
+    let m = &e.model;
+    let h = m.spec.hidden_size;
+    let mut cache = KvCache::new(&m.spec);
+    let mut s = Sampler::new(SamplingParams {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 0,
+    });
+    let normed = m
+        .forward(prompt, &mut cache, ForwardOptions::default(), None)
+        .unwrap();
+    let mut next = s.sample(&m.logits(&normed[(prompt.len() - 1) * h..], 1).unwrap());
+    let mut out = vec![next];
+    while out.len() < n {
+        between(out.len());
+        let normed = m
+            .forward(&[next], &mut cache, ForwardOptions::default(), None)
+            .unwrap();
+        next = s.sample(&m.logits(&normed, 1).unwrap());
+        out.push(next);
+    }
+    out
+}
+
+fn wait_until(what: &str, mut ok: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !ok() {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "gave up waiting: {what}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_worker_killed_mid_generation_changes_no_token_and_rejoins_after_a_restart() {
+    let model = fixture("glm5-tiny");
+    let dir = certs("cl-kill");
+    let prompt = oracle_ids("glm5-tiny", "tf_input_ids")[..4].to_vec();
+    let opts = EngineOptions {
+        history: HistoryPolicy::Off,
+        ..Default::default()
+    };
+    let single = Engine::load(&model, &opts).unwrap();
+    let want = generate(
+        &single.model,
+        &prompt,
+        24,
+        &mut Sampler::new(SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }),
+        &[],
+        ForwardOptions::default(),
+    )
+    .unwrap()
+    .ids;
+    for replicas in [1, 2] {
+        let mut w1 = Worker::start(&model, &dir, "w1", 0, &[]);
+        let w2 = Worker::start(&model, &dir, "w2", 0, &[]);
+        let port1 = w1.port;
+        let mut c = ClusterOptions::new(
+            dir.clone(),
+            "coordinator",
+            vec![
+                w1.addr("w1").parse::<WorkerAddr>().unwrap(),
+                w2.addr("w2").parse().unwrap(),
+            ],
+        );
+        c.heartbeat = Duration::from_millis(100);
+        c.replicas = replicas;
+        c.hot_share = 1.0;
+        let e = Engine::load(
+            &model,
+            &EngineOptions {
+                cluster: Some(c),
+                ..opts.clone()
+            },
+        )
+        .unwrap();
+        assert!(e.warnings.is_empty(), "{:?}", e.warnings);
+        let r = e.remote.clone().unwrap();
+        let got = decode(&e, &prompt, 24, |t| {
+            if t == 6 {
+                // SIGKILL: no goodbye on the wire
+                w1.child.kill().unwrap();
+                w1.child.wait().unwrap();
+            }
+        });
+        assert_eq!(got, want, "replicas {replicas}: tokens changed by the kill");
+        let st = r.status();
+        assert!(!st[0].connected, "{st:?}");
+        assert!(st[1].requests > 0 && st[1].failures == 0, "{st:?}");
+        if replicas == 2 {
+            // w1's experts all had a copy on w2: nothing ran on the coordinator
+            assert_eq!(r.fallbacks(), 0, "{st:?}");
+        } else {
+            assert!(r.fallbacks() > 0, "{st:?}");
+        }
+        // restarted on its port, it is dialled again and used from the next step
+        let w1b = Worker::start(&model, &dir, "w1", port1, &[]);
+        wait_until("w1 rejoins", || r.connected().contains(&"w1".to_string()));
+        let before = r.status()[0].requests;
+        let again = decode(&e, &prompt, 24, |_| {});
+        assert_eq!(again, want);
+        let st = r.status();
+        assert_eq!(st[0].joins, 2, "{st:?}");
+        assert!(
+            st[0].requests > before,
+            "the rejoined worker was not used: {st:?}"
+        );
+        drop((w1b, w2));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
