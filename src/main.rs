@@ -168,8 +168,13 @@ enum Cmd {
         #[command(flatten)]
         store: StoreArgs,
     },
-    /// Runs the bundled example model end to end.
-    Demo,
+    /// Runs the bundled example model end to end: a coordinator and two expert workers on
+    /// loopback, then the same request single-box to show the tokens agree.
+    Demo {
+        /// One process, routed experts in RAM, no workers.
+        #[arg(long)]
+        single_box: bool,
+    },
     /// Single-box memory plan from metadata only: resident bytes, expert cache, expected disk
     /// traffic per token, predicted bottleneck. MODEL is a charm container, or a Hugging Face
     /// checkpoint planned as `charm convert` would store it (only its headers are read). Exit 1
@@ -614,7 +619,7 @@ fn cmd_evaluate(
     Ok(())
 }
 
-fn cmd_demo() -> Result<()> {
+fn cmd_demo(single_box: bool) -> Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let bard = root.join("models/charm-bard-moe");
     if !bard.join("model.safetensors").is_file() {
@@ -624,9 +629,46 @@ fn cmd_demo() -> Result<()> {
         );
     }
     println!("charm demo: charm-bard-moe, a GLM-5.2-architecture MoE (MLA, DSA sparse attention, 32 experts top-4 + 1 shared, MTP head) trained on Shakespeare");
-    println!("mode: single box, routed experts in RAM (the loopback cluster and the OpenAI-compatible gateway are not built yet; this command will start them once they exist)");
     let t = std::time::Instant::now();
-    let m = Model::load(&bard).with_context(|| format!("loading {}", bard.display()))?;
+    let plain = charm_coordinator::EngineOptions {
+        history: charm_coordinator::HistoryPolicy::Off,
+        ..Default::default()
+    };
+    // a coordinator and two expert workers on this machine, as on three
+    let lb = if single_box {
+        None
+    } else {
+        match cluster_cli::Loopback::start(&bard, 2, Activations::F32, &[]) {
+            Ok(lb) => Some(lb),
+            Err(e) => {
+                eprintln!("warning: loopback workers did not start ({e:#}); running single-box");
+                None
+            }
+        }
+    };
+    let opts = charm_coordinator::EngineOptions {
+        cluster: lb.as_ref().map(|l| l.options()),
+        ..plain.clone()
+    };
+    let e = charm_coordinator::Engine::load(&bard, &opts)
+        .with_context(|| format!("loading {}", bard.display()))?;
+    for w in &e.warnings {
+        eprintln!("warning: {w}");
+    }
+    match &lb {
+        Some(lb) => println!(
+            "mode: loopback cluster: this process holds the dense skeleton and the router; {} worker processes ({}) compute the routed experts and answer over QUIC with mutual TLS (certificates in {}); this process keeps the experts too, to fall back on",
+            lb.workers.len(),
+            lb.workers
+                .iter()
+                .map(|w| format!("{} at {}", w.name, w.addr))
+                .collect::<Vec<_>>()
+                .join(", "),
+            lb.dir.display()
+        ),
+        None => println!("mode: single box, routed experts in RAM"),
+    }
+    let m = &e.model;
     let tok = TextTokenizer::load(&bard)?;
     println!(
         "loaded in {:.2}s: {} layers, {} routed experts per MoE layer",
@@ -642,14 +684,17 @@ fn cmd_demo() -> Result<()> {
         top_p: 0.95,
         seed: 7,
     };
-    let g = generate(
-        &m,
-        &ids,
-        120,
-        &mut Sampler::new(sp),
-        &m.spec.eos_token_ids,
-        ForwardOptions::default(),
-    )?;
+    let run = |m: &Model| {
+        generate(
+            m,
+            &ids,
+            120,
+            &mut Sampler::new(sp),
+            &m.spec.eos_token_ids,
+            ForwardOptions::default(),
+        )
+    };
+    let g = run(m)?;
     println!("--- prompt: {prompt:?} (temperature 0.8, top-p 0.95, seed 7)");
     println!("{prompt}{}", tok.decode(&g.ids)?);
     println!("---");
@@ -661,6 +706,31 @@ fn cmd_demo() -> Result<()> {
         g.decode_tok_s(),
         g.finish_reason
     );
+    if let Some(r) = &e.remote {
+        for w in r.status() {
+            println!(
+                "  {}: {} expert requests, {:.1} KB moved, mean round trip {:.2} ms{}",
+                w.name,
+                w.requests,
+                (w.bytes_sent + w.bytes_received) as f64 / 1e3,
+                w.mean_rtt_ms,
+                if w.connected { "" } else { " (lost)" }
+            );
+        }
+        let alone = charm_coordinator::Engine::load(&bard, &plain)?;
+        let same = run(&alone.model)?.ids == g.ids;
+        println!(
+            "single-box run of the same request: {}",
+            if same {
+                "the same tokens"
+            } else {
+                "DIFFERENT tokens"
+            }
+        );
+        if !same {
+            bail!("the cluster changed the output");
+        }
+    }
     Ok(())
 }
 
@@ -760,7 +830,7 @@ fn run(cli: Cli) -> Result<()> {
             activations.into(),
             &store,
         ),
-        Cmd::Demo => cmd_demo(),
+        Cmd::Demo { single_box } => cmd_demo(single_box),
         Cmd::Plan {
             model,
             json,

@@ -416,3 +416,87 @@ fn a_worker_killed_mid_generation_changes_no_token_and_rejoins_after_a_restart()
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn the_demo_runs_a_loopback_cluster_with_single_box_tokens() {
+    let (ok, out, err) = charm(&["demo"]);
+    assert!(ok, "{err}");
+    assert!(!err.contains("warning"), "{err}");
+    assert!(out.contains("mode: loopback cluster"), "{out}");
+    assert!(
+        out.contains("single-box run of the same request: the same tokens"),
+        "{out}"
+    );
+    for w in ["w1", "w2"] {
+        let line = out
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{w}: ")))
+            .unwrap_or_else(|| panic!("no line for {w}: {out}"));
+        let n: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+        assert!(n > 0, "{line}");
+    }
+}
+
+#[test]
+fn the_deploy_kit_parses_with_charms_loader_and_its_unit_verifies() {
+    let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy");
+    let o = ClusterOptions::load(&deploy.join("cluster.json")).unwrap();
+    assert_eq!((o.workers.len(), o.replicas), (2, 2));
+    assert_eq!(o.certs, Path::new("/etc/charm/cluster"));
+    // the compose file's cluster file, with its container host names as addresses
+    let compose = std::fs::read_to_string(deploy.join("compose.yaml")).unwrap();
+    let inline = compose
+        .split("echo '")
+        .nth(1)
+        .and_then(|s| s.split('\'').next())
+        .unwrap();
+    let loopback = inline
+        .replace("@w1:", "@127.0.0.1:")
+        .replace("@w2:", "@127.0.0.1:");
+    ClusterOptions::parse(&loopback, Path::new("/cluster")).unwrap();
+    // the unit's command line is one charm accepts (it fails on the missing model, not on usage)
+    let unit = std::fs::read_to_string(deploy.join("charm-worker@.service")).unwrap();
+    let exec = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart=/usr/local/bin/charm "))
+        .unwrap();
+    let dir = certs("cl-deploy");
+    let args: Vec<String> = exec
+        .replace("${CHARM_LISTEN}", "127.0.0.1:0")
+        .replace("${CHARM_MODEL}", "/nonexistent-model")
+        .replace("${CHARM_RAM_GB}", "2")
+        .replace("%i", "w1")
+        .replace("%d", dir.to_str().unwrap())
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = Command::new(env!("CARGO_BIN_EXE_charm"))
+        .args(&a)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("nonexistent-model"), "{err}");
+    if Command::new("systemd-analyze")
+        .arg("--version")
+        .output()
+        .is_ok()
+    {
+        let tmp = dir.join("units");
+        std::fs::create_dir_all(&tmp).unwrap();
+        std::fs::write(
+            tmp.join("charm-worker@.service"),
+            unit.replace("/usr/local/bin/charm", env!("CARGO_BIN_EXE_charm")),
+        )
+        .unwrap();
+        let v = Command::new("systemd-analyze")
+            .arg("verify")
+            .arg(tmp.join("charm-worker@w1.service"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&v.stderr);
+        assert!(v.status.success() && err.trim().is_empty(), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
