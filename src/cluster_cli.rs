@@ -48,14 +48,16 @@ pub fn cmd_worker(
         .with_context(|| format!("node {node} of {}", certs.display()))?;
     let mut opts = args.engine_options(4096, act)?;
     opts.cluster = None;
-    let e = Engine::load(model, &opts).with_context(|| format!("loading {}", model.display()))?;
+    let e = Engine::load_experts(model, &opts)
+        .with_context(|| format!("loading {}", model.display()))?;
     for w in &e.warnings {
         eprintln!("warning: {w}");
     }
-    let spec = &e.model.spec;
+    let spec = &e.spec;
     let layers = moe_layers(spec);
+    let rate = expert_rate(&*e.executor, spec.hidden_size, &layers);
     let svc = Arc::new(charm_worker::server::Service {
-        executor: e.model.experts.clone(),
+        executor: e.executor.clone(),
         hello: Hello {
             version: PROTOCOL_VERSION,
             node: node.to_string(),
@@ -68,7 +70,8 @@ pub fn cmd_worker(
                     ids: (0..n as u32).collect(),
                 })
                 .collect(),
-            ram_bytes: e.plan.as_ref().map_or(0, |p| p.cache_bytes),
+            ram_bytes: e.ram_bytes,
+            expert_rate: rate,
         },
         limits: Limits {
             hidden: spec.hidden_size,
@@ -76,6 +79,11 @@ pub fn cmd_worker(
             max_tokens: 1 << 16,
         },
     });
+    eprintln!(
+        "worker {node}: {} MoE layers, {:.2} GiB for experts, {rate:.0} expert rows/s",
+        layers.len(),
+        e.ram_bytes as f64 / (1u64 << 30) as f64
+    );
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async move {
         let ep = charm_worker::server::listen(addr, &identity)
@@ -86,6 +94,40 @@ pub fn cmd_worker(
         charm_worker::server::serve(ep, svc).await;
         Ok::<_, anyhow::Error>(())
     })
+}
+
+/// Expert rows per second `executor` computes: the best of three one-row runs over up to 8
+/// experts of the first MoE layer (0 when there is none or it fails).
+fn expert_rate(
+    executor: &dyn charm_shared::expert::ExpertExecutor,
+    hidden: usize,
+    layers: &[(usize, usize)],
+) -> f64 {
+    let Some(&(layer, n)) = layers.first() else {
+        return 0.0;
+    };
+    let k = n.min(8);
+    let x: Vec<f32> = (0..k * hidden).map(|i| ((i as f32) * 0.01).sin()).collect();
+    let ids: Vec<u32> = (0..k as u32).collect();
+    let w = vec![1.0f32; k];
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        let b = charm_shared::expert::ExpertBatch {
+            step: 0,
+            layer,
+            x: &x,
+            n_tokens: k,
+            ids: &ids,
+            weights: &w,
+            top_k: 1,
+        };
+        if executor.run(b).is_err() {
+            return 0.0;
+        }
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    k as f64 / best.max(1e-9)
 }
 
 /// `charm cluster init`: a cluster authority and node certificates in `out`.

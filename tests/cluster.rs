@@ -159,11 +159,19 @@ fn all_served_remotely(v: &Value, n: usize) {
 }
 
 /// Single-box output and the cluster's, for 2 workers and for 3 with every expert on two of
-/// them, in activation mode `act`.
-fn compare_on_cluster(model: &Path, ids: &[u32], act: &str, tag: &str) {
+/// them, in activation mode `act`, workers started with `worker_args`. Returns the workers'
+/// status of the last run.
+fn compare_on_cluster(
+    model: &Path,
+    ids: &[u32],
+    act: &str,
+    tag: &str,
+    worker_args: &[&str],
+) -> Value {
     let dir = certs(tag);
     let m = ["--activations", act];
-    let start = |n| Worker::start(model, &dir, n, 0, &m);
+    let wargs = [&m[..], worker_args].concat();
+    let start = |n| Worker::start(model, &dir, n, 0, &wargs);
     let (w1, w2, w3) = (start("w1"), start("w2"), start("w3"));
     let all: String = ids
         .iter()
@@ -217,6 +225,7 @@ fn compare_on_cluster(model: &Path, ids: &[u32], act: &str, tag: &str) {
     assert_eq!(placed, 2 * experts as u64, "every expert twice");
     drop((w1, w2, w3));
     std::fs::remove_dir_all(&dir).unwrap();
+    g["stats"]["cluster"]["workers"].clone()
 }
 
 #[test]
@@ -224,7 +233,7 @@ fn every_oracle_fixture_gives_single_box_bits_on_two_and_three_workers() {
     for f in FIXTURES {
         let ids = oracle_ids(f, "tf_input_ids");
         for act in ["f32", "int8"] {
-            compare_on_cluster(&fixture(f), &ids, act, &format!("cl-{f}-{act}"));
+            compare_on_cluster(&fixture(f), &ids, act, &format!("cl-{f}-{act}"), &[]);
         }
     }
 }
@@ -243,8 +252,20 @@ fn a_synthetic_glm_container_gives_single_box_bits_on_workers() {
     ]);
     assert!(ok, "{err}");
     let ids: Vec<u32> = vec![5, 17, 3, 99, 100, 7, 8, 9, 1, 2];
+    // workers with room for a fraction of the 1 MiB of experts beside their 256 MiB working
+    // margin: they stream the rest from the container
     for act in ["f32", "int8"] {
-        compare_on_cluster(&dir, &ids, act, &format!("cl-synth-{act}"));
+        let ws = compare_on_cluster(
+            &dir,
+            &ids,
+            act,
+            &format!("cl-synth-{act}"),
+            &["--ram", "0.2503", "--no-direct"],
+        );
+        for w in ws.as_array().unwrap() {
+            let ram = w["ram_bytes"].as_u64().unwrap();
+            assert!(ram > 0 && ram < 1 << 20, "{w}");
+        }
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -217,6 +217,8 @@ pub fn model_fingerprint(dir: &Path) -> Result<String, String> {
 pub struct Capacity {
     /// Bytes of RAM it gives experts (0: unknown, counted as the others' mean).
     pub ram_bytes: u64,
+    /// Expert rows per second it measured (0: unknown, counted as the others' mean).
+    pub rate: f64,
     /// Per MoE layer, the experts it can serve (its files).
     pub holds: Vec<(usize, Vec<u32>)>,
 }
@@ -241,7 +243,7 @@ pub struct Placement {
 impl Placement {
     /// Places the experts of `layers` (`(layer, expert count)`) on `workers` (`None`: not
     /// connected, holds nothing). Each expert goes to the worker holding it with the lowest load
-    /// for its share of the cluster's RAM; the hottest `hot_share` of each layer's experts by
+    /// for its share of the cluster (RAM times measured speed, each relative to the mean); the hottest `hot_share` of each layer's experts by
     /// `heat` (uses per expert, per layer; ties and no history: lower id first) get `replicas`
     /// holders on different workers. Deterministic.
     pub fn compute(
@@ -251,17 +253,26 @@ impl Placement {
         replicas: usize,
         hot_share: f64,
     ) -> Self {
-        let known: Vec<u64> = workers.iter().flatten().map(|c| c.ram_bytes).collect();
-        let mean = if known.iter().any(|&r| r > 0) {
-            known.iter().sum::<u64>() / known.iter().filter(|&&r| r > 0).count() as u64
-        } else {
-            1
+        // a worker's share: its RAM times its speed, each relative to the cluster's mean
+        let mean = |f: &dyn Fn(&Capacity) -> f64| {
+            let v: Vec<f64> = workers
+                .iter()
+                .flatten()
+                .map(f)
+                .filter(|&x| x > 0.0)
+                .collect();
+            if v.is_empty() {
+                1.0
+            } else {
+                v.iter().sum::<f64>() / v.len() as f64
+            }
         };
+        let (ram, rate) = (mean(&|c| c.ram_bytes as f64), mean(&|c| c.rate));
+        let or = |x: f64, m: f64| if x > 0.0 { x / m } else { 1.0 };
         let weight: Vec<f64> = workers
             .iter()
             .map(|c| match c {
-                Some(c) if c.ram_bytes > 0 => c.ram_bytes as f64,
-                Some(_) => mean as f64,
+                Some(c) => or(c.ram_bytes as f64, ram) * or(c.rate, rate),
                 None => 0.0,
             })
             .collect();
@@ -341,6 +352,7 @@ mod tests {
     fn all(layers: &[(usize, usize)], ram: u64) -> Capacity {
         Capacity {
             ram_bytes: ram,
+            rate: 0.0,
             holds: layers
                 .iter()
                 .map(|&(l, n)| (l, (0..n as u32).collect()))
@@ -372,6 +384,19 @@ mod tests {
         }
         assert_eq!(p.holders(1, 0).len(), 1);
         assert!(p.holders(3, 0).is_empty());
+        // equal RAM, one worker three times as fast: 3:1 again
+        let fast = |rate| Capacity {
+            rate,
+            ..all(&layers, 1 << 30)
+        };
+        let p = Placement::compute(
+            &layers,
+            &[Some(fast(3e4)), Some(fast(1e4))],
+            &|_, _| 0,
+            1,
+            0.0,
+        );
+        assert_eq!((p.count(0), p.count(1)), (24, 8));
         // more replicas than workers: one copy on each
         let p = Placement::compute(&layers, &w, &|_, _| 0, 5, 1.0);
         assert!((0..16).all(|e| p.holders(1, e).len() == 2));
@@ -382,6 +407,7 @@ mod tests {
         let layers = [(0, 8)];
         let partial = Capacity {
             ram_bytes: 0,
+            rate: 0.0,
             holds: vec![(0, vec![0, 1])],
         };
         let w = vec![None, Some(partial), Some(all(&layers, 0))];

@@ -294,6 +294,113 @@ impl Engine {
     }
 }
 
+/// What an expert worker holds: a model's routed experts without its dense skeleton.
+#[derive(Debug)]
+pub struct ExpertHolder {
+    pub spec: charm_shared::config::ModelSpec,
+    pub executor: Arc<dyn ExpertExecutor>,
+    /// The streaming store behind `executor`, for a container.
+    pub store: Option<Arc<StreamingExperts>>,
+    /// RAM given to experts, bytes (the cache of a container; every expert for a checkpoint).
+    pub ram_bytes: u64,
+    pub warnings: Vec<String>,
+}
+
+/// RAM a worker keeps beside its expert cache for requests in flight and their intermediates.
+const WORKER_WORKING_BYTES: u64 = 256 << 20;
+
+impl Engine {
+    /// Loads only the routed experts of the model in `dir` (an expert worker's part): a
+    /// container streams them through a cache of what `opts.ram` leaves after the read buffers
+    /// and a working margin, holding all of them when they fit; a checkpoint loads them in RAM
+    /// (its dense weights are read and dropped).
+    pub fn load_experts(dir: &Path, opts: &EngineOptions) -> Result<ExpertHolder, LoadError> {
+        if !Container::is_container(dir) {
+            let (spec, src) = open_source(dir)?;
+            let model = Model::from_source(spec, &*src, opts.activations)?;
+            let mut warnings = Vec::new();
+            if opts.ram.is_some() {
+                warnings.push(format!("--ram applies to charm containers; {} loads every expert in RAM (convert it to stream experts)", dir.display()));
+            }
+            return Ok(ExpertHolder {
+                spec: model.spec.clone(),
+                executor: model.experts.clone(),
+                store: None,
+                ram_bytes: 0,
+                warnings,
+            });
+        }
+        let (spec, c) = crate::model::open_container(dir)?;
+        let layers: Vec<_> = c.expert_layers().collect();
+        let io = charm_worker::store::io_bytes(&layers, opts.readers.max(1));
+        let total: u64 = layers
+            .iter()
+            .map(|l| l.count as u64 * charm_worker::store::expert_ram_bytes(l))
+            .sum();
+        let budget = match opts.ram {
+            Some(r) => r,
+            None => crate::plan::meminfo().map_or(0, |m| {
+                m.available
+                    .saturating_sub((m.available / 20).max(512 << 20))
+            }),
+        };
+        let need = io + WORKER_WORKING_BYTES;
+        if budget < need {
+            return Err(LoadError::config(
+                dir,
+                format!(
+                    "a RAM budget of {:.2} GiB cannot hold the expert read buffers and working room ({:.2} GiB)",
+                    budget as f64 / (1u64 << 30) as f64,
+                    need as f64 / (1u64 << 30) as f64
+                ),
+            ));
+        }
+        let cache_bytes = (budget - need).min(total);
+        let all = cache_bytes >= total;
+        let store = StreamingExperts::open(
+            &c,
+            spec.hidden_size,
+            spec.moe_intermediate_size,
+            StoreOptions {
+                cache_bytes,
+                readers: opts.readers,
+                direct: opts.direct,
+                pin_fraction: if all { 0.0 } else { opts.pin_fraction },
+                history: opts.history_path(dir),
+                top_k: spec.router.as_ref().map_or(0, |r| r.top_k),
+                activations: opts.activations,
+                ..Default::default()
+            },
+        )
+        .map_err(|e| LoadError::config(dir, e.to_string()))?;
+        let store = Arc::new(store);
+        if all {
+            store.warm_all();
+        }
+        store
+            .wait_warm()
+            .map_err(|e| LoadError::config(dir, e.to_string()))?;
+        let warnings = store
+            .io_fallbacks()
+            .into_iter()
+            .take(1)
+            .map(|(f, why)| {
+                format!(
+                    "{}: {why}; expert reads go through the page cache",
+                    f.display()
+                )
+            })
+            .collect();
+        Ok(ExpertHolder {
+            spec,
+            executor: store.clone(),
+            store: Some(store),
+            ram_bytes: cache_bytes,
+            warnings,
+        })
+    }
+}
+
 /// Uses per `(layer, expert)` from the routing history of a container, for placement.
 fn routing_heat(dir: &Path, opts: &EngineOptions) -> std::collections::HashMap<(usize, u32), u64> {
     let Some(path) = opts.history_path(dir) else {

@@ -61,6 +61,8 @@ pub struct WorkerStatus {
     pub experts: usize,
     /// RAM it gives experts, bytes (from its handshake).
     pub ram_bytes: u64,
+    /// Expert rows per second it measured at start.
+    pub expert_rate: f64,
     pub requests: u64,
     pub failures: u64,
     /// Handshakes completed (more than one: it was lost and rejoined).
@@ -126,6 +128,7 @@ impl Shared {
                     .as_ref()
                     .map(|h| Capacity {
                         ram_bytes: h.ram_bytes,
+                        rate: h.expert_rate,
                         holds: h
                             .experts
                             .iter()
@@ -240,6 +243,7 @@ impl RemoteExperts {
                 activations: vec![activations.to_string()],
                 experts: vec![],
                 ram_bytes: 0,
+                expert_rate: 0.0,
             },
             endpoint,
             workers: opts
@@ -340,6 +344,7 @@ impl RemoteExperts {
                     refusal: w.refusal.lock().expect("worker lock").clone(),
                     experts: p.count(i),
                     ram_bytes: hello.as_ref().map_or(0, |h| h.ram_bytes),
+                    expert_rate: hello.as_ref().map_or(0.0, |h| h.expert_rate),
                     requests,
                     failures: w.failures.load(Ordering::Relaxed),
                     joins: w.joins.load(Ordering::Relaxed),

@@ -65,7 +65,7 @@ pub enum FailureClass {
 }
 
 /// A peer's identity and what it holds.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct Hello {
     pub version: u32,
     /// Node name (as in its certificate).
@@ -79,6 +79,8 @@ pub struct Hello {
     pub experts: Vec<LayerExperts>,
     /// RAM the peer gives its experts, bytes.
     pub ram_bytes: u64,
+    /// Expert rows the peer computed per second when it started (0: not measured).
+    pub expert_rate: f64,
 }
 
 /// Expert ids of one layer, ascending.
@@ -335,6 +337,7 @@ mod tests {
                     ids: vec![0, 3],
                 }],
                 ram_bytes: 1 << 30,
+                expert_rate: 1e4,
             }),
             Message::Failed {
                 id: 1,

@@ -60,3 +60,98 @@ fn replay_wire_message_corpus() {
     }
     assert!(seen >= 10, "corpus has {seen} seeds");
 }
+
+/// The wire corpus's seeds are today's encodings of the messages below (run with
+/// `CHARM_WRITE_CORPUS=1` after changing a message type to write them anew: an archive's layout
+/// follows every type in the message enum).
+#[test]
+fn the_wire_seeds_are_current() {
+    use charm_shared::wire::{
+        encode, ComputeRequest, ComputeResult, FailureClass, Hello, LayerExperts, Message, Run,
+        LEN_BYTES, PROTOCOL_VERSION,
+    };
+    let compute = |runs: Vec<(u32, Vec<u32>)>| {
+        Message::Compute(ComputeRequest {
+            id: 7,
+            step: 3,
+            layer: 2,
+            hidden: 8,
+            activations: "f32".into(),
+            x: (0..24).map(|i| i as f32 * 0.5 - 1.0).collect(),
+            runs: runs
+                .into_iter()
+                .map(|(expert, rows)| Run { expert, rows })
+                .collect(),
+        })
+    };
+    let payload = |m: &Message| encode(m).unwrap().split_off(LEN_BYTES);
+    let valid = payload(&compute(vec![(1, vec![0, 2]), (9, vec![1])]));
+    let mut damaged = valid.clone();
+    let n = damaged.len();
+    // the root (at the end of an archive) overwritten: offsets point outside the buffer
+    for b in &mut damaged[n - 48..] {
+        *b = 0xff;
+    }
+    let seeds: Vec<(&str, Vec<u8>)> = vec![
+        ("valid-compute", valid.clone()),
+        (
+            "valid-computed",
+            payload(&Message::Computed(ComputeResult {
+                id: 7,
+                outputs: vec![vec![1.5; 16], vec![-0.25; 8]],
+            })),
+        ),
+        (
+            "valid-failed",
+            payload(&Message::Failed {
+                id: 7,
+                class: FailureClass::Unavailable,
+                message: "layer 2 expert 9 unavailable: read error".into(),
+            }),
+        ),
+        (
+            "valid-hello",
+            payload(&Message::Hello(Hello {
+                version: PROTOCOL_VERSION,
+                node: "w1".into(),
+                model: "1c2d3e4f-20480".into(),
+                activations: vec!["f32".into(), "int8".into()],
+                experts: vec![LayerExperts {
+                    layer: 1,
+                    ids: (0..16).collect(),
+                }],
+                ram_bytes: 48 << 30,
+                expert_rate: 12500.0,
+            })),
+        ),
+        (
+            "valid-refused",
+            payload(&Message::Refused {
+                reason: "protocol version 2 (this worker speaks 1)".into(),
+            }),
+        ),
+        ("valid-ping", payload(&Message::Ping { seq: 9 })),
+        ("valid-pong", payload(&Message::Pong { seq: 9 })),
+        (
+            "checkfail-order",
+            payload(&compute(vec![(3, vec![0]), (2, vec![1])])),
+        ),
+        ("checkfail-rows", payload(&compute(vec![(3, vec![3])]))),
+        ("bad-empty", vec![]),
+        ("bad-text", b"{\"Compute\": {\"id\": 1}}".to_vec()),
+        ("bad-truncated", valid[..valid.len() / 2].to_vec()),
+        ("bad-root-damaged", damaged),
+    ];
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/wire_message");
+    for (name, bytes) in seeds {
+        let p = dir.join(name);
+        if std::env::var_os("CHARM_WRITE_CORPUS").is_some() {
+            std::fs::write(&p, &bytes).unwrap();
+        }
+        assert_eq!(
+            std::fs::read(&p).unwrap(),
+            bytes,
+            "{name} is stale: see the doc comment"
+        );
+    }
+}

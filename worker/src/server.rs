@@ -282,6 +282,7 @@ mod tests {
             activations: vec!["f32".into()],
             experts: vec![],
             ram_bytes: 0,
+            expert_rate: 0.0,
         }
     }
 
