@@ -638,7 +638,8 @@ fn cmd_demo(single_box: bool) -> Result<()> {
     let lb = if single_box {
         None
     } else {
-        match cluster_cli::Loopback::start(&bard, 2, Activations::F32, &[]) {
+        let exe = std::env::current_exe()?;
+        match charm_coordinator::cluster::Loopback::start(&exe, &bard, 2, "f32", &[]) {
             Ok(lb) => Some(lb),
             Err(e) => {
                 eprintln!("warning: loopback workers did not start ({e:#}); running single-box");

@@ -212,6 +212,80 @@ pub fn model_fingerprint(dir: &Path) -> Result<String, String> {
     Ok(format!("{:08x}-{len}", h.finalize()))
 }
 
+/// Worker processes on loopback (`charm worker` children of this process) with certificates
+/// in a temporary directory; killed and removed when dropped.
+#[derive(Debug)]
+pub struct Loopback {
+    pub dir: PathBuf,
+    children: Vec<std::process::Child>,
+    /// `NAME@127.0.0.1:PORT` of each worker.
+    pub workers: Vec<WorkerAddr>,
+}
+
+impl Loopback {
+    /// Starts `n` workers (`exe worker ...`, the `charm` binary) serving `model` in activation
+    /// mode `act` with `extra` arguments.
+    pub fn start(
+        exe: &Path,
+        model: &Path,
+        n: usize,
+        act: &str,
+        extra: &[&str],
+    ) -> Result<Self, String> {
+        use std::io::BufRead;
+        let dir = std::env::temp_dir().join(format!("charm-loopback-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let names: Vec<String> = (1..=n).map(|i| format!("w{i}")).collect();
+        let mut all = vec!["coordinator".to_string()];
+        all.extend(names.iter().cloned());
+        charm_worker::tls::init_cluster(&dir, &all).map_err(|e| e.to_string())?;
+        let mut lb = Self {
+            dir,
+            children: vec![],
+            workers: vec![],
+        };
+        for name in &names {
+            let mut c = std::process::Command::new(exe)
+                .args(["worker", "--listen", "127.0.0.1:0", "--model"])
+                .arg(model)
+                .args(["--node", name, "--cluster"])
+                .arg(&lb.dir)
+                .args(["--activations", act, "--history", "none"])
+                .args(extra)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::inherit())
+                .spawn()
+                .map_err(|e| format!("starting {}: {e}", exe.display()))?;
+            let mut line = String::new();
+            std::io::BufReader::new(c.stdout.take().expect("piped"))
+                .read_line(&mut line)
+                .map_err(|e| format!("reading worker {name}'s address: {e}"))?;
+            lb.children.push(c);
+            let addr = line
+                .trim()
+                .strip_prefix("listening on ")
+                .ok_or_else(|| format!("worker {name} did not start"))?;
+            lb.workers.push(format!("{name}@{addr}").parse()?);
+        }
+        Ok(lb)
+    }
+
+    /// Cluster options for these workers.
+    pub fn options(&self) -> ClusterOptions {
+        ClusterOptions::new(self.dir.clone(), "coordinator", self.workers.clone())
+    }
+}
+
+impl Drop for Loopback {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// What placement knows of one worker.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Capacity {

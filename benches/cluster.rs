@@ -1,0 +1,387 @@
+//! The cluster on loopback: decode speed with worker processes next to one process at equal
+//! residency, each worker's round trip per layer next to a bare QUIC echo of the same sizes, the
+//! wire bytes per token against their floor, and the same behind a UDP relay that delays every
+//! datagram (added round trip `--delays` ms), where the network time a token adds is compared
+//! with its floor, MoE layers x round trip.
+//!
+//! ```sh
+//! cargo bench --bench cluster -- --model DIR [--workers 2] [--tokens 32] [--delays 0,0.2,1]
+//!                                [--activations f32|int8]
+//! ```
+//!
+//! Tokens are sampled (temperature 1, seed 1) so that random synthetic weights do not repeat one
+//! token; every run decodes the same tokens (checked).
+
+use std::collections::VecDeque;
+use std::net::{SocketAddr, UdpSocket};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use charm_coordinator::cluster::{Loopback, WorkerAddr};
+use charm_coordinator::generate::generate;
+use charm_coordinator::remote::moe_layers;
+use charm_coordinator::sampling::{Sampler, SamplingParams};
+use charm_coordinator::{Engine, EngineOptions, ForwardOptions, HistoryPolicy};
+use charm_shared::quant::Activations;
+
+struct Args {
+    model: PathBuf,
+    workers: usize,
+    tokens: usize,
+    delays: Vec<f64>,
+    act: String,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        model: PathBuf::new(),
+        workers: 2,
+        tokens: 32,
+        delays: vec![0.0, 0.2, 1.0],
+        act: "f32".into(),
+    };
+    let v: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < v.len() {
+        let val = || v.get(i + 1).cloned().expect("flag without a value");
+        match v[i].as_str() {
+            "--model" => a.model = val().into(),
+            "--workers" => a.workers = val().parse().expect("--workers N"),
+            "--tokens" => a.tokens = val().parse().expect("--tokens N"),
+            "--delays" => {
+                a.delays = val()
+                    .split(',')
+                    .map(|d| d.parse().expect("--delays MS,MS"))
+                    .collect()
+            }
+            "--activations" => a.act = val(),
+            // cargo bench passes --bench
+            _ => {
+                i += 1;
+                continue;
+            }
+        }
+        i += 2;
+    }
+    assert!(
+        !a.model.as_os_str().is_empty(),
+        "usage: cargo bench --bench cluster -- --model DIR [--workers N] [--tokens N] [--delays MS,..]"
+    );
+    a
+}
+
+/// A UDP relay adding `delay` to every datagram each way (half the added round trip), between
+/// one client and `upstream`.
+struct Relay {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+type Queue = Arc<(Mutex<VecDeque<(Instant, Vec<u8>)>>, Condvar)>;
+type Send = Box<dyn Fn(&[u8]) + std::marker::Send>;
+
+impl Relay {
+    fn start(upstream: SocketAddr, delay: Duration) -> Self {
+        let front = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let back = UdpSocket::bind("127.0.0.1:0").unwrap();
+        back.connect(upstream).unwrap();
+        for s in [&front, &back] {
+            s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        }
+        let addr = front.local_addr().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let client: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
+        let (up, down): (Queue, Queue) = (Arc::default(), Arc::default());
+        let (front, back) = (Arc::new(front), Arc::new(back));
+        // receivers stamp each datagram with the time it may leave
+        {
+            let (f, q, c, st) = (front.clone(), up.clone(), client.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 65536];
+                while !st.load(Ordering::Relaxed) {
+                    if let Ok((n, from)) = f.recv_from(&mut buf) {
+                        *c.lock().unwrap() = Some(from);
+                        q.0.lock()
+                            .unwrap()
+                            .push_back((Instant::now() + delay, buf[..n].to_vec()));
+                        q.1.notify_one();
+                    }
+                }
+            });
+        }
+        {
+            let (b, q, st) = (back.clone(), down.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 65536];
+                while !st.load(Ordering::Relaxed) {
+                    if let Ok(n) = b.recv(&mut buf) {
+                        q.0.lock()
+                            .unwrap()
+                            .push_back((Instant::now() + delay, buf[..n].to_vec()));
+                        q.1.notify_one();
+                    }
+                }
+            });
+        }
+        // senders release them in order once due
+        let sender = |q: Queue, send: Send, st: Arc<AtomicBool>| {
+            std::thread::spawn(move || {
+                while !st.load(Ordering::Relaxed) {
+                    let next = {
+                        let mut g = q.0.lock().unwrap();
+                        while g.is_empty() && !st.load(Ordering::Relaxed) {
+                            g = q.1.wait_timeout(g, Duration::from_millis(50)).unwrap().0;
+                        }
+                        g.pop_front()
+                    };
+                    let Some((due, d)) = next else { continue };
+                    // sleep most of the wait, spin the last stretch (timer slack is ~50 us)
+                    loop {
+                        let now = Instant::now();
+                        if now >= due {
+                            break;
+                        }
+                        let left = due - now;
+                        if left > Duration::from_micros(120) {
+                            std::thread::sleep(left - Duration::from_micros(100));
+                        } else {
+                            std::hint::spin_loop();
+                        }
+                    }
+                    send(&d);
+                }
+            });
+        };
+        let b2 = back.clone();
+        sender(up, Box::new(move |d| drop(b2.send(d))), stop.clone());
+        let f2 = front.clone();
+        sender(
+            down,
+            Box::new(move |d| {
+                if let Some(c) = *client.lock().unwrap() {
+                    let _ = f2.send_to(d, c);
+                }
+            }),
+            stop.clone(),
+        );
+        Self { addr, stop }
+    }
+}
+
+/// Median round trip of a bare QUIC exchange on a fresh stream: `up` bytes out, `down` back,
+/// with the cluster's TLS identities and transport settings, to `server` or via `via`.
+fn quic_echo(dir: &std::path::Path, up: usize, down: usize, delay: Option<Duration>) -> f64 {
+    use charm_worker::tls::Identity;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let server_id = Identity::load(dir, "w1").unwrap();
+        let ep = charm_worker::server::listen("127.0.0.1:0".parse().unwrap(), &server_id).unwrap();
+        let addr = ep.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Some(inc) = ep.accept().await {
+                tokio::spawn(async move {
+                    let Ok(c) = inc.await else { return };
+                    while let Ok((mut s, mut r)) = c.accept_bi().await {
+                        tokio::spawn(async move {
+                            let _ = r.read_to_end(64 << 20).await;
+                            let _ = s.write_all(&vec![7u8; down]).await;
+                            let _ = s.finish();
+                        });
+                    }
+                });
+            }
+        });
+        let relay = delay.map(|d| Relay::start(addr, d / 2));
+        let target = relay.as_ref().map_or(addr, |r| r.addr);
+        let id = Identity::load(dir, "coordinator").unwrap();
+        let mut cfg = id.client_config().unwrap();
+        cfg.transport_config(Arc::new(charm_worker::server::transport(
+            Duration::from_secs(1),
+        )));
+        let mut cl = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        cl.set_default_client_config(cfg);
+        let c = cl.connect(target, "w1").unwrap().await.unwrap();
+        let payload = vec![1u8; up];
+        let mut times = Vec::new();
+        for i in 0..220 {
+            let t = Instant::now();
+            let (mut s, mut r) = c.open_bi().await.unwrap();
+            s.write_all(&payload).await.unwrap();
+            s.finish().unwrap();
+            let got = r.read_to_end(64 << 20).await.unwrap();
+            assert_eq!(got.len(), down);
+            if i >= 20 {
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        drop(relay);
+        times.sort_by(f64::total_cmp);
+        times[times.len() / 2]
+    })
+}
+
+struct Run {
+    ids: Vec<u32>,
+    tok_s: f64,
+    decode_s: f64,
+}
+
+fn decode(e: &Engine, prompt: &[u32], tokens: usize) -> Run {
+    let g = generate(
+        &e.model,
+        prompt,
+        tokens,
+        &mut Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 1,
+        }),
+        &[],
+        ForwardOptions::default(),
+    )
+    .unwrap();
+    Run {
+        tok_s: g.decode_tok_s(),
+        decode_s: g.decode_seconds,
+        ids: g.ids,
+    }
+}
+
+fn main() {
+    let a = args();
+    let act = match a.act.as_str() {
+        "int8" => Activations::Int8,
+        _ => Activations::F32,
+    };
+    let opts = EngineOptions {
+        history: HistoryPolicy::Off,
+        activations: act,
+        context: a.tokens + 16,
+        ..Default::default()
+    };
+    let prompt: Vec<u32> = (0..8).map(|i| (i * 37 + 11) % 1000 + 2).collect();
+    let isa = format!("{:?}", charm_shared::quant::active_isa());
+    println!(
+        "model {}, {} workers, {} tokens, activations {}, ISA {isa}",
+        a.model.display(),
+        a.workers,
+        a.tokens,
+        a.act
+    );
+
+    let single = Engine::load(&a.model, &opts).unwrap();
+    let spec = single.model.spec.clone();
+    let moe = moe_layers(&spec)
+        .iter()
+        .filter(|l| l.0 < spec.layers.len())
+        .count();
+    let (h, k) = (
+        spec.hidden_size,
+        spec.router.as_ref().map_or(0, |r| r.top_k),
+    );
+    decode(&single, &prompt, 4); // warm-up
+    let base = decode(&single, &prompt, a.tokens);
+    let base2 = decode(&single, &prompt, a.tokens);
+    let base_tok_s = base.tok_s.max(base2.tok_s);
+    println!(
+        "single process: {base_tok_s:.2} tok/s decode (best of {:.2}, {:.2})",
+        base.tok_s, base2.tok_s
+    );
+    drop(single);
+
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_charm"));
+    let lb = Loopback::start(&exe, &a.model, a.workers, &a.act, &[]).unwrap();
+    for &delay_ms in &a.delays {
+        let delay = (delay_ms > 0.0).then(|| Duration::from_secs_f64(delay_ms / 1e3));
+        let relays: Vec<Relay> = match delay {
+            Some(d) => lb
+                .workers
+                .iter()
+                .map(|w| Relay::start(w.addr, d / 2))
+                .collect(),
+            None => vec![],
+        };
+        let mut c = lb.options();
+        if !relays.is_empty() {
+            c.workers = lb
+                .workers
+                .iter()
+                .zip(&relays)
+                .map(|(w, r)| WorkerAddr {
+                    name: w.name.clone(),
+                    addr: r.addr,
+                })
+                .collect();
+        }
+        let e = Engine::load(
+            &a.model,
+            &EngineOptions {
+                cluster: Some(c),
+                ..opts.clone()
+            },
+        )
+        .unwrap();
+        assert!(e.warnings.is_empty(), "{:?}", e.warnings);
+        let r = e.remote.clone().unwrap();
+        decode(&e, &prompt, 4);
+        let s0 = r.status();
+        let run = decode(&e, &prompt, a.tokens);
+        assert_eq!(run.ids, base.ids, "the cluster changed the tokens");
+        assert_eq!(r.fallbacks(), 0, "experts ran on the coordinator");
+        let s1 = r.status();
+        let steps = (a.tokens - 1) as f64; // decode steps (the first token comes from prefill)
+        let mut reqs = 0u64;
+        let (mut up, mut down) = (0u64, 0u64);
+        let mut rtt_sum = 0.0;
+        for (x, y) in s0.iter().zip(&s1) {
+            let n = y.requests - x.requests;
+            reqs += n;
+            up += y.bytes_sent - x.bytes_sent;
+            down += y.bytes_received - x.bytes_received;
+            rtt_sum += y.mean_rtt_ms * y.requests as f64 - x.mean_rtt_ms * x.requests as f64;
+        }
+        // (the prefill's requests are in the counters too: decode steps dominate at --tokens 32)
+        let per_tok = |v: f64| v / (steps + 1.0);
+        let layer_rtt = rtt_sum / reqs.max(1) as f64;
+        let echo = quic_echo(
+            &lb.dir,
+            (up / reqs.max(1)) as usize,
+            (down / reqs.max(1)) as usize,
+            delay,
+        );
+        let floor_bytes = (moe * (k + 1) * h * 4) as f64;
+        let extra_ms = 1e3 / run.tok_s - 1e3 / base_tok_s;
+        println!(
+            "added RTT {delay_ms} ms: {:.2} tok/s ({:.2}x single), {:.1} requests/token, mean round trip per layer request {layer_rtt:.3} ms vs bare QUIC echo of the same sizes {echo:.3} ms ({:.2}x), wire {:.1} KB/token ({:.1} KB/token/layer; floor of the exact scheme {:.1} KB/token: {:.2}x), network time added per token {extra_ms:.2} ms{}",
+            run.tok_s,
+            run.tok_s / base_tok_s,
+            per_tok(reqs as f64),
+            layer_rtt / echo,
+            per_tok((up + down) as f64) / 1e3,
+            per_tok((up + down) as f64) / 1e3 / moe as f64,
+            floor_bytes / 1e3,
+            per_tok((up + down) as f64) / floor_bytes,
+            if delay_ms > 0.0 {
+                format!(
+                    " vs floor {:.2} ms (MoE layers {moe} x RTT): {:.2}x",
+                    moe as f64 * delay_ms,
+                    extra_ms / (moe as f64 * delay_ms)
+                )
+            } else {
+                String::new()
+            },
+        );
+        let _ = run.decode_s;
+        drop(e);
+        drop(relays);
+    }
+}
