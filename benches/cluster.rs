@@ -231,7 +231,6 @@ fn quic_echo(dir: &std::path::Path, up: usize, down: usize, delay: Option<Durati
 struct Run {
     ids: Vec<u32>,
     tok_s: f64,
-    decode_s: f64,
 }
 
 fn decode(e: &Engine, prompt: &[u32], tokens: usize) -> Run {
@@ -251,7 +250,6 @@ fn decode(e: &Engine, prompt: &[u32], tokens: usize) -> Run {
     .unwrap();
     Run {
         tok_s: g.decode_tok_s(),
-        decode_s: g.decode_seconds,
         ids: g.ids,
     }
 }
@@ -338,49 +336,56 @@ fn main() {
         assert_eq!(run.ids, base.ids, "the cluster changed the tokens");
         assert_eq!(r.fallbacks(), 0, "experts ran on the coordinator");
         let s1 = r.status();
-        let steps = (a.tokens - 1) as f64; // decode steps (the first token comes from prefill)
-        let mut reqs = 0u64;
-        let (mut up, mut down) = (0u64, 0u64);
-        let mut rtt_sum = 0.0;
+        // token passes in the window: the prompt's prefill and the decode steps
+        let passes = (prompt.len() + a.tokens - 1) as f64;
+        let (mut reqs, mut up, mut down) = (0u64, 0u64, 0u64);
+        let (mut rtt, mut compute) = (0.0, 0.0);
         for (x, y) in s0.iter().zip(&s1) {
-            let n = y.requests - x.requests;
-            reqs += n;
+            reqs += y.requests - x.requests;
             up += y.bytes_sent - x.bytes_sent;
             down += y.bytes_received - x.bytes_received;
-            rtt_sum += y.mean_rtt_ms * y.requests as f64 - x.mean_rtt_ms * x.requests as f64;
+            rtt += y.mean_rtt_ms * y.requests as f64 - x.mean_rtt_ms * x.requests as f64;
+            compute +=
+                y.mean_compute_ms * y.requests as f64 - x.mean_compute_ms * x.requests as f64;
         }
-        // (the prefill's requests are in the counters too: decode steps dominate at --tokens 32)
-        let per_tok = |v: f64| v / (steps + 1.0);
-        let layer_rtt = rtt_sum / reqs.max(1) as f64;
+        let n = reqs.max(1) as f64;
+        let (rtt, compute) = (rtt / n, compute / n);
         let echo = quic_echo(
             &lb.dir,
-            (up / reqs.max(1)) as usize,
-            (down / reqs.max(1)) as usize,
+            (up as f64 / n) as usize,
+            (down as f64 / n) as usize,
             delay,
         );
-        let floor_bytes = (moe * (k + 1) * h * 4) as f64;
-        let extra_ms = 1e3 / run.tok_s - 1e3 / base_tok_s;
+        let wire = (up + down) as f64 / passes;
+        // exact scheme's floor: top_k unweighted rows back, one activation row out
+        let floor = (moe * (k + 1) * h * 4) as f64;
+        // the requests of a layer run in parallel: its network time is a round trip less the
+        // worker's compute; a token crosses `moe` layers
+        let net = moe as f64 * (rtt - compute);
         println!(
-            "added RTT {delay_ms} ms: {:.2} tok/s ({:.2}x single), {:.1} requests/token, mean round trip per layer request {layer_rtt:.3} ms vs bare QUIC echo of the same sizes {echo:.3} ms ({:.2}x), wire {:.1} KB/token ({:.1} KB/token/layer; floor of the exact scheme {:.1} KB/token: {:.2}x), network time added per token {extra_ms:.2} ms{}",
+            "added RTT {delay_ms} ms: decode {:.2} tok/s = {:.2}x single | per layer request: round trip {rtt:.3} ms, worker compute {compute:.3} ms, rest {:.3} ms; bare QUIC echo of the same sizes {echo:.3} ms | wire {:.1} KB/token = {:.2}x the exact scheme's floor {:.1} KB | network per token {net:.2} ms vs {moe} MoE layers x RTT: {}",
             run.tok_s,
             run.tok_s / base_tok_s,
-            per_tok(reqs as f64),
-            layer_rtt / echo,
-            per_tok((up + down) as f64) / 1e3,
-            per_tok((up + down) as f64) / 1e3 / moe as f64,
-            floor_bytes / 1e3,
-            per_tok((up + down) as f64) / floor_bytes,
+            rtt - compute,
+            wire / 1e3,
+            wire / floor,
+            floor / 1e3,
             if delay_ms > 0.0 {
                 format!(
-                    " vs floor {:.2} ms (MoE layers {moe} x RTT): {:.2}x",
+                    "{:.2} ms added ({:.2}x), {:.2} ms with the relay's measured echo ({:.2}x)",
                     moe as f64 * delay_ms,
-                    extra_ms / (moe as f64 * delay_ms)
+                    net / (moe as f64 * delay_ms),
+                    moe as f64 * echo,
+                    net / (moe as f64 * echo)
                 )
             } else {
-                String::new()
+                format!(
+                    "{:.2} ms bare loopback echo ({:.2}x)",
+                    moe as f64 * echo,
+                    net / (moe as f64 * echo)
+                )
             },
         );
-        let _ = run.decode_s;
         drop(e);
         drop(relays);
     }

@@ -96,8 +96,9 @@ pub fn cmd_worker(
     })
 }
 
-/// Expert rows per second `executor` computes: the best of three one-row runs over up to 8
-/// experts of the first MoE layer (0 when there is none or it fails).
+/// Expert rows per second `executor` computes: the best of repeated one-row runs over up to 16
+/// experts of the first MoE layer, for at least 300 ms and 5 runs (0 when there is none or it
+/// fails).
 fn expert_rate(
     executor: &dyn charm_shared::expert::ExpertExecutor,
     hidden: usize,
@@ -106,12 +107,16 @@ fn expert_rate(
     let Some(&(layer, n)) = layers.first() else {
         return 0.0;
     };
-    let k = n.min(8);
+    let k = n.min(16);
     let x: Vec<f32> = (0..k * hidden).map(|i| ((i as f32) * 0.01).sin()).collect();
     let ids: Vec<u32> = (0..k as u32).collect();
     let w = vec![1.0f32; k];
     let mut best = f64::INFINITY;
-    for _ in 0..3 {
+    let start = std::time::Instant::now();
+    for run in 0.. {
+        if run >= 5 && start.elapsed().as_secs_f64() > 0.3 {
+            break;
+        }
         let t = std::time::Instant::now();
         let b = charm_shared::expert::ExpertBatch {
             step: 0,
@@ -151,31 +156,38 @@ pub fn cmd_cluster_init(out: &Path, nodes: &str) -> Result<()> {
     Ok(())
 }
 
+/// The workers' view of `model` for `charm plan --cluster`: handshakes only, nothing loaded.
+pub fn plan_cluster(
+    model: &Path,
+    opts: &ClusterOptions,
+    expert_bytes: u64,
+) -> Result<charm_coordinator::remote::ClusterPlan> {
+    let (r, spec, _) = probe(model, opts)?;
+    Ok(r.plan(&spec, expert_bytes))
+}
+
+/// Handshakes with every worker of `opts` for `model` (in whatever activation mode), without
+/// loading it; returns the warnings of workers that did not answer.
+fn probe(model: &Path, opts: &ClusterOptions) -> Result<(RemoteExperts, ModelSpec, Vec<String>)> {
+    let spec = ModelSpec::from_dir(model)?;
+    let fingerprint = model_fingerprint(model).map_err(anyhow::Error::msg)?;
+    // never asked to compute: nothing here sends expert work
+    let none: Arc<dyn charm_shared::expert::ExpertExecutor> =
+        Arc::new(charm_worker::RamExperts::default());
+    let (r, warnings) =
+        RemoteExperts::connect(opts, &fingerprint, None, &spec, Default::default(), none)
+            .map_err(anyhow::Error::msg)?;
+    Ok((r, spec, warnings))
+}
+
 /// `charm cluster status`: dials every worker of the cluster for `model` and reports each one's
 /// health, holdings and latency.
-pub fn cmd_cluster_status(
-    model: &Path,
-    args: &StoreArgs,
-    act: Activations,
-    json: bool,
-) -> Result<()> {
+pub fn cmd_cluster_status(model: &Path, args: &StoreArgs, json: bool) -> Result<()> {
     let Some(opts) = args.cluster_options()? else {
         bail!("give --cluster");
     };
-    let spec = ModelSpec::from_dir(model)?;
+    let (r, _, warnings) = probe(model, &opts)?;
     let fingerprint = model_fingerprint(model).map_err(anyhow::Error::msg)?;
-    // never asked to compute: status sends no expert work
-    let none: Arc<dyn charm_shared::expert::ExpertExecutor> =
-        Arc::new(charm_worker::RamExperts::default());
-    let (r, warnings) = RemoteExperts::connect(
-        &opts,
-        &fingerprint,
-        act_name(act),
-        &spec,
-        Default::default(),
-        none,
-    )
-    .map_err(anyhow::Error::msg)?;
     // one heartbeat, for a round-trip figure
     std::thread::sleep(opts.heartbeat + std::time::Duration::from_millis(50));
     let st = r.status();

@@ -281,8 +281,6 @@ enum ClusterCmd {
         /// The model the cluster serves (its fingerprint is checked by every worker).
         #[arg(long)]
         model: PathBuf,
-        #[arg(long, value_enum, default_value = "f32")]
-        activations: Act,
         #[arg(long)]
         json: bool,
         #[command(flatten)]
@@ -898,12 +896,9 @@ fn run(cli: Cli) -> Result<()> {
         } => cluster_cli::cmd_worker(&listen, &model, &node, &store, activations.into()),
         Cmd::Cluster { cmd } => match cmd {
             ClusterCmd::Init { out, nodes } => cluster_cli::cmd_cluster_init(&out, &nodes),
-            ClusterCmd::Status {
-                model,
-                activations,
-                json,
-                store,
-            } => cluster_cli::cmd_cluster_status(&model, &store, activations.into(), json),
+            ClusterCmd::Status { model, json, store } => {
+                cluster_cli::cmd_cluster_status(&model, &store, json)
+            }
         },
     }
 }

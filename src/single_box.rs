@@ -164,10 +164,21 @@ pub fn cmd_plan(dir: &Path, args: &StoreArgs, formats: &Policy, json: bool) -> R
         ..args.plan_input(dir, 4096)?
     };
     let p = charm_coordinator::plan::plan(dir, &input)?;
+    let cluster = match args.cluster_options()? {
+        Some(c) => Some(crate::cluster_cli::plan_cluster(dir, &c, p.expert_bytes)?),
+        None => None,
+    };
     if json {
-        println!("{}", serde_json::to_string_pretty(&p)?);
+        let mut v = serde_json::to_value(&p)?;
+        if let Some(c) = &cluster {
+            v["cluster"] = serde_json::to_value(c)?;
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", p.render());
+        if let Some(c) = &cluster {
+            print!("{}", c.render());
+        }
     }
     Ok(p.fits)
 }

@@ -521,3 +521,84 @@ fn the_deploy_kit_parses_with_charms_loader_and_its_unit_verifies() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn plan_and_status_show_the_cluster_without_loading_the_model() {
+    let model = fixture("glm5-tiny");
+    let dir = certs("cl-plan");
+    let (w1, w2) = (
+        Worker::start(&model, &dir, "w1", 0, &[]),
+        Worker::start(&model, &dir, "w2", 0, &["--activations", "int8"]),
+    );
+    // a dead address beside them, with a short deadline so that its handshake gives up soon
+    let dead = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let file = dir.join("cluster.json");
+    std::fs::write(
+        &file,
+        serde_json::json!({
+            "workers": [w1.addr("w1"), w2.addr("w2"), format!("w3@{}", dead.local_addr().unwrap())],
+            "deadline_ms": 1000,
+        })
+        .to_string(),
+    )
+    .unwrap();
+    drop(dead);
+    let m = model.to_str().unwrap();
+    let f = file.to_str().unwrap();
+    let (ok, out, err) = charm(&["plan", "--model", m, "--cluster", f, "--json"]);
+    assert!(ok, "{err}");
+    let v = json(&out);
+    let c = &v["cluster"];
+    let spec = charm_shared::config::ModelSpec::from_dir(&model).unwrap();
+    let layers = moe_layers(&spec);
+    let experts: u64 = layers.iter().map(|l| l.1 as u64).sum();
+    let ws = c["workers"].as_array().unwrap();
+    assert_eq!(ws.len(), 3, "{c}");
+    assert!(ws[0]["experts"].as_u64().unwrap() > 0 && ws[1]["experts"].as_u64().unwrap() > 0);
+    assert_eq!(
+        ws[0]["experts"].as_u64().unwrap() + ws[1]["experts"].as_u64().unwrap(),
+        experts,
+        "{c}"
+    );
+    assert_eq!(ws[2]["connected"], false);
+    assert_eq!(c["unplaced_experts"], 0, "{c}");
+    let dense_moe = layers.iter().filter(|l| l.0 < spec.layers.len()).count();
+    assert_eq!(c["round_trips_per_token"], dense_moe as u64, "{c}");
+    let back = c["result_bytes_per_token"].as_u64().unwrap();
+    let top_k = spec.router.as_ref().unwrap().top_k;
+    assert_eq!(
+        back,
+        (dense_moe * top_k * spec.hidden_size * 4) as u64,
+        "{c}"
+    );
+    let (ok, text, _) = charm(&["plan", "--model", m, "--cluster", f]);
+    assert!(
+        ok && text.contains("cluster:") && text.contains("round trips"),
+        "{text}"
+    );
+    assert!(
+        text.contains("w3") && text.contains("unreachable"),
+        "{text}"
+    );
+
+    let (ok, out, err) = charm(&["cluster", "status", "--model", m, "--cluster", f, "--json"]);
+    assert!(ok, "{err}");
+    let s = json(&out);
+    let ws = s["workers"].as_array().unwrap();
+    assert!(
+        ws[0]["connected"] == true && ws[1]["connected"] == true,
+        "{s}"
+    );
+    assert!(ws[0]["ping_ms"].as_f64().unwrap() > 0.0, "{s}");
+    assert!(ws[0]["expert_rate"].as_f64().unwrap() > 0.0, "{s}");
+    assert_eq!(ws[2]["connected"], false);
+    assert!(
+        ws[2]["error"].as_str().unwrap().contains("handshake"),
+        "{s}"
+    );
+    drop((w1, w2));
+    // nothing answers: exit 1
+    let (ok, _, _) = charm(&["cluster", "status", "--model", m, "--cluster", f]);
+    assert!(!ok);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

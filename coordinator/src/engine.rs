@@ -155,7 +155,7 @@ impl Engine {
         let (r, warnings) = RemoteExperts::connect(
             c,
             &model,
-            act,
+            Some(act),
             &e.model.spec,
             routing_heat(dir, opts),
             e.model.experts.clone(),

@@ -69,8 +69,10 @@ pub struct WorkerStatus {
     pub joins: u64,
     pub bytes_sent: u64,
     pub bytes_received: u64,
-    /// Mean round trip of its answered requests, milliseconds.
+    /// Mean round trip of its answered requests, and the part of it the worker spent
+    /// computing (as it reports), milliseconds.
     pub mean_rtt_ms: f64,
+    pub mean_compute_ms: f64,
     /// Last heartbeat round trip, milliseconds.
     pub ping_ms: Option<f64>,
 }
@@ -89,6 +91,7 @@ struct Worker {
     sent: AtomicU64,
     received: AtomicU64,
     rtt_us: AtomicU64,
+    compute_us: AtomicU64,
     ping_us: AtomicU64,
 }
 
@@ -151,16 +154,13 @@ impl Shared {
     /// Takes a connection whose handshake answered `h`, if the worker can serve this model.
     fn join(&self, i: usize, conn: quinn::Connection, h: Hello) -> Result<(), String> {
         let w = &self.workers[i];
-        if !h
-            .activations
-            .iter()
-            .any(|a| a == &self.hello.activations[0])
-        {
+        let mine = self.hello.activations.first();
+        if mine.is_some_and(|m| !h.activations.contains(m)) {
             conn.close(0u32.into(), b"activation mode");
             return Err(format!(
                 "computes in {}, this coordinator in {}",
                 h.activations.join(", "),
-                self.hello.activations[0]
+                self.hello.activations.join(", ")
             ));
         }
         if h.node != w.addr.name {
@@ -208,12 +208,12 @@ impl RemoteExperts {
     /// Dials every worker of `opts` (at once) and handshakes. Workers that cannot be reached
     /// or refuse are named in the returned warnings and dialled again every heartbeat; `local`
     /// computes what no worker answers. `model` is the fingerprint the workers must share,
-    /// `activations` the mode they must compute in, `heat` the routing history's uses per
-    /// `(layer, expert)`.
+    /// `activations` the mode they must compute in (`None`: any, for a probe that sends no
+    /// expert work), `heat` the routing history's uses per `(layer, expert)`.
     pub fn connect(
         opts: &ClusterOptions,
         model: &str,
-        activations: &str,
+        activations: Option<&str>,
         spec: &ModelSpec,
         heat: HashMap<(usize, u32), u64>,
         local: Arc<dyn ExpertExecutor>,
@@ -240,7 +240,7 @@ impl RemoteExperts {
                 version: PROTOCOL_VERSION,
                 node: opts.node.clone(),
                 model: model.to_string(),
-                activations: vec![activations.to_string()],
+                activations: activations.map(String::from).into_iter().collect(),
                 experts: vec![],
                 ram_bytes: 0,
                 expert_rate: 0.0,
@@ -261,6 +261,7 @@ impl RemoteExperts {
                     sent: AtomicU64::new(0),
                     received: AtomicU64::new(0),
                     rtt_us: AtomicU64::new(0),
+                    compute_us: AtomicU64::new(0),
                     ping_us: AtomicU64::new(0),
                 })
                 .collect(),
@@ -350,11 +351,10 @@ impl RemoteExperts {
                     joins: w.joins.load(Ordering::Relaxed),
                     bytes_sent: w.sent.load(Ordering::Relaxed),
                     bytes_received: w.received.load(Ordering::Relaxed),
-                    mean_rtt_ms: if ok > 0 {
-                        w.rtt_us.load(Ordering::Relaxed) as f64 / ok as f64 / 1e3
-                    } else {
-                        0.0
-                    },
+                    mean_rtt_ms: w.rtt_us.load(Ordering::Relaxed) as f64 / ok.max(1) as f64 / 1e3,
+                    mean_compute_ms: w.compute_us.load(Ordering::Relaxed) as f64
+                        / ok.max(1) as f64
+                        / 1e3,
                     ping_ms: (ping > 0).then(|| ping as f64 / 1e3),
                 }
             })
@@ -516,9 +516,10 @@ async fn request(
         Ok(Ok(_)) => Answer::Broken("answered with something else".into()),
     };
     match &a {
-        Answer::Done(_) => {
+        Answer::Done(r) => {
             w.rtt_us
                 .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+            w.compute_us.fetch_add(r.compute_us, Ordering::Relaxed);
         }
         Answer::Refused(why) => {
             w.failures.fetch_add(1, Ordering::Relaxed);
@@ -806,5 +807,143 @@ impl ExpertExecutor for RemoteExperts {
 
     fn stats(&self) -> Option<ExpertStats> {
         self.inner.local.stats()
+    }
+}
+
+/// What the cluster would hold and move for a model, from the workers' handshakes: printed by
+/// `charm plan --cluster` before the model is loaded.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClusterPlan {
+    pub workers: Vec<NodePlan>,
+    /// MoE layers a token passes (MTP layers excluded).
+    pub moe_layers: usize,
+    /// Experts placed on no connected worker (computed on the coordinator).
+    pub unplaced_experts: usize,
+    /// Expected bytes per token: activations out (each token's row once per worker its experts
+    /// are on) and unweighted expert outputs back (`top_k` rows), over all MoE layers.
+    pub request_bytes_per_token: u64,
+    pub result_bytes_per_token: u64,
+    /// One round of requests (in parallel over workers) per MoE layer.
+    pub round_trips_per_token: usize,
+}
+
+/// One worker's part in a [`ClusterPlan`].
+#[derive(Debug, Clone, Serialize)]
+pub struct NodePlan {
+    pub name: String,
+    pub addr: String,
+    pub connected: bool,
+    pub error: Option<String>,
+    pub experts: usize,
+    /// Bytes of the experts placed on it, and whether its expert RAM holds them all.
+    pub bytes: u64,
+    pub ram_bytes: u64,
+    pub all_resident: bool,
+}
+
+impl RemoteExperts {
+    /// The plan of this cluster for its model, with `expert_bytes` per routed expert in memory.
+    pub fn plan(&self, spec: &ModelSpec, expert_bytes: u64) -> ClusterPlan {
+        let p = self.placement();
+        let st = self.status();
+        let layers: Vec<(usize, usize)> = moe_layers(spec)
+            .into_iter()
+            .filter(|l| l.0 < spec.layers.len())
+            .collect();
+        let all: usize = self.inner.shared.layers.iter().map(|l| l.1).sum();
+        let placed: usize = self
+            .inner
+            .shared
+            .layers
+            .iter()
+            .map(|&(l, n)| {
+                (0..n as u32)
+                    .filter(|&e| !p.holders(l, e).is_empty())
+                    .count()
+            })
+            .sum();
+        let (h, k) = (
+            spec.hidden_size as f64,
+            spec.router.as_ref().map_or(0, |r| r.top_k) as f64,
+        );
+        let total: usize = (0..st.len()).map(|i| p.count(i)).sum();
+        // workers a token's top_k experts touch, choices independent with each worker's share
+        let touched: f64 = (0..st.len())
+            .map(|i| {
+                let share = p.count(i) as f64 / total.max(1) as f64;
+                1.0 - (1.0 - share).powf(k)
+            })
+            .sum();
+        let remote_share = placed as f64 / all.max(1) as f64;
+        let n = layers.len() as f64;
+        ClusterPlan {
+            workers: st
+                .iter()
+                .enumerate()
+                .map(|(i, w)| {
+                    let bytes = p.count(i) as u64 * expert_bytes;
+                    NodePlan {
+                        name: w.name.clone(),
+                        addr: w.addr.clone(),
+                        connected: w.connected,
+                        error: w.error.clone(),
+                        experts: p.count(i),
+                        bytes,
+                        ram_bytes: w.ram_bytes,
+                        all_resident: w.connected && (w.ram_bytes == 0 || w.ram_bytes >= bytes),
+                    }
+                })
+                .collect(),
+            moe_layers: layers.len(),
+            unplaced_experts: all - placed,
+            request_bytes_per_token: (n * touched * h * 4.0) as u64,
+            result_bytes_per_token: (n * remote_share * k * h * 4.0) as u64,
+            round_trips_per_token: if placed > 0 { layers.len() } else { 0 },
+        }
+    }
+}
+
+impl ClusterPlan {
+    /// The plan as text.
+    pub fn render(&self) -> String {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let mut s = String::from("cluster:\n");
+        for w in &self.workers {
+            if w.connected {
+                s += &format!(
+                    "  {:<12} {:<22} {:>6} experts, {:>8.2} GiB placed, {:>8.2} GiB expert RAM{}\n",
+                    w.name,
+                    w.addr,
+                    w.experts,
+                    gib(w.bytes),
+                    gib(w.ram_bytes),
+                    if w.all_resident {
+                        ""
+                    } else {
+                        " (streams the rest from its disk)"
+                    }
+                );
+            } else {
+                s += &format!(
+                    "  {:<12} {:<22} unreachable: {}\n",
+                    w.name,
+                    w.addr,
+                    w.error.as_deref().unwrap_or("?")
+                );
+            }
+        }
+        if self.unplaced_experts > 0 {
+            s += &format!(
+                "  {} experts on no reachable worker: computed by the coordinator\n",
+                self.unplaced_experts
+            );
+        }
+        s += &format!(
+            "  per token: {} round trips (one per MoE layer), {:.1} KB out, {:.1} KB back\n",
+            self.round_trips_per_token,
+            self.request_bytes_per_token as f64 / 1e3,
+            self.result_bytes_per_token as f64 / 1e3
+        );
+        s
     }
 }

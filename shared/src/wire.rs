@@ -11,7 +11,7 @@
 //! **Exactness.** A worker returns each routed expert's output rows unweighted; the coordinator
 //! adds them with [`crate::expert::combine`] in ascending expert order, as single-box does, so the
 //! result is bit-identical whatever the placement. This costs `top_k x hidden x 4` bytes per token
-//! and MoE layer on the way back (64 KiB for GLM-5.2: 8 experts of 6144 floats, minus the slots a
+//! and MoE layer on the way back (192 KiB for GLM-5.2: 8 experts of 6144 floats, minus the slots a
 //! coordinator computes itself), against `hidden x 4` per worker for partial sums computed on the
 //! workers, which would change the order of the additions and so the bits.
 
@@ -119,6 +119,9 @@ pub struct Run {
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct ComputeResult {
     pub id: u64,
+    /// Microseconds the worker spent computing (statistics only: the round trip less this is
+    /// what the network and framing cost).
+    pub compute_us: u64,
     /// Per run, `[rows, hidden]` unweighted expert outputs.
     pub outputs: Vec<Vec<f32>>,
 }
@@ -325,6 +328,7 @@ mod tests {
             Message::Compute(req.clone()),
             Message::Computed(ComputeResult {
                 id: 7,
+                compute_us: 120,
                 outputs: vec![vec![1.5; 16], vec![-0.0; 8]],
             }),
             Message::Hello(Hello {
@@ -392,7 +396,11 @@ mod tests {
                 rows: vec![0, 1],
             }],
         );
-        let res = |id, outputs| ComputeResult { id, outputs };
+        let res = |id, outputs| ComputeResult {
+            id,
+            compute_us: 0,
+            outputs,
+        };
         assert_eq!(res(7, vec![vec![0.0; 16]]).check(&req), Ok(()));
         assert!(res(8, vec![vec![0.0; 16]]).check(&req).is_err());
         assert!(res(7, vec![vec![0.0; 15]]).check(&req).is_err());

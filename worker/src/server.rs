@@ -127,6 +127,7 @@ impl Service {
             }
         }
         let weights = vec![1.0f32; rows];
+        let t = std::time::Instant::now();
         let batch = ExpertBatch {
             step: req.step,
             layer: req.layer as usize,
@@ -147,6 +148,7 @@ impl Service {
                 }
                 Message::Computed(ComputeResult {
                     id: req.id,
+                    compute_us: t.elapsed().as_micros() as u64,
                     outputs,
                 })
             }
