@@ -269,11 +269,12 @@ fn main() {
     let prompt: Vec<u32> = (0..8).map(|i| (i * 37 + 11) % 1000 + 2).collect();
     let isa = format!("{:?}", charm_shared::quant::active_isa());
     println!(
-        "model {}, {} workers, {} tokens, activations {}, ISA {isa}",
+        "model {}, {} workers, {} tokens, activations {}, ISA {isa}, {} cores",
         a.model.display(),
         a.workers,
         a.tokens,
-        a.act
+        a.act,
+        std::thread::available_parallelism().map_or(1, |n| n.get())
     );
 
     let single = Engine::load(&a.model, &opts).unwrap();
@@ -297,7 +298,10 @@ fn main() {
     drop(single);
 
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_charm"));
-    let lb = Loopback::start(&exe, &a.model, a.workers, &a.act, &[]).unwrap();
+    // the workers share this machine's cores: each gets its share of them
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per = (cores / a.workers).max(1).to_string();
+    let lb = Loopback::start(&exe, &a.model, a.workers, &a.act, &["--threads", &per]).unwrap();
     for &delay_ms in &a.delays {
         let delay = (delay_ms > 0.0).then(|| Duration::from_secs_f64(delay_ms / 1e3));
         let relays: Vec<Relay> = match delay {

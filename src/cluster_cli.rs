@@ -23,13 +23,16 @@ pub fn act_name(a: Activations) -> &'static str {
 }
 
 /// `charm worker`: serves the routed experts of `model` to the cluster's coordinator until
-/// killed. Prints `listening on ADDR` once it accepts connections.
+/// killed. Prints `listening on ADDR` once it accepts connections. With `fetch_shard`, `model`
+/// may hold only the config and the container manifest: the records of the experts placed on
+/// it come from the coordinator.
 pub fn cmd_worker(
     listen: &str,
     model: &Path,
     node: &str,
     args: &StoreArgs,
     act: Activations,
+    fetch_shard: bool,
 ) -> Result<()> {
     let Some(cluster) = &args.cluster else {
         bail!("give --cluster (a cluster file or the directory `charm cluster init` made): workers only speak mutual TLS");
@@ -48,7 +51,18 @@ pub fn cmd_worker(
         .with_context(|| format!("node {node} of {}", certs.display()))?;
     let mut opts = args.engine_options(4096, act)?;
     opts.cluster = None;
-    let e = Engine::load_experts(model, &opts)
+    let shard = if fetch_shard {
+        let s = charm_worker::shard::Shard::open(model)
+            .with_context(|| format!("preparing {} for fetching", model.display()))?;
+        eprintln!(
+            "worker {node}: holds {} expert records; fetches the rest of its shard from the coordinator",
+            s.held()
+        );
+        Some(Arc::new(s))
+    } else {
+        None
+    };
+    let e = Engine::load_experts(model, &opts, shard.is_none())
         .with_context(|| format!("loading {}", model.display()))?;
     for w in &e.warnings {
         eprintln!("warning: {w}");
@@ -72,12 +86,14 @@ pub fn cmd_worker(
                 .collect(),
             ram_bytes: e.ram_bytes,
             expert_rate: rate,
+            fetches: shard.is_some(),
         },
         limits: Limits {
             hidden: spec.hidden_size,
             n_experts: layers.first().map_or(0, |l| l.1),
             max_tokens: 1 << 16,
         },
+        shard,
     });
     eprintln!(
         "worker {node}: {} MoE layers, {:.2} GiB for experts, {rate:.0} expert rows/s",
@@ -174,9 +190,16 @@ fn probe(model: &Path, opts: &ClusterOptions) -> Result<(RemoteExperts, ModelSpe
     // never asked to compute: nothing here sends expert work
     let none: Arc<dyn charm_shared::expert::ExpertExecutor> =
         Arc::new(charm_worker::RamExperts::default());
-    let (r, warnings) =
-        RemoteExperts::connect(opts, &fingerprint, None, &spec, Default::default(), none)
-            .map_err(anyhow::Error::msg)?;
+    let (r, warnings) = RemoteExperts::connect(
+        opts,
+        &fingerprint,
+        None,
+        &spec,
+        Default::default(),
+        none,
+        None,
+    )
+    .map_err(anyhow::Error::msg)?;
     Ok((r, spec, warnings))
 }
 

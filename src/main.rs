@@ -255,6 +255,14 @@ enum Cmd {
         /// Activation mode it computes in (the coordinator's must match).
         #[arg(long, value_enum, default_value = "f32")]
         activations: Act,
+        /// Compute threads (default: one per core).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// MODEL may lack expert records (a directory with only `config.json` and `charm.json`
+        /// will do): the worker fetches those of the experts placed on it from the coordinator,
+        /// checksummed, resuming after a restart (journal `shard.log` in MODEL).
+        #[arg(long)]
+        fetch_shard: bool,
         #[command(flatten)]
         store: StoreArgs,
     },
@@ -744,9 +752,27 @@ fn main() -> ExitCode {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
     }
     let cli = Cli::parse();
+    if let Cmd::Worker {
+        threads: Some(n), ..
+    } = &cli.cmd
+    {
+        let built = rayon::ThreadPoolBuilder::new()
+            .num_threads((*n).max(1))
+            .build_global();
+        if let Err(e) = built {
+            eprintln!("error: --threads: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
     // Run on a rayon worker: kernels called from inside the pool split work without a futex
-    // hand-off per call (which costs more than a small matmul).
-    let r = rayon::scope(|_| run(cli));
+    // hand-off per call (which costs more than a small matmul). Not a worker: it waits on the
+    // network for its whole life and computes from other threads, so it would hold a pool
+    // thread idle.
+    let r = if matches!(cli.cmd, Cmd::Worker { .. }) {
+        run(cli)
+    } else {
+        rayon::scope(|_| run(cli))
+    };
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -892,8 +918,21 @@ fn run(cli: Cli) -> Result<()> {
             model,
             node,
             activations,
+            threads,
+            fetch_shard,
             store,
-        } => cluster_cli::cmd_worker(&listen, &model, &node, &store, activations.into()),
+        } => {
+            // (the pool was sized in main)
+            let _ = threads;
+            cluster_cli::cmd_worker(
+                &listen,
+                &model,
+                &node,
+                &store,
+                activations.into(),
+                fetch_shard,
+            )
+        }
         Cmd::Cluster { cmd } => match cmd {
             ClusterCmd::Init { out, nodes } => cluster_cli::cmd_cluster_init(&out, &nodes),
             ClusterCmd::Status { model, json, store } => {

@@ -35,7 +35,20 @@ impl Worker {
     /// Starts `charm worker` for `model` as node `node` of the cluster in `certs` on `port`
     /// (0: any), and waits until it listens.
     fn start(model: &Path, certs: &Path, node: &str, port: u16, extra: &[&str]) -> Self {
+        Self::start_env(model, certs, node, port, extra, &[])
+    }
+
+    /// [`Worker::start`] with extra environment variables.
+    fn start_env(
+        model: &Path,
+        certs: &Path,
+        node: &str,
+        port: u16,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
         let mut c = Command::new(env!("CARGO_BIN_EXE_charm"));
+        c.envs(env.iter().copied());
         c.args([
             "worker",
             "--listen",
@@ -601,4 +614,106 @@ fn plan_and_status_show_the_cluster_without_loading_the_model() {
     let (ok, _, _) = charm(&["cluster", "status", "--model", m, "--cluster", f]);
     assert!(!ok);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Whole lines of a fetching worker's journal.
+fn journal(dir: &Path) -> Vec<(usize, usize)> {
+    let text = std::fs::read_to_string(dir.join("shard.log")).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            let (a, b) = l.split_once(' ')?;
+            Some((a.parse().ok()?, b.parse().ok()?))
+        })
+        .collect()
+}
+
+#[test]
+fn a_worker_without_experts_fetches_its_shard_resumes_after_a_kill_and_serves_it() {
+    let model = scratch("cl-shard-model");
+    let (ok, _, err) = charm(&[
+        "synth",
+        "--out",
+        model.to_str().unwrap(),
+        "--preset",
+        "tiny",
+        "--layers",
+        "2",
+    ]);
+    assert!(ok, "{err}");
+    // the worker's directory: the config and the manifest, no data files
+    let wdir = scratch("cl-shard-worker");
+    std::fs::create_dir_all(&wdir).unwrap();
+    for f in ["config.json", "charm.json"] {
+        std::fs::copy(model.join(f), wdir.join(f)).unwrap();
+    }
+    let dir = certs("cl-shard");
+    let prompt = [5u32, 17, 3, 99, 100];
+    let opts = EngineOptions {
+        history: HistoryPolicy::Off,
+        ..Default::default()
+    };
+    let want = decode(&Engine::load(&model, &opts).unwrap(), &prompt, 12, |_| {});
+
+    // killed (abort, as kill -9) once it has stored 5 records
+    let mut w = Worker::start_env(
+        &wdir,
+        &dir,
+        "w1",
+        0,
+        &["--fetch-shard"],
+        &[("CHARM_FETCH_ABORT_AFTER", "5")],
+    );
+    let port = w.port;
+    let mut c = ClusterOptions::new(
+        dir.clone(),
+        "coordinator",
+        vec![w.addr("w1").parse().unwrap()],
+    );
+    c.heartbeat = Duration::from_millis(100);
+    let e = Engine::load(
+        &model,
+        &EngineOptions {
+            cluster: Some(c),
+            ..opts.clone()
+        },
+    )
+    .unwrap();
+    let r = e.remote.clone().unwrap();
+    // what the worker lacks runs here meanwhile: the same tokens
+    assert_eq!(decode(&e, &prompt, 12, |_| {}), want);
+    wait_until("the worker dies mid-transfer", || {
+        w.child.try_wait().unwrap().is_some()
+    });
+    assert_eq!(journal(&wdir).len(), 5);
+    let assigned: usize = r.placement().assigned(0).iter().map(|l| l.1.len()).sum();
+    assert!(assigned > 5);
+
+    // restarted, it fetches the rest (and nothing twice)
+    let _w2 = Worker::start(&wdir, &dir, "w1", port, &["--fetch-shard"]);
+    wait_until("the shard is complete", || journal(&wdir).len() == assigned);
+    let st = &r.status()[0];
+    assert_eq!(st.shard_records_sent, assigned as u64, "{st:?}");
+    // every record it holds is the coordinator's, byte for byte
+    let c = charm_shared::container::Container::open(&model).unwrap();
+    for (layer, expert) in journal(&wdir) {
+        let l = c.expert_layers().find(|l| l.layer == layer).unwrap();
+        let at = |d: &Path| {
+            let b = std::fs::read(d.join(&l.file)).unwrap();
+            let o = expert * l.record_bytes as usize;
+            b[o..o + l.record_bytes as usize].to_vec()
+        };
+        assert!(
+            at(&model) == at(&wdir),
+            "layer {layer} expert {expert} differs"
+        );
+    }
+    // now the worker serves everything: nothing runs here, same tokens
+    wait_until("the worker is in use", || r.connected().len() == 1);
+    let before = r.fallbacks();
+    assert_eq!(decode(&e, &prompt, 12, |_| {}), want);
+    assert_eq!(r.fallbacks(), before, "{:?}", r.status());
+    drop(e);
+    for d in [&model, &wdir, &dir] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
 }

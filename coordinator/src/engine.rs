@@ -159,6 +159,7 @@ impl Engine {
             &e.model.spec,
             routing_heat(dir, opts),
             e.model.experts.clone(),
+            Container::is_container(dir).then_some(dir),
         )
         .map_err(|m| LoadError::config(&c.certs, m))?;
         e.warnings.extend(warnings);
@@ -313,8 +314,13 @@ impl Engine {
     /// Loads only the routed experts of the model in `dir` (an expert worker's part): a
     /// container streams them through a cache of what `opts.ram` leaves after the read buffers
     /// and a working margin, holding all of them when they fit; a checkpoint loads them in RAM
-    /// (its dense weights are read and dropped).
-    pub fn load_experts(dir: &Path, opts: &EngineOptions) -> Result<ExpertHolder, LoadError> {
+    /// (its dense weights are read and dropped). `warm`: read every expert before returning
+    /// when they all fit (not for a shard still being fetched).
+    pub fn load_experts(
+        dir: &Path,
+        opts: &EngineOptions,
+        warm: bool,
+    ) -> Result<ExpertHolder, LoadError> {
         if !Container::is_container(dir) {
             let (spec, src) = open_source(dir)?;
             let model = Model::from_source(spec, &*src, opts.activations)?;
@@ -356,7 +362,7 @@ impl Engine {
             ));
         }
         let cache_bytes = (budget - need).min(total);
-        let all = cache_bytes >= total;
+        let all = warm && cache_bytes >= total;
         let store = StreamingExperts::open(
             &c,
             spec.hidden_size,
@@ -365,7 +371,7 @@ impl Engine {
                 cache_bytes,
                 readers: opts.readers,
                 direct: opts.direct,
-                pin_fraction: if all { 0.0 } else { opts.pin_fraction },
+                pin_fraction: if all || !warm { 0.0 } else { opts.pin_fraction },
                 history: opts.history_path(dir),
                 top_k: spec.router.as_ref().map_or(0, |r| r.top_k),
                 activations: opts.activations,

@@ -75,6 +75,10 @@ pub struct WorkerStatus {
     pub mean_compute_ms: f64,
     /// Last heartbeat round trip, milliseconds.
     pub ping_ms: Option<f64>,
+    /// Whether it fetches its shard from this coordinator, and the records and bytes sent it.
+    pub fetches: bool,
+    pub shard_records_sent: u64,
+    pub shard_bytes_sent: u64,
 }
 
 #[derive(Debug)]
@@ -93,6 +97,9 @@ struct Worker {
     rtt_us: AtomicU64,
     compute_us: AtomicU64,
     ping_us: AtomicU64,
+    /// Expert records (whole) and bytes sent to it for its shard.
+    shard_records: AtomicU64,
+    shard_bytes: AtomicU64,
 }
 
 impl Worker {
@@ -108,11 +115,20 @@ impl Worker {
     }
 }
 
+/// The container whose records fetching workers ask for.
+#[derive(Debug)]
+struct Source {
+    dir: std::path::PathBuf,
+    layers: Vec<charm_shared::container::ExpertLayer>,
+}
+
 #[derive(Debug)]
 struct Shared {
     opts: ClusterOptions,
     hello: Hello,
     endpoint: quinn::Endpoint,
+    rt: tokio::runtime::Handle,
+    source: Option<Source>,
     workers: Vec<Worker>,
     layers: Vec<(usize, usize)>,
     heat: HashMap<(usize, u32), u64>,
@@ -132,11 +148,18 @@ impl Shared {
                     .map(|h| Capacity {
                         ram_bytes: h.ram_bytes,
                         rate: h.expert_rate,
-                        holds: h
-                            .experts
-                            .iter()
-                            .map(|l| (l.layer as usize, l.ids.clone()))
-                            .collect(),
+                        // a worker that fetches its shard can be given any expert
+                        holds: if h.fetches && self.source.is_some() {
+                            self.layers
+                                .iter()
+                                .map(|&(l, n)| (l, (0..n as u32).collect()))
+                                .collect()
+                        } else {
+                            h.experts
+                                .iter()
+                                .map(|l| (l.layer as usize, l.ids.clone()))
+                                .collect()
+                        },
                     })
             })
             .collect();
@@ -149,10 +172,124 @@ impl Shared {
             self.opts.hot_share,
         );
         *self.placement.write().expect("placement lock") = Arc::new(p);
+        for i in 0..self.workers.len() {
+            self.assign(i);
+        }
+    }
+
+    /// Tells worker `i`, if it fetches its shard, which experts are placed on it.
+    fn assign(&self, i: usize) {
+        let w = &self.workers[i];
+        let fetches = w
+            .hello
+            .lock()
+            .expect("worker lock")
+            .as_ref()
+            .is_some_and(|h| h.fetches);
+        let (Some(conn), true) = (w.conn(), fetches && self.source.is_some()) else {
+            return;
+        };
+        let experts = self
+            .placement
+            .read()
+            .expect("placement lock")
+            .assigned(i)
+            .into_iter()
+            .map(|(l, ids)| charm_shared::wire::LayerExperts {
+                layer: l as u32,
+                ids,
+            })
+            .collect();
+        self.rt.spawn(async move {
+            if let Ok((mut send, mut recv)) = conn.open_bi().await {
+                if write_frame(&mut send, &Message::Assign { experts })
+                    .await
+                    .is_ok()
+                {
+                    let _ = read_frame(&mut recv).await;
+                }
+            }
+        });
+    }
+
+    /// Answers the fetches worker `i` sends on `conn` with records of this coordinator's
+    /// container, until the connection closes.
+    async fn answer_fetches(self: Arc<Self>, i: usize, conn: quinn::Connection) {
+        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+            let s = self.clone();
+            tokio::spawn(async move {
+                let reply = match read_frame(&mut recv).await {
+                    Ok((
+                        Message::Fetch {
+                            layer,
+                            expert,
+                            offset,
+                            len,
+                        },
+                        _,
+                    )) => {
+                        let s2 = s.clone();
+                        tokio::task::spawn_blocking(move || s2.chunk(i, layer, expert, offset, len))
+                            .await
+                            .unwrap_or_else(|e| fetch_failed(e.to_string()))
+                    }
+                    Ok(_) => fetch_failed("a worker may only fetch".into()),
+                    Err(e) => fetch_failed(e.to_string()),
+                };
+                let _ = write_frame(&mut send, &reply).await;
+            });
+        }
+    }
+
+    /// The bytes of one fetch, or why not.
+    fn chunk(&self, i: usize, layer: u32, expert: u32, offset: u64, len: u32) -> Message {
+        let Some(src) = &self.source else {
+            return fetch_failed("this coordinator has no container to send records from".into());
+        };
+        let Some(l) = src.layers.iter().find(|l| l.layer == layer as usize) else {
+            return fetch_failed(format!("layer {layer} has no experts"));
+        };
+        let end = offset.checked_add(len as u64);
+        if expert as usize >= l.count
+            || len as usize > charm_shared::wire::MAX_CHUNK
+            || end.is_none_or(|e| e > l.record_bytes)
+        {
+            return fetch_failed(format!(
+                "layer {layer} expert {expert}: bytes {offset}+{len} are outside its record"
+            ));
+        }
+        let p = src.dir.join(&l.file);
+        let read = std::fs::File::open(&p)
+            .map_err(|e| e.to_string())
+            .and_then(|f| {
+                charm_shared::container::read_at(
+                    &f,
+                    &p,
+                    expert as u64 * l.record_bytes + offset,
+                    len as usize,
+                )
+                .map_err(|e| e.to_string())
+            });
+        match read {
+            Ok(data) => {
+                let w = &self.workers[i];
+                w.shard_bytes.fetch_add(len as u64, Ordering::Relaxed);
+                if end == Some(l.record_bytes) {
+                    w.shard_records.fetch_add(1, Ordering::Relaxed);
+                }
+                Message::Chunk {
+                    layer,
+                    expert,
+                    offset,
+                    data,
+                }
+            }
+            Err(e) => fetch_failed(e),
+        }
     }
 
     /// Takes a connection whose handshake answered `h`, if the worker can serve this model.
-    fn join(&self, i: usize, conn: quinn::Connection, h: Hello) -> Result<(), String> {
+    fn join(self: &Arc<Self>, i: usize, conn: quinn::Connection, h: Hello) -> Result<(), String> {
         let w = &self.workers[i];
         let mine = self.hello.activations.first();
         if mine.is_some_and(|m| !h.activations.contains(m)) {
@@ -167,23 +304,37 @@ impl Shared {
             conn.close(0u32.into(), b"name");
             return Err(format!("calls itself {}", h.node));
         }
+        let fetches = h.fetches;
         let changed = {
             let mut g = w.hello.lock().expect("worker lock");
             let changed = g.as_ref() != Some(&h);
             *g = Some(h);
             changed
         };
-        *w.conn.lock().expect("worker lock") = Some(conn);
+        *w.conn.lock().expect("worker lock") = Some(conn.clone());
         *w.error.lock().expect("worker lock") = None;
         w.joins.fetch_add(1, Ordering::Relaxed);
+        if fetches {
+            self.rt.spawn(self.clone().answer_fetches(i, conn));
+        }
         if changed {
             self.replace();
+        } else {
+            self.assign(i);
         }
         Ok(())
     }
 
     fn handshake_limit(&self) -> Duration {
         self.opts.deadline.min(Duration::from_secs(10))
+    }
+}
+
+fn fetch_failed(message: String) -> Message {
+    Message::Failed {
+        id: 0,
+        class: charm_shared::wire::FailureClass::BadRequest,
+        message,
     }
 }
 
@@ -217,7 +368,19 @@ impl RemoteExperts {
         spec: &ModelSpec,
         heat: HashMap<(usize, u32), u64>,
         local: Arc<dyn ExpertExecutor>,
+        container: Option<&std::path::Path>,
     ) -> Result<(Self, Vec<String>), String> {
+        let source = match container {
+            Some(dir) => Some(Source {
+                dir: dir.to_path_buf(),
+                layers: charm_shared::container::Container::open(dir)
+                    .map_err(|e| e.to_string())?
+                    .expert_layers()
+                    .cloned()
+                    .collect(),
+            }),
+            None => None,
+        };
         opts.check()?;
         let identity = Identity::load(&opts.certs, &opts.node).map_err(|e| e.to_string())?;
         let mut client = identity.client_config().map_err(|e| e.to_string())?;
@@ -244,8 +407,11 @@ impl RemoteExperts {
                 experts: vec![],
                 ram_bytes: 0,
                 expert_rate: 0.0,
+                fetches: false,
             },
             endpoint,
+            rt: rt.handle().clone(),
+            source,
             workers: opts
                 .workers
                 .iter()
@@ -262,6 +428,8 @@ impl RemoteExperts {
                     received: AtomicU64::new(0),
                     rtt_us: AtomicU64::new(0),
                     compute_us: AtomicU64::new(0),
+                    shard_records: AtomicU64::new(0),
+                    shard_bytes: AtomicU64::new(0),
                     ping_us: AtomicU64::new(0),
                 })
                 .collect(),
@@ -356,6 +524,9 @@ impl RemoteExperts {
                         / ok.max(1) as f64
                         / 1e3,
                     ping_ms: (ping > 0).then(|| ping as f64 / 1e3),
+                    fetches: hello.as_ref().is_some_and(|h| h.fetches),
+                    shard_records_sent: w.shard_records.load(Ordering::Relaxed),
+                    shard_bytes_sent: w.shard_bytes.load(Ordering::Relaxed),
                 }
             })
             .collect()

@@ -51,7 +51,31 @@ pub enum Message {
     Pong {
         seq: u64,
     },
+    /// Coordinator -> worker: the experts placed on it; a worker that fetches its shard fetches
+    /// those it lacks.
+    Assign {
+        experts: Vec<LayerExperts>,
+    },
+    /// Worker -> coordinator: `len` bytes (at most [`MAX_CHUNK`]) at `offset` of the record of
+    /// `expert` of `layer`, in the container both share.
+    Fetch {
+        layer: u32,
+        expert: u32,
+        offset: u64,
+        len: u32,
+    },
+    /// Coordinator -> worker: the bytes a [`Message::Fetch`] asked for.
+    Chunk {
+        layer: u32,
+        expert: u32,
+        offset: u64,
+        data: Vec<u8>,
+    },
 }
+
+/// Largest piece of an expert record one [`Message::Chunk`] carries.
+pub const MAX_CHUNK: usize = 8 << 20;
+const _: () = assert!(MAX_CHUNK + 4096 <= MAX_FRAME);
 
 /// Why a request failed, by what the caller can do about it.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +105,9 @@ pub struct Hello {
     pub ram_bytes: u64,
     /// Expert rows the peer computed per second when it started (0: not measured).
     pub expert_rate: f64,
+    /// The peer fetches the records of the experts placed on it that it lacks (it may then
+    /// be given any expert; see [`Message::Assign`]).
+    pub fetches: bool,
 }
 
 /// Expert ids of one layer, ascending.
@@ -342,6 +369,7 @@ mod tests {
                 }],
                 ram_bytes: 1 << 30,
                 expert_rate: 1e4,
+                fetches: false,
             }),
             Message::Failed {
                 id: 1,
@@ -349,6 +377,24 @@ mod tests {
                 message: "x".into(),
             },
             Message::Ping { seq: 9 },
+            Message::Assign {
+                experts: vec![LayerExperts {
+                    layer: 3,
+                    ids: vec![1, 2],
+                }],
+            },
+            Message::Fetch {
+                layer: 3,
+                expert: 1,
+                offset: 4096,
+                len: 8192,
+            },
+            Message::Chunk {
+                layer: 3,
+                expert: 1,
+                offset: 4096,
+                data: vec![7; 100],
+            },
         ] {
             let f = encode(&m).unwrap();
             let n = frame_len(f[..4].try_into().unwrap()).unwrap();

@@ -123,6 +123,7 @@ fn the_wire_seeds_are_current() {
                 }],
                 ram_bytes: 48 << 30,
                 expert_rate: 12500.0,
+                fetches: true,
             })),
         ),
         (
@@ -132,6 +133,33 @@ fn the_wire_seeds_are_current() {
             }),
         ),
         ("valid-ping", payload(&Message::Ping { seq: 9 })),
+        (
+            "valid-fetch",
+            payload(&Message::Fetch {
+                layer: 1,
+                expert: 5,
+                offset: 0,
+                len: 1 << 20,
+            }),
+        ),
+        (
+            "valid-chunk",
+            payload(&Message::Chunk {
+                layer: 1,
+                expert: 5,
+                offset: 0,
+                data: (0..64).collect(),
+            }),
+        ),
+        (
+            "valid-assign",
+            payload(&Message::Assign {
+                experts: vec![LayerExperts {
+                    layer: 1,
+                    ids: vec![0, 5, 9],
+                }],
+            }),
+        ),
         ("valid-pong", payload(&Message::Pong { seq: 9 })),
         (
             "checkfail-order",

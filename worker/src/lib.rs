@@ -9,11 +9,14 @@
 //!   cache (single-box mode): its cache policy, reader threads and I/O timeline in submodules,
 //!   with [`history`] for the pinned hot set and [`io`] for the reads.
 //! - [`iobench`]: the disk benchmark of `charm iobench`.
+//! - [`server`]: the worker's QUIC server; [`tls`]: cluster certificates and mutual TLS;
+//!   [`shard`]: the expert records a worker fetches from its coordinator.
 
 pub mod history;
 pub mod io;
 pub mod iobench;
 pub mod server;
+pub mod shard;
 pub mod store;
 pub mod tls;
 

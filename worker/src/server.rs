@@ -16,7 +16,7 @@ use std::time::Duration;
 use charm_shared::expert::{ErrorClass, ExpertBatch, ExpertError, ExpertExecutor};
 use charm_shared::wire::{
     decode, encode, frame_len, ComputeRequest, ComputeResult, FailureClass, Hello, Limits, Message,
-    WireError, LEN_BYTES, MAX_FRAME, PROTOCOL_VERSION,
+    WireError, LEN_BYTES, MAX_CHUNK, MAX_FRAME, PROTOCOL_VERSION,
 };
 
 /// Why a frame could not be read or written.
@@ -75,9 +75,24 @@ pub struct Service {
     pub hello: Hello,
     /// Shapes requests are checked against.
     pub limits: Limits,
+    /// The shard this worker fetches from the coordinator, when it started without every
+    /// expert record (see [`crate::shard`]).
+    pub shard: Option<Arc<crate::shard::Shard>>,
 }
 
 impl Service {
+    /// The hello this worker answers with now (a fetching worker's holdings grow).
+    pub fn hello_now(&self) -> Hello {
+        let mut h = self.hello.clone();
+        if let Some(s) = &self.shard {
+            h.fetches = true;
+            for l in &mut h.experts {
+                l.ids.retain(|&e| s.has(l.layer as usize, e));
+            }
+        }
+        h
+    }
+
     /// Why a peer's hello is refused, if it is.
     pub fn refusal(&self, peer: &Hello) -> Option<String> {
         if peer.version != PROTOCOL_VERSION {
@@ -104,6 +119,18 @@ impl Service {
         };
         if let Err(e) = req.check(&self.limits) {
             return failed(FailureClass::BadRequest, e.to_string());
+        }
+        if let Some(s) = &self.shard {
+            if let Some(r) = req
+                .runs
+                .iter()
+                .find(|r| !s.has(req.layer as usize, r.expert))
+            {
+                return failed(
+                    FailureClass::Unavailable,
+                    format!("layer {} expert {}: not fetched yet", req.layer, r.expert),
+                );
+            }
         }
         if !self.hello.activations.contains(&req.activations) {
             return failed(
@@ -166,6 +193,124 @@ pub fn failure_class(e: &ExpertError) -> FailureClass {
     }
 }
 
+/// Fetches the records of the experts placed on this worker that its shard lacks, one at a
+/// time in chunks, from the coordinator at the other end of `conn`; prints its progress.
+async fn fetch_shard(
+    conn: quinn::Connection,
+    shard: Arc<crate::shard::Shard>,
+    node: String,
+    mut assigned: tokio::sync::watch::Receiver<Vec<(usize, u32)>>,
+) {
+    // a test hook: die (as a kill would) after storing this many records
+    let abort_after: Option<usize> = std::env::var("CHARM_FETCH_ABORT_AFTER")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let mut stored = 0usize;
+    loop {
+        let todo = shard.missing(&assigned.borrow_and_update());
+        if todo.is_empty() {
+            if assigned.changed().await.is_err() {
+                return;
+            }
+            continue;
+        }
+        let bytes: u64 = todo
+            .iter()
+            .filter_map(|k| shard.layer(k.0).map(|l| l.record_bytes))
+            .sum();
+        eprintln!(
+            "{node}: fetching {} expert records ({:.2} GB) of its shard from the coordinator",
+            todo.len(),
+            bytes as f64 / 1e9
+        );
+        let mut last = std::time::Instant::now();
+        for (i, &(layer, expert)) in todo.iter().enumerate() {
+            let rec = match fetch_record(&conn, &shard, layer, expert).await {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("{node}: fetching layer {layer} expert {expert}: {e}");
+                    if conn.close_reason().is_some() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    break;
+                }
+            };
+            let s2 = shard.clone();
+            let kept = tokio::task::spawn_blocking(move || s2.store(layer, expert, &rec)).await;
+            match kept {
+                Ok(Ok(())) => stored += 1,
+                Ok(Err(e)) => {
+                    eprintln!("{node}: layer {layer} expert {expert} not kept: {e}");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    break;
+                }
+                Err(e) => {
+                    eprintln!("{node}: {e}");
+                    return;
+                }
+            }
+            if abort_after.is_some_and(|n| stored >= n) {
+                std::process::abort();
+            }
+            if last.elapsed() > Duration::from_secs(2) || i + 1 == todo.len() {
+                eprintln!(
+                    "{node}: {}/{} records fetched ({} held)",
+                    i + 1,
+                    todo.len(),
+                    shard.held()
+                );
+                last = std::time::Instant::now();
+            }
+        }
+    }
+}
+
+/// One expert record from the coordinator, in chunks of at most [`MAX_CHUNK`].
+async fn fetch_record(
+    conn: &quinn::Connection,
+    shard: &crate::shard::Shard,
+    layer: usize,
+    expert: u32,
+) -> Result<Vec<u8>, String> {
+    let total = shard
+        .layer(layer)
+        .ok_or_else(|| format!("layer {layer} has no experts"))?
+        .record_bytes;
+    let mut rec = Vec::with_capacity(total as usize);
+    while (rec.len() as u64) < total {
+        let offset = rec.len() as u64;
+        let len = (total - offset).min(MAX_CHUNK as u64) as u32;
+        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+        let ask = Message::Fetch {
+            layer: layer as u32,
+            expert,
+            offset,
+            len,
+        };
+        write_frame(&mut send, &ask)
+            .await
+            .map_err(|e| e.to_string())?;
+        match read_frame(&mut recv).await.map_err(|e| e.to_string())?.0 {
+            Message::Chunk {
+                layer: l,
+                expert: e,
+                offset: o,
+                data,
+            } if l as usize == layer
+                && e == expert
+                && o == offset
+                && data.len() == len as usize =>
+            {
+                rec.extend_from_slice(&data)
+            }
+            Message::Failed { message, .. } => return Err(message),
+            _ => return Err("the coordinator answered a fetch with something else".into()),
+        }
+    }
+    Ok(rec)
+}
+
 /// A QUIC endpoint listening on `addr` with this node's TLS identity. A coordinator that goes
 /// silent is given up after 30 s.
 pub fn listen(
@@ -200,7 +345,7 @@ async fn connection(conn: quinn::Connection, svc: Arc<Service>) {
     };
     let reply = match read_frame(&mut recv).await.map(|f| f.0) {
         Ok(Message::Hello(peer)) => match svc.refusal(&peer) {
-            None => Message::Hello(svc.hello.clone()),
+            None => Message::Hello(svc.hello_now()),
             Some(reason) => Message::Refused { reason },
         },
         Ok(_) => Message::Refused {
@@ -217,10 +362,30 @@ async fn connection(conn: quinn::Connection, svc: Arc<Service>) {
         conn.close(1u32.into(), b"refused");
         return;
     }
+    // the experts placed on this worker, for its shard fetcher
+    let (assigned_tx, assigned_rx) = tokio::sync::watch::channel(Vec::<(usize, u32)>::new());
+    if let Some(shard) = &svc.shard {
+        tokio::spawn(fetch_shard(
+            conn.clone(),
+            shard.clone(),
+            svc.hello.node.clone(),
+            assigned_rx,
+        ));
+    }
+    let assigned_tx = Arc::new(assigned_tx);
     while let Ok((mut send, mut recv)) = conn.accept_bi().await {
         let svc = svc.clone();
+        let assigned = assigned_tx.clone();
         tokio::spawn(async move {
             let reply = match read_frame(&mut recv).await.map(|f| f.0) {
+                Ok(Message::Assign { experts }) => {
+                    let list = experts
+                        .iter()
+                        .flat_map(|l| l.ids.iter().map(move |&e| (l.layer as usize, e)))
+                        .collect();
+                    let _ = assigned.send(list);
+                    Message::Pong { seq: 0 }
+                }
                 Ok(Message::Compute(req)) => {
                     let svc2 = svc.clone();
                     tokio::task::spawn_blocking(move || svc2.compute(&req))
@@ -285,6 +450,7 @@ mod tests {
             experts: vec![],
             ram_bytes: 0,
             expert_rate: 0.0,
+            fetches: false,
         }
     }
 
@@ -337,6 +503,7 @@ mod tests {
                 n_experts: 4,
                 max_tokens: 16,
             },
+            shard: None,
         });
         let ep = listen(
             "127.0.0.1:0".parse().unwrap(),
