@@ -717,3 +717,50 @@ fn a_worker_without_experts_fetches_its_shard_resumes_after_a_kill_and_serves_it
         std::fs::remove_dir_all(d).unwrap();
     }
 }
+
+#[test]
+fn placement_follows_the_routing_while_serving_without_changing_tokens() {
+    let model = fixture("glm5-tiny");
+    let dir = certs("cl-rebalance");
+    let (w1, w2) = (
+        Worker::start(&model, &dir, "w1", 0, &[]),
+        Worker::start(&model, &dir, "w2", 0, &[]),
+    );
+    let prompt = oracle_ids("glm5-tiny", "tf_input_ids")[..4].to_vec();
+    let opts = EngineOptions {
+        history: HistoryPolicy::Off,
+        ..Default::default()
+    };
+    let want = decode(&Engine::load(&model, &opts).unwrap(), &prompt, 16, |_| {});
+    let mut c = ClusterOptions::new(
+        dir.clone(),
+        "coordinator",
+        vec![
+            w1.addr("w1").parse().unwrap(),
+            w2.addr("w2").parse().unwrap(),
+        ],
+    );
+    // the hottest eighth of each layer on both workers, placement recomputed every 4 steps
+    c.replicas = 2;
+    c.hot_share = 0.125;
+    c.rebalance_steps = 4;
+    let e = Engine::load(
+        &model,
+        &EngineOptions {
+            cluster: Some(c),
+            ..opts.clone()
+        },
+    )
+    .unwrap();
+    let r = e.remote.clone().unwrap();
+    let (first, n) = (r.placement(), r.placements());
+    assert_eq!(decode(&e, &prompt, 16, |_| {}), want);
+    assert!(
+        r.placements() > n,
+        "the routing seen never moved the hot set"
+    );
+    assert!(*r.placement() != *first);
+    assert_eq!(r.fallbacks(), 0);
+    drop((w1, w2));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

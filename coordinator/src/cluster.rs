@@ -12,7 +12,8 @@
 //!   "deadline_ms": 30000,
 //!   "heartbeat_ms": 1000,
 //!   "replicas": 2,
-//!   "hot_share": 0.25
+//!   "hot_share": 0.25,
+//!   "rebalance_steps": 256
 //! }
 //! ```
 //!
@@ -73,6 +74,10 @@ pub struct ClusterOptions {
     pub replicas: usize,
     /// Share of each layer's experts, hottest first, that gets `replicas` copies.
     pub hot_share: f64,
+    /// Forward steps between placements recomputed from the routing seen so far (0: only when
+    /// a worker joins). Experts that move are read from the new holder's disk, or fetched, on
+    /// first use; nothing stops.
+    pub rebalance_steps: u64,
 }
 
 impl ClusterOptions {
@@ -86,6 +91,7 @@ impl ClusterOptions {
             heartbeat: Duration::from_secs(1),
             replicas: 1,
             hot_share: 0.25,
+            rebalance_steps: 256,
         }
     }
 
@@ -120,6 +126,7 @@ impl ClusterOptions {
             heartbeat_ms: Option<u64>,
             replicas: Option<usize>,
             hot_share: Option<f64>,
+            rebalance_steps: Option<u64>,
         }
         let f: File = serde_json::from_str(text).map_err(|e| e.to_string())?;
         let workers = f
@@ -140,6 +147,7 @@ impl ClusterOptions {
         }
         o.replicas = f.replicas.unwrap_or(o.replicas);
         o.hot_share = f.hot_share.unwrap_or(o.hot_share);
+        o.rebalance_steps = f.rebalance_steps.unwrap_or(o.rebalance_steps);
         o.check()?;
         Ok(o)
     }

@@ -282,6 +282,7 @@ impl Engine {
                 "workers": r.status(),
                 "wire_bytes": r.wire_bytes(),
                 "local_runs": r.fallbacks(),
+                "placements": r.placements(),
             });
         }
         if let Some(s) = run {

@@ -131,8 +131,11 @@ struct Shared {
     source: Option<Source>,
     workers: Vec<Worker>,
     layers: Vec<(usize, usize)>,
-    heat: HashMap<(usize, u32), u64>,
+    /// Uses per `(layer, expert)`: the routing history's, then the ones seen here.
+    heat: Mutex<HashMap<(usize, u32), u64>>,
     placement: RwLock<Arc<Placement>>,
+    /// Placements computed (the first, then one per change).
+    placements: AtomicU64,
 }
 
 impl Shared {
@@ -163,15 +166,25 @@ impl Shared {
                     })
             })
             .collect();
-        let heat = |l: usize, e: u32| self.heat.get(&(l, e)).copied().unwrap_or(0);
-        let p = Placement::compute(
-            &self.layers,
-            &caps,
-            &heat,
-            self.opts.replicas,
-            self.opts.hot_share,
-        );
-        *self.placement.write().expect("placement lock") = Arc::new(p);
+        let p = {
+            let heat = self.heat.lock().expect("heat lock");
+            let heat = |l: usize, e: u32| heat.get(&(l, e)).copied().unwrap_or(0);
+            Placement::compute(
+                &self.layers,
+                &caps,
+                &heat,
+                self.opts.replicas,
+                self.opts.hot_share,
+            )
+        };
+        {
+            let mut cur = self.placement.write().expect("placement lock");
+            if **cur == p && self.placements.load(Ordering::Relaxed) > 0 {
+                return;
+            }
+            *cur = Arc::new(p);
+        }
+        self.placements.fetch_add(1, Ordering::Relaxed);
         for i in 0..self.workers.len() {
             self.assign(i);
         }
@@ -353,6 +366,7 @@ struct Inner {
     hidden: usize,
     next_id: AtomicU64,
     fallbacks: AtomicU64,
+    steps: AtomicU64,
 }
 
 impl RemoteExperts {
@@ -434,8 +448,9 @@ impl RemoteExperts {
                 })
                 .collect(),
             layers: moe_layers(spec),
-            heat,
+            heat: Mutex::new(heat),
             placement: RwLock::new(Arc::new(Placement::default())),
+            placements: AtomicU64::new(0),
             opts: opts.clone(),
         });
         // first contact with every worker, concurrently
@@ -483,6 +498,7 @@ impl RemoteExperts {
             hidden: spec.hidden_size,
             next_id: AtomicU64::new(1),
             fallbacks: AtomicU64::new(0),
+            steps: AtomicU64::new(0),
         });
         Ok((Self { rt, inner }, warnings))
     }
@@ -556,6 +572,12 @@ impl RemoteExperts {
     /// Expert runs computed on this machine because no live worker held them or one failed.
     pub fn fallbacks(&self) -> u64 {
         self.inner.fallbacks.load(Ordering::Relaxed)
+    }
+
+    /// Placements computed so far: the first, then one per change (a worker joined with new
+    /// holdings, or the routing seen moved the hot set).
+    pub fn placements(&self) -> u64 {
+        self.inner.shared.placements.load(Ordering::Relaxed)
     }
 
     /// Bytes of requests and results moved so far.
@@ -959,6 +981,12 @@ impl ExpertExecutor for RemoteExperts {
             return PendingExperts::ready(Err(e));
         }
         let runs = Arc::new(plan_runs(&batch));
+        {
+            let mut heat = self.inner.shared.heat.lock().expect("heat lock");
+            for (id, slots) in runs.iter() {
+                *heat.entry((batch.layer, *id)).or_insert(0) += slots.len() as u64;
+            }
+        }
         let owned = Arc::new(OwnedBatch::new(&batch));
         let inner = self.inner.clone();
         let (tx, pending) = PendingExperts::channel();
@@ -974,6 +1002,11 @@ impl ExpertExecutor for RemoteExperts {
 
     fn step_end(&self) {
         self.inner.local.step_end();
+        let every = self.inner.shared.opts.rebalance_steps;
+        let n = self.inner.steps.fetch_add(1, Ordering::Relaxed) + 1;
+        if every > 0 && n % every == 0 {
+            self.inner.shared.replace();
+        }
     }
 
     fn stats(&self) -> Option<ExpertStats> {
