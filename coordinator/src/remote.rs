@@ -332,9 +332,9 @@ impl Shared {
         }
         if changed {
             self.replace();
-        } else {
-            self.assign(i);
         }
+        // (again, if the placement changed: its assignment may not have)
+        self.assign(i);
         Ok(())
     }
 
@@ -1004,7 +1004,7 @@ impl ExpertExecutor for RemoteExperts {
         self.inner.local.step_end();
         let every = self.inner.shared.opts.rebalance_steps;
         let n = self.inner.steps.fetch_add(1, Ordering::Relaxed) + 1;
-        if every > 0 && n % every == 0 {
+        if every > 0 && n.is_multiple_of(every) {
             self.inner.shared.replace();
         }
     }
