@@ -764,3 +764,65 @@ fn placement_follows_the_routing_while_serving_without_changing_tokens() {
     drop((w1, w2));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_coordinator_without_expert_files_runs_on_its_workers_and_names_what_is_missing() {
+    let model = scratch("cl-dense-model");
+    let (ok, _, err) = charm(&[
+        "synth",
+        "--out",
+        model.to_str().unwrap(),
+        "--preset",
+        "tiny",
+        "--layers",
+        "2",
+    ]);
+    assert!(ok, "{err}");
+    // the coordinator's copy: config, manifest and dense skeleton, no expert files
+    let coord = scratch("cl-dense-coord");
+    std::fs::create_dir_all(&coord).unwrap();
+    for f in ["config.json", "charm.json", "dense.bin"] {
+        std::fs::copy(model.join(f), coord.join(f)).unwrap();
+    }
+    let dir = certs("cl-dense");
+    let (single, _) = generate_json(&model, "5,17,3,99", &[]);
+    let (w1, w2) = (
+        Worker::start(&model, &dir, "w1", 0, &[]),
+        Worker::start(&model, &dir, "w2", 0, &[]),
+    );
+    let list = workers_arg(&[(&w1, "w1"), (&w2, "w2")]);
+    let args = ["--cluster", dir.to_str().unwrap(), "--workers", &list];
+    let (g, err) = generate_json(&coord, "5,17,3,99", &args);
+    assert_eq!(g["ids"], single["ids"]);
+    assert!(err.contains("no expert files"), "{err}");
+    all_served_remotely(&g, 2);
+    // no worker left: a clear error naming an expert and the missing workers, no hang
+    drop((w1, w2));
+    let file = dir.join("short.json");
+    std::fs::write(
+        &file,
+        serde_json::json!({ "workers": list.split(',').collect::<Vec<_>>(), "deadline_ms": 1000 })
+            .to_string(),
+    )
+    .unwrap();
+    let (ok, _, err) = charm(&[
+        "generate",
+        "--model",
+        coord.to_str().unwrap(),
+        "--ids",
+        "5,17,3,99",
+        "--max-tokens",
+        "4",
+        "--history",
+        "none",
+        "--cluster",
+        file.to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    for want in ["expert", "unavailable", "w1 (down", "w2 (down"] {
+        assert!(err.contains(want), "wanted `{want}` in: {err}");
+    }
+    for d in [&model, &coord, &dir] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}

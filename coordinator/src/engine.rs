@@ -138,7 +138,13 @@ impl Engine {
     /// executor serves what they do not answer; no reachable worker is single-box mode, with a
     /// warning.
     pub fn load(dir: &Path, opts: &EngineOptions) -> Result<Self, LoadError> {
-        let mut e = Self::load_local(dir, opts)?;
+        let workers = opts.cluster.as_ref().is_some_and(|c| !c.workers.is_empty());
+        let mut e = if workers && Container::is_container(dir) && !Container::has_expert_files(dir)
+        {
+            Self::load_dense_only(dir, opts)?
+        } else {
+            Self::load_local(dir, opts)?
+        };
         let Some(c) = &opts.cluster else {
             return Ok(e);
         };
@@ -159,7 +165,8 @@ impl Engine {
             &e.model.spec,
             routing_heat(dir, opts),
             e.model.experts.clone(),
-            Container::is_container(dir).then_some(dir),
+            // (records for workers that fetch their shard)
+            Container::has_expert_files(dir).then_some(dir),
         )
         .map_err(|m| LoadError::config(&c.certs, m))?;
         e.warnings.extend(warnings);
@@ -167,6 +174,24 @@ impl Engine {
         e.model.experts = r.clone();
         e.remote = Some(r);
         Ok(e)
+    }
+
+    /// A container's dense skeleton only, its routed experts left to the cluster's workers.
+    fn load_dense_only(dir: &Path, opts: &EngineOptions) -> Result<Self, LoadError> {
+        let spec = charm_shared::config::ModelSpec::from_dir(dir)?;
+        let c = Container::open_dense_only(dir)?;
+        let none: Arc<dyn ExpertExecutor> = Arc::new(crate::remote::NoLocalExperts);
+        let model = Model::build(spec, &c, Some(none), opts.activations)?;
+        Ok(Self {
+            model,
+            store: None,
+            remote: None,
+            plan: None,
+            warnings: vec![format!(
+                "{} has no expert files: every routed expert comes from the workers, and a step whose experts no live worker holds fails",
+                dir.display()
+            )],
+        })
     }
 
     fn load_local(dir: &Path, opts: &EngineOptions) -> Result<Self, LoadError> {

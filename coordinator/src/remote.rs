@@ -343,6 +343,51 @@ impl Shared {
     }
 }
 
+/// The coordinator's executor when it has no expert files: every expert must come from a
+/// worker.
+#[derive(Debug, Default)]
+pub struct NoLocalExperts;
+
+impl ExpertExecutor for NoLocalExperts {
+    fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
+        Err(ExpertError::Unavailable {
+            layer: batch.layer,
+            expert: batch.ids.first().copied().unwrap_or(0),
+            why: "no live worker answered for it and this coordinator has no expert files".into(),
+        })
+    }
+}
+
+impl Shared {
+    /// Who expert `expert` of `layer` is placed on and what became of them, for an error.
+    fn holders_of(&self, layer: usize, expert: u32) -> String {
+        let p = self.placement.read().expect("placement lock").clone();
+        let mut who: Vec<usize> = p.holders(layer, expert).to_vec();
+        let placed = !who.is_empty();
+        if !placed {
+            who = (0..self.workers.len()).collect();
+        }
+        let names: Vec<String> = who
+            .iter()
+            .map(|&i| {
+                let w = &self.workers[i];
+                match (w.conn(), w.error.lock().expect("worker lock").clone()) {
+                    (Some(_), _) => format!("{} (up)", w.addr.name),
+                    (None, Some(e)) => format!("{} (down: {e})", w.addr.name),
+                    (None, None) => format!("{} (down)", w.addr.name),
+                }
+            })
+            .collect();
+        if placed {
+            format!("placed on {}", names.join(", "))
+        } else if names.is_empty() {
+            "the cluster lists no workers".into()
+        } else {
+            format!("placed on no worker yet; workers: {}", names.join(", "))
+        }
+    }
+}
+
 fn fetch_failed(message: String) -> Message {
     Message::Failed {
         id: 0,
@@ -480,13 +525,15 @@ impl RemoteExperts {
         for (w, r) in shared.workers.iter().zip(&results) {
             if let Err(e) = r {
                 warnings.push(format!(
-                    "worker {} at {}: {e}; its experts run on this machine until it answers",
+                    "worker {} at {}: {e} (dialled again every heartbeat)",
                     w.addr.name, w.addr.addr
                 ));
             }
         }
         if results.iter().all(|r| r.is_err()) {
-            warnings.push("no worker reachable: every expert runs on this machine".into());
+            warnings.push(
+                "no worker reachable: routed experts run on this machine, where it has them".into(),
+            );
         }
         shared.replace();
         for i in 0..shared.workers.len() {
@@ -952,7 +999,15 @@ async fn serve(
     for j in local_jobs {
         let done = j
             .await
-            .map_err(|e| ExpertError::Internal(format!("local expert task: {e}")))??;
+            .map_err(|e| ExpertError::Internal(format!("local expert task: {e}")))?
+            .map_err(|e| match e {
+                ExpertError::Unavailable { layer, expert, why } => ExpertError::Unavailable {
+                    layer,
+                    expert,
+                    why: format!("{why}; {}", s.holders_of(layer, expert)),
+                },
+                e => e,
+            })?;
         for (i, o) in done {
             outs[i] = Some(o);
         }

@@ -217,7 +217,9 @@ pub struct Container {
     pub manifest: Manifest,
     dense: File,
     dense_len: u64,
-    experts: BTreeMap<usize, (usize, File)>,
+    /// Per expert layer: its index in the manifest and its file (`None`: opened without
+    /// expert files, see [`Container::open_dense_only`]).
+    experts: BTreeMap<usize, (usize, Option<File>)>,
 }
 
 fn open_file(path: &Path) -> Result<(File, u64), LoadError> {
@@ -396,6 +398,25 @@ impl Container {
 
     /// Opens and validates the manifest and maps the data files (no weight bytes are read).
     pub fn open(dir: &Path) -> Result<Self, LoadError> {
+        Self::open_with(dir, true)
+    }
+
+    /// [`Container::open`] without the expert files (which need not exist): for a cluster
+    /// coordinator whose routed experts all live on workers. Reading an expert fails.
+    pub fn open_dense_only(dir: &Path) -> Result<Self, LoadError> {
+        Self::open_with(dir, false)
+    }
+
+    /// Whether every expert file the manifest of `dir` names exists (false when the manifest
+    /// cannot be read).
+    pub fn has_expert_files(dir: &Path) -> bool {
+        std::fs::read_to_string(dir.join(MANIFEST))
+            .ok()
+            .and_then(|t| serde_json::from_str::<Manifest>(&t).ok())
+            .is_some_and(|m| m.experts.iter().all(|l| dir.join(&l.file).is_file()))
+    }
+
+    fn open_with(dir: &Path, with_experts: bool) -> Result<Self, LoadError> {
         let mp = dir.join(MANIFEST);
         let text = std::fs::read_to_string(&mp).map_err(|e| LoadError::io(&mp, e))?;
         let manifest: Manifest = serde_json::from_str(&text)
@@ -423,6 +444,17 @@ impl Container {
         let mut experts = BTreeMap::new();
         for (i, l) in manifest.experts.iter().enumerate() {
             let p = dir.join(&l.file);
+            if !with_experts {
+                if l.crc32.len() != l.count {
+                    return Err(LoadError::Tensor {
+                        path: p,
+                        tensor: format!("experts of layer {}", l.layer),
+                        reason: "record layout disagrees with the manifest".into(),
+                    });
+                }
+                experts.insert(l.layer, (i, None));
+                continue;
+            }
             let (m, len) = open_file(&p)?;
             if l.record_bytes % RECORD_ALIGN as u64 != 0
                 || l.record_bytes
@@ -437,7 +469,7 @@ impl Container {
                     reason: "record layout disagrees with the file".into(),
                 });
             }
-            experts.insert(l.layer, (i, m));
+            experts.insert(l.layer, (i, Some(m)));
         }
         Ok(Self {
             dir: dir.to_path_buf(),
@@ -637,6 +669,12 @@ impl Container {
                 tensor: format!("layer {layer} expert {e}"),
             });
         }
+        let Some(m) = m else {
+            return Err(LoadError::config(
+                &path,
+                "this container was opened without its expert files",
+            ));
+        };
         let rec = read_at(m, &path, e as u64 * l.record_bytes, l.record_bytes as usize)?;
         decode_expert(l, e, &rec, &path, true)
     }
