@@ -253,17 +253,7 @@ fn every_oracle_fixture_gives_single_box_bits_on_two_and_three_workers() {
 
 #[test]
 fn a_synthetic_glm_container_gives_single_box_bits_on_workers() {
-    let dir = scratch("cl-synth");
-    let (ok, _, err) = charm(&[
-        "synth",
-        "--out",
-        dir.to_str().unwrap(),
-        "--preset",
-        "tiny",
-        "--layers",
-        "2",
-    ]);
-    assert!(ok, "{err}");
+    let dir = synth_tiny("cl-synth");
     let ids: Vec<u32> = vec![5, 17, 3, 99, 100, 7, 8, 9, 1, 2];
     // workers with room for a fraction of the 1 MiB of experts beside their 256 MiB working
     // margin: they stream the rest from the container
@@ -356,6 +346,18 @@ fn decode(e: &Engine, prompt: &[u32], n: usize, mut between: impl FnMut(usize)) 
     out
 }
 
+/// The model in `model` loaded with `opts` on cluster `c`.
+fn on_cluster(model: &Path, opts: &EngineOptions, c: ClusterOptions) -> Engine {
+    Engine::load(
+        model,
+        &EngineOptions {
+            cluster: Some(c),
+            ..opts.clone()
+        },
+    )
+    .unwrap()
+}
+
 fn wait_until(what: &str, mut ok: impl FnMut() -> bool) {
     let t = Instant::now();
     while !ok() {
@@ -407,14 +409,7 @@ fn a_worker_killed_mid_generation_changes_no_token_and_rejoins_after_a_restart()
         c.heartbeat = Duration::from_millis(100);
         c.replicas = replicas;
         c.hot_share = 1.0;
-        let e = Engine::load(
-            &model,
-            &EngineOptions {
-                cluster: Some(c),
-                ..opts.clone()
-            },
-        )
-        .unwrap();
+        let e = on_cluster(&model, &opts, c);
         assert!(e.warnings.is_empty(), "{:?}", e.warnings);
         let r = e.remote.clone().unwrap();
         let got = decode(&e, &prompt, 24, |t| {
@@ -616,6 +611,32 @@ fn plan_and_status_show_the_cluster_without_loading_the_model() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A synthetic GLM-5.2-architecture container (tiny preset, 2 MoE layers) in a fresh directory.
+fn synth_tiny(tag: &str) -> PathBuf {
+    let d = scratch(tag);
+    let (ok, _, err) = charm(&[
+        "synth",
+        "--out",
+        d.to_str().unwrap(),
+        "--preset",
+        "tiny",
+        "--layers",
+        "2",
+    ]);
+    assert!(ok, "{err}");
+    d
+}
+
+/// A fresh directory holding `files` of `model`.
+fn partial_copy(model: &Path, tag: &str, files: &[&str]) -> PathBuf {
+    let d = scratch(tag);
+    std::fs::create_dir_all(&d).unwrap();
+    for f in files {
+        std::fs::copy(model.join(f), d.join(f)).unwrap();
+    }
+    d
+}
+
 /// Whole lines of a fetching worker's journal.
 fn journal(dir: &Path) -> Vec<(usize, usize)> {
     let text = std::fs::read_to_string(dir.join("shard.log")).unwrap_or_default();
@@ -629,23 +650,9 @@ fn journal(dir: &Path) -> Vec<(usize, usize)> {
 
 #[test]
 fn a_worker_without_experts_fetches_its_shard_resumes_after_a_kill_and_serves_it() {
-    let model = scratch("cl-shard-model");
-    let (ok, _, err) = charm(&[
-        "synth",
-        "--out",
-        model.to_str().unwrap(),
-        "--preset",
-        "tiny",
-        "--layers",
-        "2",
-    ]);
-    assert!(ok, "{err}");
+    let model = synth_tiny("cl-shard-model");
     // the worker's directory: the config and the manifest, no data files
-    let wdir = scratch("cl-shard-worker");
-    std::fs::create_dir_all(&wdir).unwrap();
-    for f in ["config.json", "charm.json"] {
-        std::fs::copy(model.join(f), wdir.join(f)).unwrap();
-    }
+    let wdir = partial_copy(&model, "cl-shard-worker", &["config.json", "charm.json"]);
     let dir = certs("cl-shard");
     let prompt = [5u32, 17, 3, 99, 100];
     let opts = EngineOptions {
@@ -670,14 +677,7 @@ fn a_worker_without_experts_fetches_its_shard_resumes_after_a_kill_and_serves_it
         vec![w.addr("w1").parse().unwrap()],
     );
     c.heartbeat = Duration::from_millis(100);
-    let e = Engine::load(
-        &model,
-        &EngineOptions {
-            cluster: Some(c),
-            ..opts.clone()
-        },
-    )
-    .unwrap();
+    let e = on_cluster(&model, &opts, c);
     let r = e.remote.clone().unwrap();
     // what the worker lacks runs here meanwhile: the same tokens
     assert_eq!(decode(&e, &prompt, 12, |_| {}), want);
@@ -744,14 +744,7 @@ fn placement_follows_the_routing_while_serving_without_changing_tokens() {
     c.replicas = 2;
     c.hot_share = 0.125;
     c.rebalance_steps = 4;
-    let e = Engine::load(
-        &model,
-        &EngineOptions {
-            cluster: Some(c),
-            ..opts.clone()
-        },
-    )
-    .unwrap();
+    let e = on_cluster(&model, &opts, c);
     let r = e.remote.clone().unwrap();
     let (first, n) = (r.placement(), r.placements());
     assert_eq!(decode(&e, &prompt, 16, |_| {}), want);
@@ -767,23 +760,13 @@ fn placement_follows_the_routing_while_serving_without_changing_tokens() {
 
 #[test]
 fn a_coordinator_without_expert_files_runs_on_its_workers_and_names_what_is_missing() {
-    let model = scratch("cl-dense-model");
-    let (ok, _, err) = charm(&[
-        "synth",
-        "--out",
-        model.to_str().unwrap(),
-        "--preset",
-        "tiny",
-        "--layers",
-        "2",
-    ]);
-    assert!(ok, "{err}");
+    let model = synth_tiny("cl-dense-model");
     // the coordinator's copy: config, manifest and dense skeleton, no expert files
-    let coord = scratch("cl-dense-coord");
-    std::fs::create_dir_all(&coord).unwrap();
-    for f in ["config.json", "charm.json", "dense.bin"] {
-        std::fs::copy(model.join(f), coord.join(f)).unwrap();
-    }
+    let coord = partial_copy(
+        &model,
+        "cl-dense-coord",
+        &["config.json", "charm.json", "dense.bin"],
+    );
     let dir = certs("cl-dense");
     let (single, _) = generate_json(&model, "5,17,3,99", &[]);
     let (w1, w2) = (

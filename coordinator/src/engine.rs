@@ -247,17 +247,7 @@ impl Engine {
         store
             .wait_warm()
             .map_err(|e| LoadError::config(dir, e.to_string()))?;
-        let warnings = store
-            .io_fallbacks()
-            .into_iter()
-            .take(1)
-            .map(|(f, why)| {
-                format!(
-                    "{}: {why}; expert reads go through the page cache",
-                    f.display()
-                )
-            })
-            .collect();
+        let warnings = io_warnings(&store);
         Ok(Self {
             model,
             store: Some(store),
@@ -319,6 +309,21 @@ impl Engine {
         }
         v
     }
+}
+
+/// What a user should know of a store's reads: the first file `O_DIRECT` was refused on.
+fn io_warnings(store: &StreamingExperts) -> Vec<String> {
+    store
+        .io_fallbacks()
+        .into_iter()
+        .take(1)
+        .map(|(f, why)| {
+            format!(
+                "{}: {why}; expert reads go through the page cache",
+                f.display()
+            )
+        })
+        .collect()
 }
 
 /// What an expert worker holds: a model's routed experts without its dense skeleton.
@@ -412,17 +417,7 @@ impl Engine {
         store
             .wait_warm()
             .map_err(|e| LoadError::config(dir, e.to_string()))?;
-        let warnings = store
-            .io_fallbacks()
-            .into_iter()
-            .take(1)
-            .map(|(f, why)| {
-                format!(
-                    "{}: {why}; expert reads go through the page cache",
-                    f.display()
-                )
-            })
-            .collect();
+        let warnings = io_warnings(&store);
         Ok(ExpertHolder {
             spec,
             executor: store.clone(),

@@ -25,6 +25,26 @@ pub use store::{IoEvent, StoreOptions, StreamingExperts};
 use charm_shared::expert::{run_grouped, ExpertBatch, ExpertError, ExpertExecutor};
 use charm_shared::linear::SwiGlu;
 
+/// Why files a worker keeps (cluster identities, a fetched shard) could not be made or used.
+#[derive(Debug, thiserror::Error)]
+pub enum FileError {
+    #[error("{path}: {source}")]
+    Io {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Maps an I/O error on `path` to a [`FileError`] naming it.
+pub(crate) fn io_at(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> FileError + '_ {
+    move |source| FileError::Io {
+        path: path.into(),
+        source,
+    }
+}
+
 /// All routed experts resident in RAM, per layer (`None` for dense layers).
 #[derive(Debug, Default)]
 pub struct RamExperts {
@@ -63,11 +83,12 @@ impl ExpertExecutor for RamExperts {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use charm_shared::kernels::Matrix;
 
-    fn expert(seed: f32, h: usize, i: usize) -> SwiGlu {
+    /// A small deterministic expert of width `i` for hidden size `h`.
+    pub(crate) fn expert(seed: f32, h: usize, i: usize) -> SwiGlu {
         let m = |r, c, s: f32| {
             Matrix::new(
                 r,

@@ -418,27 +418,13 @@ mod tests {
     use super::*;
     use crate::tls::{init_cluster, Identity};
     use crate::RamExperts;
-    use charm_shared::kernels::Matrix;
     use charm_shared::linear::SwiGlu;
     use charm_shared::wire::{LayerExperts, Run};
 
     const H: usize = 8;
 
     fn expert(seed: f32) -> SwiGlu {
-        let m = |r, c, s: f32| {
-            Matrix::new(
-                r,
-                c,
-                (0..r * c)
-                    .map(|k| ((k as f32 + s) * 0.37).sin() * 0.3)
-                    .collect(),
-            )
-        };
-        SwiGlu {
-            gate: m(4, H, seed).into(),
-            up: m(4, H, seed + 1.0).into(),
-            down: m(H, 4, seed + 2.0).into(),
-        }
+        crate::tests::expert(seed, H, 4)
     }
 
     fn hello(node: &str, version: u32, model: &str) -> Hello {

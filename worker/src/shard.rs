@@ -24,23 +24,9 @@ use charm_shared::container::{Container, ExpertLayer, Manifest, MANIFEST};
 pub const JOURNAL: &str = "shard.log";
 
 /// Why a shard could not be prepared or a record kept.
-#[derive(Debug, thiserror::Error)]
-pub enum ShardError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("{0}")]
-    Invalid(String),
-}
+pub type ShardError = crate::FileError;
 
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ShardError + '_ {
-    move |source| ShardError::Io {
-        path: path.into(),
-        source,
-    }
-}
+use crate::io_at as io;
 
 /// The records a worker holds of its container, and the journal of those it fetched.
 #[derive(Debug)]

@@ -21,23 +21,9 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 pub const ALPN: &[u8] = b"charm-cluster/1";
 
 /// Why cluster identities could not be made or loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum TlsError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("{0}")]
-    Invalid(String),
-}
+pub type TlsError = crate::FileError;
 
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TlsError + '_ {
-    move |source| TlsError::Io {
-        path: path.into(),
-        source,
-    }
-}
+use crate::io_at as io;
 
 fn invalid(e: impl std::fmt::Display) -> TlsError {
     TlsError::Invalid(e.to_string())
