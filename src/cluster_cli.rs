@@ -87,6 +87,7 @@ pub fn cmd_worker(
             ram_bytes: e.ram_bytes,
             expert_rate: rate,
             fetches: shard.is_some(),
+            act_group: e.act_group.unwrap_or(0) as u32,
         },
         limits: Limits {
             hidden: spec.hidden_size,

@@ -268,6 +268,14 @@ fn a_synthetic_glm_container_gives_single_box_bits_on_workers() {
         for w in ws.as_array().unwrap() {
             let ram = w["ram_bytes"].as_u64().unwrap();
             assert!(ram > 0 && ram < 1 << 20, "{w}");
+            // int8 activations travel as their codes (the container's experts are int4)
+            let coded = w["coded_requests"].as_u64().unwrap();
+            let want = if act == "int8" {
+                w["requests"].as_u64().unwrap()
+            } else {
+                0
+            };
+            assert_eq!(coded, want, "{w}");
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();

@@ -335,7 +335,24 @@ pub struct ExpertHolder {
     pub store: Option<Arc<StreamingExperts>>,
     /// RAM given to experts, bytes (the cache of a container; every expert for a checkpoint).
     pub ram_bytes: u64,
+    /// With int8 activations, the group every expert's gate and up projections quantize their
+    /// input in (integer-path int8/int4 weights of one group size), if there is one.
+    pub act_group: Option<usize>,
     pub warnings: Vec<String>,
+}
+
+/// The one group of `c`'s expert gate/up weights when all are int8/int4 with a group the
+/// integer path takes (a multiple of 32).
+fn activation_group(c: &Container) -> Option<usize> {
+    use charm_shared::container::StoreFormat;
+    let mut groups = c.expert_layers().flat_map(|l| [&l.gate, &l.up]).map(|p| {
+        matches!(p.format, StoreFormat::Int8 | StoreFormat::Int4)
+            .then_some(p.group)
+            .flatten()
+            .filter(|g| g.is_multiple_of(32))
+    });
+    let first = groups.next()??;
+    groups.all(|g| g == Some(first)).then_some(first)
 }
 
 /// RAM a worker keeps beside its expert cache for requests in flight and their intermediates.
@@ -364,6 +381,7 @@ impl Engine {
                 executor: model.experts.clone(),
                 store: None,
                 ram_bytes: 0,
+                act_group: None,
                 warnings,
             });
         }
@@ -423,6 +441,9 @@ impl Engine {
             executor: store.clone(),
             store: Some(store),
             ram_bytes: cache_bytes,
+            act_group: (opts.activations == Activations::Int8)
+                .then(|| activation_group(&c))
+                .flatten(),
             warnings,
         })
     }

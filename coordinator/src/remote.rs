@@ -64,6 +64,8 @@ pub struct WorkerStatus {
     /// Expert rows per second it measured at start.
     pub expert_rate: f64,
     pub requests: u64,
+    /// Of them, requests whose activations went as int8 codes.
+    pub coded_requests: u64,
     pub failures: u64,
     /// Handshakes completed (more than one: it was lost and rejoined).
     pub joins: u64,
@@ -97,6 +99,8 @@ struct Worker {
     rtt_us: AtomicU64,
     compute_us: AtomicU64,
     ping_us: AtomicU64,
+    /// Requests whose activations went as int8 codes.
+    coded: AtomicU64,
     /// Expert records (whole) and bytes sent to it for its shard.
     shard_records: AtomicU64,
     shard_bytes: AtomicU64,
@@ -467,6 +471,7 @@ impl RemoteExperts {
                 ram_bytes: 0,
                 expert_rate: 0.0,
                 fetches: false,
+                act_group: 0,
             },
             endpoint,
             rt: rt.handle().clone(),
@@ -487,6 +492,7 @@ impl RemoteExperts {
                     received: AtomicU64::new(0),
                     rtt_us: AtomicU64::new(0),
                     compute_us: AtomicU64::new(0),
+                    coded: AtomicU64::new(0),
                     shard_records: AtomicU64::new(0),
                     shard_bytes: AtomicU64::new(0),
                     ping_us: AtomicU64::new(0),
@@ -578,6 +584,7 @@ impl RemoteExperts {
                     ram_bytes: hello.as_ref().map_or(0, |h| h.ram_bytes),
                     expert_rate: hello.as_ref().map_or(0.0, |h| h.expert_rate),
                     requests,
+                    coded_requests: w.coded.load(Ordering::Relaxed),
                     failures: w.failures.load(Ordering::Relaxed),
                     joins: w.joins.load(Ordering::Relaxed),
                     bytes_sent: w.sent.load(Ordering::Relaxed),
@@ -743,6 +750,9 @@ async fn request(
         Ok::<_, String>(m)
     };
     w.requests.fetch_add(1, Ordering::Relaxed);
+    if req.group > 0 {
+        w.coded.fetch_add(1, Ordering::Relaxed);
+    }
     let a = match tokio::time::timeout(limit, go).await {
         Err(_) => Answer::Broken(format!("no answer within {limit:?}")),
         Ok(Err(e)) => Answer::Broken(e),
@@ -847,12 +857,15 @@ fn assign(
     (out, local)
 }
 
-/// The request for `runs[idx]` of batch `b`: each token's row once, runs ascending by expert.
+/// The request for `runs[idx]` of batch `b`: each token's row once, runs ascending by expert;
+/// the rows as int8 codes in groups of `codes_group` where that is exact (int8 activations, a
+/// worker whose experts all quantize them in such groups), else f32.
 fn build_request(
     id: u64,
     b: &ExpertBatch<'_>,
     h: usize,
     activations: &str,
+    codes_group: usize,
     runs: &[(u32, Vec<usize>)],
     idx: &[usize],
 ) -> ComputeRequest {
@@ -876,6 +889,13 @@ fn build_request(
             rows,
         });
     }
+    let coded = (activations == "int8" && codes_group > 0 && h.is_multiple_of(codes_group))
+        .then(|| charm_shared::wire::ActCodes::encode(&x, codes_group))
+        .flatten();
+    let (x, group, codes, amax) = match coded {
+        Some(c) => (vec![], codes_group as u32, c.codes, c.amax),
+        None => (x, 0, vec![], vec![]),
+    };
     ComputeRequest {
         id,
         step: b.step,
@@ -883,6 +903,9 @@ fn build_request(
         hidden: h as u32,
         activations: activations.to_string(),
         x,
+        group,
+        codes,
+        amax,
         runs: out,
     }
 }
@@ -948,11 +971,18 @@ async fn serve(
                 todo.extend(idx);
                 continue;
             };
+            let codes_group = s.workers[w]
+                .hello
+                .lock()
+                .expect("worker lock")
+                .as_ref()
+                .map_or(0, |h| h.act_group as usize);
             let req = build_request(
                 self_.next_id.fetch_add(1, Ordering::Relaxed),
                 &b,
                 h,
-                &s.hello.activations[0],
+                s.hello.activations.first().map_or("f32", |a| a.as_str()),
+                codes_group,
                 &runs,
                 &idx,
             );

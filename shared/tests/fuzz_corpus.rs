@@ -78,6 +78,9 @@ fn the_wire_seeds_are_current() {
             hidden: 8,
             activations: "f32".into(),
             x: (0..24).map(|i| i as f32 * 0.5 - 1.0).collect(),
+            group: 0,
+            codes: vec![],
+            amax: vec![],
             runs: runs
                 .into_iter()
                 .map(|(expert, rows)| Run { expert, rows })
@@ -124,6 +127,7 @@ fn the_wire_seeds_are_current() {
                 ram_bytes: 48 << 30,
                 expert_rate: 12500.0,
                 fetches: true,
+                act_group: 64,
             })),
         ),
         (

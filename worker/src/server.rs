@@ -142,14 +142,24 @@ impl Service {
                 ),
             );
         }
+        if req.group > 0 && req.group != self.hello.act_group {
+            return failed(
+                FailureClass::BadRequest,
+                format!(
+                    "activation codes in groups of {} (this worker takes {})",
+                    req.group, self.hello.act_group
+                ),
+            );
+        }
         let h = req.hidden as usize;
+        let xs = req.activations_f32();
         let rows: usize = req.runs.iter().map(|r| r.rows.len()).sum();
         let mut x = Vec::with_capacity(rows * h);
         let mut ids = Vec::with_capacity(rows);
         for r in &req.runs {
             for &row in &r.rows {
                 let row = row as usize;
-                x.extend_from_slice(&req.x[row * h..(row + 1) * h]);
+                x.extend_from_slice(&xs[row * h..(row + 1) * h]);
                 ids.push(r.expert);
             }
         }
@@ -437,6 +447,7 @@ mod tests {
             ram_bytes: 0,
             expert_rate: 0.0,
             fetches: false,
+            act_group: 0,
         }
     }
 
@@ -571,6 +582,9 @@ mod tests {
             hidden: H as u32,
             activations: "f32".into(),
             x: (0..2 * H).map(|k| (k as f32 * 0.3).cos()).collect(),
+            group: 0,
+            codes: vec![],
+            amax: vec![],
             runs: experts
                 .iter()
                 .map(|&e| Run {
