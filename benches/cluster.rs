@@ -361,8 +361,20 @@ fn main() {
             delay,
         );
         let wire = (up + down) as f64 / passes;
-        // exact scheme's floor: top_k unweighted rows back, one activation row out
-        let floor = (moe * (k + 1) * h * 4) as f64;
+        // exact scheme's floor: top_k unweighted rows back, one activation row out (as int8
+        // codes with a scale per group when the requests carried codes)
+        let coded: u64 = s0
+            .iter()
+            .zip(&s1)
+            .map(|(x, y)| y.coded_requests - x.coded_requests)
+            .sum();
+        let g = s1.iter().map(|w| w.act_group).max().unwrap_or(0) as f64;
+        let row_out = if coded == reqs && g > 0.0 {
+            h as f64 * (1.0 + 4.0 / g)
+        } else {
+            (h * 4) as f64
+        };
+        let floor = moe as f64 * ((k * h * 4) as f64 + row_out);
         // the requests of a layer run in parallel: its network time is a round trip less the
         // worker's compute; a token crosses `moe` layers
         let net = moe as f64 * (rtt - compute);

@@ -63,6 +63,8 @@ pub struct WorkerStatus {
     pub ram_bytes: u64,
     /// Expert rows per second it measured at start.
     pub expert_rate: f64,
+    /// The group its int8 activation codes come in (0: it takes f32).
+    pub act_group: u32,
     pub requests: u64,
     /// Of them, requests whose activations went as int8 codes.
     pub coded_requests: u64,
@@ -583,6 +585,7 @@ impl RemoteExperts {
                     experts: p.count(i),
                     ram_bytes: hello.as_ref().map_or(0, |h| h.ram_bytes),
                     expert_rate: hello.as_ref().map_or(0.0, |h| h.expert_rate),
+                    act_group: hello.as_ref().map_or(0, |h| h.act_group),
                     requests,
                     coded_requests: w.coded.load(Ordering::Relaxed),
                     failures: w.failures.load(Ordering::Relaxed),
