@@ -817,3 +817,116 @@ fn a_coordinator_without_expert_files_runs_on_its_workers_and_names_what_is_miss
         std::fs::remove_dir_all(d).unwrap();
     }
 }
+
+/// A worker that completes the handshake as `w1` of `model` and then answers every compute
+/// request with a result of the wrong shape (counted in the returned counter).
+fn lying_worker(
+    dir: &Path,
+    model: &Path,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicU64>,
+    std::thread::JoinHandle<()>,
+) {
+    use charm_shared::wire::{ComputeResult, Hello, Message, PROTOCOL_VERSION};
+    use charm_worker::server::{listen, read_frame, write_frame};
+    let id = charm_worker::tls::Identity::load(dir, "w1").unwrap();
+    let fingerprint = charm_coordinator::cluster::model_fingerprint(model).unwrap();
+    let spec = charm_shared::config::ModelSpec::from_dir(model).unwrap();
+    let holds: Vec<charm_shared::wire::LayerExperts> = moe_layers(&spec)
+        .iter()
+        .map(|&(l, n)| charm_shared::wire::LayerExperts {
+            layer: l as u32,
+            ids: (0..n as u32).collect(),
+        })
+        .collect();
+    let lies = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let l2 = lies.clone();
+    let t = std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async move {
+            let ep = listen("127.0.0.1:0".parse().unwrap(), &id).unwrap();
+            tx.send(ep.local_addr().unwrap()).unwrap();
+            while let Some(inc) = ep.accept().await {
+                let Ok(c) = inc.await else { continue };
+                let (fp, l3, holds) = (fingerprint.clone(), l2.clone(), holds.clone());
+                tokio::spawn(async move {
+                    while let Ok((mut s, mut r)) = c.accept_bi().await {
+                        let Ok((m, _)) = read_frame(&mut r).await else {
+                            continue;
+                        };
+                        let reply = match m {
+                            Message::Hello(_) => Message::Hello(Hello {
+                                version: PROTOCOL_VERSION,
+                                node: "w1".into(),
+                                model: fp.clone(),
+                                activations: vec!["f32".into()],
+                                experts: holds.clone(),
+                                ram_bytes: 0,
+                                expert_rate: 0.0,
+                                fetches: false,
+                                act_group: 0,
+                            }),
+                            Message::Compute(req) => {
+                                l3.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                // one value short per run
+                                Message::Computed(ComputeResult {
+                                    id: req.id,
+                                    compute_us: 0,
+                                    outputs: req
+                                        .runs
+                                        .iter()
+                                        .map(|r| vec![1e30; r.rows.len() * req.hidden as usize - 1])
+                                        .collect(),
+                                })
+                            }
+                            Message::Ping { seq } => Message::Pong { seq },
+                            _ => continue,
+                        };
+                        let _ = write_frame(&mut s, &reply).await;
+                    }
+                });
+            }
+        });
+    });
+    (rx.recv().unwrap(), lies, t)
+}
+
+#[test]
+fn a_worker_answering_malformed_results_is_dropped_and_changes_no_token() {
+    let model = fixture("glm5-tiny");
+    let dir = certs("cl-liar");
+    let prompt = oracle_ids("glm5-tiny", "tf_input_ids")[..4].to_vec();
+    let opts = EngineOptions {
+        history: HistoryPolicy::Off,
+        ..Default::default()
+    };
+    let want = decode(&Engine::load(&model, &opts).unwrap(), &prompt, 12, |_| {});
+    let (addr, lies, _t) = lying_worker(&dir, &model);
+    let honest = Worker::start(&model, &dir, "w2", 0, &[]);
+    let c = ClusterOptions::new(
+        dir.clone(),
+        "coordinator",
+        vec![
+            WorkerAddr {
+                name: "w1".into(),
+                addr,
+            },
+            honest.addr("w2").parse().unwrap(),
+        ],
+    );
+    let e = on_cluster(&model, &opts, c);
+    assert!(e.warnings.is_empty(), "{:?}", e.warnings);
+    let r = e.remote.clone().unwrap();
+    assert_eq!(decode(&e, &prompt, 12, |_| {}), want);
+    let st = r.status();
+    assert!(
+        lies.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "never asked"
+    );
+    assert!(st[0].failures > 0, "{st:?}");
+    assert!(st[1].requests > 0 && st[1].failures == 0, "{st:?}");
+    drop(honest);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

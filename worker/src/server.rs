@@ -45,7 +45,7 @@ pub async fn read_frame(recv: &mut quinn::RecvStream) -> Result<(Message, usize)
 
 /// QUIC transport settings of cluster connections: keep-alives every `heartbeat`, a connection
 /// given up after 4 heartbeats (at least 2 s) of silence, flow-control windows sized for a
-/// prefill step's activations.
+/// prefill step's activations, at most 32 streams open at once per peer (and no one-way ones).
 pub fn transport(heartbeat: Duration) -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
     let idle = (heartbeat * 4).max(Duration::from_secs(2));
@@ -53,6 +53,9 @@ pub fn transport(heartbeat: Duration) -> quinn::TransportConfig {
     t.max_idle_timeout(Some(
         quinn::IdleTimeout::try_from(idle).expect("idle timeout fits"),
     ));
+    // a peer gets few streams at once: each may hold a frame of up to MAX_FRAME in memory
+    t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(32));
+    t.max_concurrent_uni_streams(quinn::VarInt::from_u32(0));
     t.stream_receive_window(quinn::VarInt::from_u32(MAX_FRAME as u32 / 2));
     t.receive_window(quinn::VarInt::from_u32(MAX_FRAME as u32));
     t.send_window(MAX_FRAME as u64);
