@@ -85,6 +85,7 @@ pub fn cmd_worker(
                 })
                 .collect(),
             ram_bytes: e.ram_bytes,
+            disk_free_bytes: charm_worker::io::free_bytes(model).unwrap_or(0),
             expert_rate: rate,
             fetches: shard.is_some(),
             act_group: e.act_group.unwrap_or(0) as u32,
@@ -232,11 +233,12 @@ pub fn cmd_cluster_status(model: &Path, args: &StoreArgs, json: bool) -> Result<
                 (None, false) => "down".to_string(),
             };
             println!(
-                "  {:<12} {:<22} {health}; {} experts placed, {:.1} GiB expert RAM, ping {}",
+                "  {:<12} {:<22} {health}; {} experts placed, {:.1} GiB expert RAM, {:.0} GiB disk free, ping {}",
                 w.name,
                 w.addr,
                 w.experts,
                 w.ram_bytes as f64 / (1u64 << 30) as f64,
+                w.disk_free_bytes as f64 / (1u64 << 30) as f64,
                 w.ping_ms.map_or("-".into(), |p| format!("{p:.2} ms"))
             );
         }

@@ -607,6 +607,7 @@ fn plan_and_status_show_the_cluster_without_loading_the_model() {
     );
     assert!(ws[0]["ping_ms"].as_f64().unwrap() > 0.0, "{s}");
     assert!(ws[0]["expert_rate"].as_f64().unwrap() > 0.0, "{s}");
+    assert!(ws[0]["disk_free_bytes"].as_u64().unwrap() > 0, "{s}");
     assert_eq!(ws[2]["connected"], false);
     assert!(
         ws[2]["error"].as_str().unwrap().contains("handshake"),
@@ -864,6 +865,7 @@ fn lying_worker(
                                 activations: vec!["f32".into()],
                                 experts: holds.clone(),
                                 ram_bytes: 0,
+                                disk_free_bytes: 0,
                                 expert_rate: 0.0,
                                 fetches: false,
                                 act_group: 0,

@@ -61,6 +61,8 @@ pub struct WorkerStatus {
     pub experts: usize,
     /// RAM it gives experts, bytes (from its handshake).
     pub ram_bytes: u64,
+    /// Free disk where its model lives, bytes (from its handshake).
+    pub disk_free_bytes: u64,
     /// Expert rows per second it measured at start.
     pub expert_rate: f64,
     /// The group its int8 activation codes come in (0: it takes f32).
@@ -471,6 +473,7 @@ impl RemoteExperts {
                 activations: activations.map(String::from).into_iter().collect(),
                 experts: vec![],
                 ram_bytes: 0,
+                disk_free_bytes: 0,
                 expert_rate: 0.0,
                 fetches: false,
                 act_group: 0,
@@ -584,6 +587,7 @@ impl RemoteExperts {
                     refusal: w.refusal.lock().expect("worker lock").clone(),
                     experts: p.count(i),
                     ram_bytes: hello.as_ref().map_or(0, |h| h.ram_bytes),
+                    disk_free_bytes: hello.as_ref().map_or(0, |h| h.disk_free_bytes),
                     expert_rate: hello.as_ref().map_or(0.0, |h| h.expert_rate),
                     act_group: hello.as_ref().map_or(0, |h| h.act_group),
                     requests,

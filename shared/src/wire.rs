@@ -103,6 +103,8 @@ pub struct Hello {
     pub experts: Vec<LayerExperts>,
     /// RAM the peer gives its experts, bytes.
     pub ram_bytes: u64,
+    /// Free disk space where its model lives, bytes (0: unknown).
+    pub disk_free_bytes: u64,
     /// Expert rows the peer computed per second when it started (0: not measured).
     pub expert_rate: f64,
     /// The peer fetches the records of the experts placed on it that it lacks (it may then
@@ -476,6 +478,7 @@ mod tests {
                     ids: vec![0, 3],
                 }],
                 ram_bytes: 1 << 30,
+                disk_free_bytes: 1 << 40,
                 expert_rate: 1e4,
                 fetches: false,
                 act_group: 64,

@@ -125,6 +125,7 @@ fn the_wire_seeds_are_current() {
                     ids: (0..16).collect(),
                 }],
                 ram_bytes: 48 << 30,
+                disk_free_bytes: 900 << 30,
                 expert_rate: 12500.0,
                 fetches: true,
                 act_group: 64,

@@ -448,6 +448,7 @@ mod tests {
             activations: vec!["f32".into()],
             experts: vec![],
             ram_bytes: 0,
+            disk_free_bytes: 0,
             expert_rate: 0.0,
             fetches: false,
             act_group: 0,
