@@ -326,6 +326,24 @@ pub fn random_reads(
     })
 }
 
+/// Free bytes on the filesystem holding `path` (available to unprivileged users), if the system
+/// says.
+pub fn free_bytes(path: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a NUL-terminated path and `st` a buffer of the size statvfs writes.
+    let r = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if r != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled `st`.
+    let st = unsafe { st.assume_init() };
+    // (the field types differ between platforms)
+    #[allow(clippy::unnecessary_cast)]
+    Some(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -410,22 +428,4 @@ mod tests {
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
-}
-
-/// Free bytes on the filesystem holding `path` (available to unprivileged users), if the system
-/// says.
-pub fn free_bytes(path: &std::path::Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `c` is a NUL-terminated path and `st` a buffer of the size statvfs writes.
-    let r = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
-    if r != 0 {
-        return None;
-    }
-    // SAFETY: statvfs returned 0, so it filled `st`.
-    let st = unsafe { st.assume_init() };
-    // (the field types differ between platforms)
-    #[allow(clippy::unnecessary_cast)]
-    Some(st.f_bavail as u64 * st.f_frsize as u64)
 }
