@@ -12,6 +12,7 @@
 //! - [`rope`]: rotary embeddings.
 //! - [`sampling`]: greedy and seeded stochastic sampling.
 //! - [`tokenizer`]: text <-> ids via `tokenizer.json`.
+//! - [`chat`]: chat templates rendered as transformers renders them.
 //! - [`generate`]: prefill + decode loop with timings.
 //! - [`info`]: parameter and byte accounting for `charm info`.
 //! - [`synth`]: deterministic synthetic containers with GLM-5.2 shapes.
@@ -21,6 +22,7 @@
 //! - [`plan`]: single-box memory planning (budget, expert cache size, expected disk traffic).
 
 pub mod cache;
+pub mod chat;
 pub mod cluster;
 pub mod convert;
 pub mod doctor;
