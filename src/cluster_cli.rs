@@ -248,3 +248,70 @@ pub fn cmd_cluster_status(model: &Path, args: &StoreArgs, json: bool) -> Result<
     }
     Ok(())
 }
+
+/// `charm serve`: the OpenAI-compatible gateway for `model` (on the cluster when `--cluster`).
+pub fn cmd_serve(
+    model: &Path,
+    listen: &str,
+    api_key_file: Option<&Path>,
+    name: Option<String>,
+    queue: usize,
+    act: Activations,
+    args: &StoreArgs,
+) -> Result<()> {
+    use charm_coordinator::gateway::{serve, GatewayOptions};
+    let addr: std::net::SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(listen)
+        .with_context(|| format!("--listen {listen}"))?
+        .next()
+        .with_context(|| format!("--listen {listen}: no address"))?;
+    let api_key = match api_key_file {
+        Some(f) => {
+            let k = std::fs::read_to_string(f)
+                .with_context(|| format!("--api-key-file {}", f.display()))?;
+            let k = k.trim().to_string();
+            if k.len() < 16 {
+                bail!(
+                    "--api-key-file {}: the key must be at least 16 characters",
+                    f.display()
+                );
+            }
+            Some(k)
+        }
+        None => None,
+    };
+    if !addr.ip().is_loopback() && api_key.is_none() {
+        bail!("{addr} is reachable from other machines: give --api-key-file or listen on loopback");
+    }
+    let spec = ModelSpec::from_dir(model)?;
+    let context = args
+        .ctx
+        .unwrap_or_else(|| spec.max_position_embeddings.clamp(1, 4096));
+    let e = crate::single_box::load(model, args, context, act)?;
+    let tok = charm_coordinator::tokenizer::TextTokenizer::load(model)?;
+    let template = charm_coordinator::chat::ChatTemplate::from_dir(model)?;
+    if template.is_none() {
+        eprintln!(
+            "warning: {} has no chat template: /v1/chat/completions answers 400",
+            model.display()
+        );
+    }
+    let opts = GatewayOptions {
+        model_name: name.unwrap_or_else(|| {
+            model
+                .canonicalize()
+                .ok()
+                .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .unwrap_or_else(|| "charm".into())
+        }),
+        api_key,
+        queue: queue.max(1),
+        context,
+        ..Default::default()
+    };
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(serve(e, tok, template, addr, opts, |a| {
+        println!("listening on {a}");
+        let _ = std::io::stdout().flush();
+    }))
+    .map_err(anyhow::Error::msg)
+}

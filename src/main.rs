@@ -266,6 +266,28 @@ enum Cmd {
         #[command(flatten)]
         store: StoreArgs,
     },
+    /// OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions
+    /// (streaming with `"stream": true`), /health, /metrics. Prints `listening on ADDR`.
+    Serve {
+        #[arg(long)]
+        model: PathBuf,
+        /// Address to listen on; beyond loopback an API key is required.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: String,
+        /// File holding the API key clients must send as `Authorization: Bearer KEY`.
+        #[arg(long)]
+        api_key_file: Option<PathBuf>,
+        /// The model's name in the API (default: the model directory's name).
+        #[arg(long)]
+        name: Option<String>,
+        /// Requests that may wait beyond the running one (more get 429).
+        #[arg(long, default_value_t = 16)]
+        queue: usize,
+        #[arg(long, value_enum, default_value = "f32")]
+        activations: Act,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
     /// Cluster set-up and health.
     Cluster {
         #[command(subcommand)]
@@ -765,10 +787,10 @@ fn main() -> ExitCode {
         }
     }
     // Run on a rayon worker: kernels called from inside the pool split work without a futex
-    // hand-off per call (which costs more than a small matmul). Not a worker: it waits on the
-    // network for its whole life and computes from other threads, so it would hold a pool
-    // thread idle.
-    let r = if matches!(cli.cmd, Cmd::Worker { .. }) {
+    // hand-off per call (which costs more than a small matmul). Not a worker or a server: they
+    // wait on the network for their whole life and compute from other threads, so they would
+    // hold a pool thread idle.
+    let r = if matches!(cli.cmd, Cmd::Worker { .. } | Cmd::Serve { .. }) {
         run(cli)
     } else {
         rayon::scope(|_| run(cli))
@@ -933,6 +955,23 @@ fn run(cli: Cli) -> Result<()> {
                 fetch_shard,
             )
         }
+        Cmd::Serve {
+            model,
+            listen,
+            api_key_file,
+            name,
+            queue,
+            activations,
+            store,
+        } => cluster_cli::cmd_serve(
+            &model,
+            &listen,
+            api_key_file.as_deref(),
+            name,
+            queue,
+            activations.into(),
+            &store,
+        ),
         Cmd::Cluster { cmd } => match cmd {
             ClusterCmd::Init { out, nodes } => cluster_cli::cmd_cluster_init(&out, &nodes),
             ClusterCmd::Status { model, json, store } => {

@@ -491,49 +491,63 @@ fn the_deploy_kit_parses_with_charms_loader_and_its_unit_verifies() {
         .replace("@w1:", "@127.0.0.1:")
         .replace("@w2:", "@127.0.0.1:");
     ClusterOptions::parse(&loopback, Path::new("/cluster")).unwrap();
-    // the unit's command line is one charm accepts (it fails on the missing model, not on usage)
-    let unit = std::fs::read_to_string(deploy.join("charm-worker@.service")).unwrap();
-    let exec = unit
-        .lines()
-        .find_map(|l| l.strip_prefix("ExecStart=/usr/local/bin/charm "))
-        .unwrap();
+    // each unit's command line is one charm accepts (it fails on the missing model, not on
+    // usage), and the unit verifies where systemd-analyze exists
     let dir = certs("cl-deploy");
-    let args: Vec<String> = exec
-        .replace("${CHARM_LISTEN}", "127.0.0.1:0")
-        .replace("${CHARM_MODEL}", "/nonexistent-model")
-        .replace("${CHARM_RAM_GB}", "2")
-        .replace("%i", "w1")
-        .replace("%d", dir.to_str().unwrap())
-        .split_whitespace()
-        .map(String::from)
-        .collect();
-    let a: Vec<&str> = args.iter().map(String::as_str).collect();
-    let o = Command::new(env!("CARGO_BIN_EXE_charm"))
-        .args(&a)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("nonexistent-model"), "{err}");
-    if Command::new("systemd-analyze")
-        .arg("--version")
-        .output()
-        .is_ok()
-    {
-        let tmp = dir.join("units");
-        std::fs::create_dir_all(&tmp).unwrap();
-        std::fs::write(
-            tmp.join("charm-worker@.service"),
-            unit.replace("/usr/local/bin/charm", env!("CARGO_BIN_EXE_charm")),
-        )
-        .unwrap();
-        let v = Command::new("systemd-analyze")
-            .arg("verify")
-            .arg(tmp.join("charm-worker@w1.service"))
+    std::fs::write(dir.join("api-key"), "a-key-long-enough-for-charm\n").unwrap();
+    std::fs::write(
+        dir.join("cluster.json"),
+        r#"{"workers": ["w1@127.0.0.1:7070"]}"#,
+    )
+    .unwrap();
+    for (unit_file, instance) in [
+        ("charm-worker@.service", "charm-worker@w1.service"),
+        ("charm-coordinator.service", "charm-coordinator.service"),
+    ] {
+        let unit = std::fs::read_to_string(deploy.join(unit_file)).unwrap();
+        let exec = unit
+            .lines()
+            .find_map(|l| l.strip_prefix("ExecStart=/usr/local/bin/charm "))
+            .unwrap();
+        let args: Vec<String> = exec
+            .replace("${CHARM_LISTEN}", "127.0.0.1:0")
+            .replace("${CHARM_MODEL}", "/nonexistent-model")
+            .replace("${CHARM_RAM_GB}", "2")
+            .replace("%i", "w1")
+            .replace("%d", dir.to_str().unwrap())
+            .split_whitespace()
+            .map(String::from)
+            .collect();
+        let o = Command::new(env!("CARGO_BIN_EXE_charm"))
+            .args(&args)
             .output()
             .unwrap();
-        let err = String::from_utf8_lossy(&v.stderr);
-        assert!(v.status.success() && err.trim().is_empty(), "{err}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{unit_file}: {err}");
+        assert!(err.contains("nonexistent-model"), "{unit_file}: {err}");
+        if Command::new("systemd-analyze")
+            .arg("--version")
+            .output()
+            .is_ok()
+        {
+            let tmp = dir.join("units");
+            std::fs::create_dir_all(&tmp).unwrap();
+            std::fs::write(
+                tmp.join(unit_file),
+                unit.replace("/usr/local/bin/charm", env!("CARGO_BIN_EXE_charm")),
+            )
+            .unwrap();
+            let v = Command::new("systemd-analyze")
+                .arg("verify")
+                .arg(tmp.join(instance))
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&v.stderr);
+            assert!(
+                v.status.success() && err.trim().is_empty(),
+                "{unit_file}: {err}"
+            );
+        }
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -13,6 +13,7 @@
 //! - [`sampling`]: greedy and seeded stochastic sampling.
 //! - [`tokenizer`]: text <-> ids via `tokenizer.json`.
 //! - [`chat`]: chat templates rendered as transformers renders them.
+//! - [`gateway`]: the OpenAI-compatible HTTP server of `charm serve`.
 //! - [`generate`]: prefill + decode loop with timings.
 //! - [`info`]: parameter and byte accounting for `charm info`.
 //! - [`synth`]: deterministic synthetic containers with GLM-5.2 shapes.
@@ -29,6 +30,7 @@ pub mod doctor;
 pub mod engine;
 pub mod evaluate;
 pub mod forward;
+pub mod gateway;
 pub mod generate;
 pub mod info;
 pub mod model;

@@ -1,0 +1,831 @@
+//! The HTTP gateway: an OpenAI-compatible server on the coordinator (`charm serve`).
+//!
+//! - `GET /health` (no key needed), `GET /v1/models`, `POST /v1/completions`,
+//!   `POST /v1/chat/completions` (the model's chat template, see [`crate::chat`]), streaming as
+//!   server-sent events with a final usage chunk, `GET /metrics` (Prometheus text).
+//! - A bearer key (compared in constant time) when one is configured; binding beyond loopback
+//!   without one is refused. Bodies are limited in size; a prompt that does not fit the context
+//!   is a 400 naming both numbers; fields charm does not support are a 400 naming them; errors
+//!   come in OpenAI's error shape.
+//! - One generation runs at a time, in arrival order, from a bounded queue (full: 429 with
+//!   `Retry-After`). A client that goes away cancels its generation and frees its KV cache.
+//!   (Continuous batching of several sequences per step is not built yet.)
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::{json, Value as Json};
+use tokio::sync::mpsc;
+
+use crate::cache::KvCache;
+use crate::chat::{drop_null_keys, ChatInput, ChatTemplate};
+use crate::engine::Engine;
+use crate::forward::ForwardOptions;
+use crate::sampling::{Sampler, SamplingParams};
+use crate::tokenizer::TextTokenizer;
+
+/// How the gateway serves.
+#[derive(Debug, Clone)]
+pub struct GatewayOptions {
+    /// The model's name in the API.
+    pub model_name: String,
+    /// Required bearer key, if any.
+    pub api_key: Option<String>,
+    /// Largest request body, bytes.
+    pub max_body_bytes: usize,
+    /// Requests waiting beyond the running one before new ones get 429.
+    pub queue: usize,
+    /// Tokens of context a request may use (prompt plus completion).
+    pub context: usize,
+}
+
+impl Default for GatewayOptions {
+    fn default() -> Self {
+        Self {
+            model_name: "charm".into(),
+            api_key: None,
+            max_body_bytes: 4 << 20,
+            queue: 16,
+            context: 4096,
+        }
+    }
+}
+
+/// What a generation sends back as it runs.
+#[derive(Debug)]
+enum Event {
+    Text(String),
+    Done {
+        finish: &'static str,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    Failed(String),
+}
+
+/// One queued generation.
+struct Job {
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    params: SamplingParams,
+    stop: Vec<String>,
+    tx: mpsc::UnboundedSender<Event>,
+    queued: Instant,
+}
+
+#[derive(Debug, Default)]
+struct Metrics {
+    requests: AtomicU64,
+    rejected: AtomicU64,
+    tokens: AtomicU64,
+    queued: AtomicU64,
+    ttft_us: AtomicU64,
+    ttft_n: AtomicU64,
+    decode_us: AtomicU64,
+}
+
+struct Shared {
+    opts: GatewayOptions,
+    jobs: std::sync::mpsc::SyncSender<Job>,
+    tok: Arc<TextTokenizer>,
+    template: Option<ChatTemplate>,
+    metrics: Arc<Metrics>,
+    remote: Option<Arc<crate::remote::RemoteExperts>>,
+    started: u64,
+    next_id: AtomicU64,
+}
+
+/// An error answered in OpenAI's shape.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": null}});
+        let mut r = (self.status, axum::Json(body)).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        }
+        r
+    }
+}
+
+fn error(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
+    ApiError {
+        status,
+        kind,
+        message: message.into(),
+    }
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    error(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Constant-time comparison of a presented key with the configured one.
+fn same_key(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+fn authorized(s: &Shared, h: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &s.opts.api_key else {
+        return Ok(());
+    };
+    let given = h
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if same_key(given.as_bytes(), key.as_bytes()) {
+        Ok(())
+    } else {
+        Err(error(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "missing or wrong API key (Authorization: Bearer KEY)",
+        ))
+    }
+}
+
+/// Serves `engine` on `listen` until the process ends. Refuses a non-loopback address without
+/// an API key.
+pub async fn serve(
+    engine: Engine,
+    tok: TextTokenizer,
+    template: Option<ChatTemplate>,
+    listen: SocketAddr,
+    opts: GatewayOptions,
+    ready: impl FnOnce(SocketAddr),
+) -> Result<(), String> {
+    if !listen.ip().is_loopback() && opts.api_key.is_none() {
+        return Err(format!(
+            "{listen} is reachable from other machines: give an API key (--api-key-file) or listen on loopback"
+        ));
+    }
+    let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(opts.queue);
+    let metrics = Arc::new(Metrics::default());
+    let tok = Arc::new(tok);
+    let remote = engine.remote.clone();
+    {
+        let (tok, metrics) = (tok.clone(), metrics.clone());
+        std::thread::Builder::new()
+            .name("charm-generate".into())
+            .spawn(move || rayon::scope(|_| run_jobs(&engine, &tok, rx, &metrics)))
+            .map_err(|e| e.to_string())?;
+    }
+    let max_body = opts.max_body_bytes;
+    let s = Arc::new(Shared {
+        opts,
+        jobs,
+        tok,
+        template,
+        metrics,
+        remote,
+        started: now(),
+        next_id: AtomicU64::new(1),
+    });
+    let app = Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .fallback(|| async { error(StatusCode::NOT_FOUND, "not_found_error", "no such route") })
+        .layer(axum::extract::DefaultBodyLimit::max(max_body))
+        .with_state(s);
+    let l = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| format!("--listen {listen}: {e}"))?;
+    ready(l.local_addr().map_err(|e| e.to_string())?);
+    axum::serve(l, app).await.map_err(|e| e.to_string())
+}
+
+/// Runs queued generations one at a time.
+fn run_jobs(
+    e: &Engine,
+    tok: &TextTokenizer,
+    rx: std::sync::mpsc::Receiver<Job>,
+    metrics: &Metrics,
+) {
+    for job in rx {
+        metrics.queued.fetch_sub(1, Ordering::Relaxed);
+        let r = generate(e, tok, &job, metrics);
+        if let Err(m) = r {
+            let _ = job.tx.send(Event::Failed(m));
+        }
+    }
+}
+
+/// Decodes one job, sending text as it becomes final: whole UTF-8 characters only, held back
+/// while it could still be the start of a stop string.
+fn generate(e: &Engine, tok: &TextTokenizer, job: &Job, metrics: &Metrics) -> Result<(), String> {
+    let m = &e.model;
+    let h = m.spec.hidden_size;
+    let mut cache = KvCache::new(&m.spec);
+    cache.reserve(job.prompt.len() + job.max_tokens, &m.spec);
+    let mut sampler = Sampler::new(job.params);
+    let hold = job.stop.iter().map(|s| s.len()).max().unwrap_or(0);
+    let (mut ids, mut sent) = (Vec::new(), 0usize);
+    let opts = ForwardOptions::default();
+    let normed = m
+        .forward(&job.prompt, &mut cache, opts, None)
+        .map_err(|e| e.to_string())?;
+    let logits = m
+        .logits(&normed[(job.prompt.len() - 1) * h..], 1)
+        .map_err(|e| e.to_string())?;
+    let mut next = sampler.sample(&logits);
+    let ttft = job.queued.elapsed();
+    metrics
+        .ttft_us
+        .fetch_add(ttft.as_micros() as u64, Ordering::Relaxed);
+    metrics.ttft_n.fetch_add(1, Ordering::Relaxed);
+    let t = Instant::now();
+    let finish = loop {
+        if m.spec.eos_token_ids.contains(&next) {
+            break "stop";
+        }
+        ids.push(next);
+        metrics.tokens.fetch_add(1, Ordering::Relaxed);
+        let text = tok.decode(&ids).map_err(|e| e.to_string())?;
+        if let Some(at) = find_stop(&text, sent.saturating_sub(hold), &job.stop) {
+            if at > sent {
+                let _ = job.tx.send(Event::Text(text[sent..at].to_string()));
+            }
+            let _ = job.tx.send(Event::Done {
+                finish: "stop",
+                prompt_tokens: job.prompt.len(),
+                completion_tokens: ids.len(),
+            });
+            return Ok(());
+        }
+        // final text: not a partial character, not a possible stop-string start
+        let mut end = text.len().saturating_sub(hold.saturating_sub(1));
+        if text.ends_with('\u{FFFD}') {
+            end = end.min(text.len() - '\u{FFFD}'.len_utf8());
+        }
+        while end > sent && !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        if end > sent {
+            if job
+                .tx
+                .send(Event::Text(text[sent..end].to_string()))
+                .is_err()
+            {
+                // the client went away: stop, the KV cache goes with this frame
+                return Ok(());
+            }
+            sent = end;
+        } else if job.tx.is_closed() {
+            return Ok(());
+        }
+        if ids.len() >= job.max_tokens {
+            break "length";
+        }
+        let normed = m
+            .forward(&[next], &mut cache, opts, None)
+            .map_err(|e| e.to_string())?;
+        let logits = m.logits(&normed, 1).map_err(|e| e.to_string())?;
+        next = sampler.sample(&logits);
+    };
+    metrics
+        .decode_us
+        .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+    let text = tok.decode(&ids).map_err(|e| e.to_string())?;
+    if text.len() > sent {
+        let _ = job.tx.send(Event::Text(text[sent..].to_string()));
+    }
+    let _ = job.tx.send(Event::Done {
+        finish,
+        prompt_tokens: job.prompt.len(),
+        completion_tokens: ids.len(),
+    });
+    m.experts.step_end();
+    Ok(())
+}
+
+/// Where the first of `stops` starts in `text`, searching from byte `from` (moved back to a
+/// character boundary).
+fn find_stop(text: &str, from: usize, stops: &[String]) -> Option<usize> {
+    let mut from = from.min(text.len());
+    while !text.is_char_boundary(from) {
+        from -= 1;
+    }
+    stops
+        .iter()
+        .filter_map(|s| text[from..].find(s.as_str()).map(|i| from + i))
+        .min()
+}
+
+async fn health(State(s): State<Arc<Shared>>) -> Response {
+    let workers = s.remote.as_ref().map(|r| {
+        let st = r.status();
+        json!({
+            "connected": st.iter().filter(|w| w.connected).count(),
+            "configured": st.len(),
+        })
+    });
+    axum::Json(json!({
+        "status": "ok",
+        "model": s.opts.model_name,
+        "ready": true,
+        "workers": workers,
+    }))
+    .into_response()
+}
+
+async fn metrics_text(State(s): State<Arc<Shared>>, h: HeaderMap) -> Result<Response, ApiError> {
+    authorized(&s, &h)?;
+    let m = &s.metrics;
+    let l = |x: &AtomicU64| x.load(Ordering::Relaxed);
+    let mut t = String::new();
+    let mut put = |name: &str, kind: &str, help: &str, v: String| {
+        t += &format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n");
+    };
+    put(
+        "charm_requests_total",
+        "counter",
+        "Generation requests accepted.",
+        l(&m.requests).to_string(),
+    );
+    put(
+        "charm_requests_rejected_total",
+        "counter",
+        "Requests refused with 429 (queue full).",
+        l(&m.rejected).to_string(),
+    );
+    put(
+        "charm_generated_tokens_total",
+        "counter",
+        "Tokens generated.",
+        l(&m.tokens).to_string(),
+    );
+    put(
+        "charm_queue_depth",
+        "gauge",
+        "Requests waiting.",
+        l(&m.queued).to_string(),
+    );
+    put(
+        "charm_batch_size",
+        "gauge",
+        "Sequences decoded per step.",
+        "1".into(),
+    );
+    put(
+        "charm_time_to_first_token_seconds_sum",
+        "counter",
+        "Time from arrival to the first token, summed.",
+        format!("{:.6}", l(&m.ttft_us) as f64 / 1e6),
+    );
+    put(
+        "charm_time_to_first_token_seconds_count",
+        "counter",
+        "Requests with a first token.",
+        l(&m.ttft_n).to_string(),
+    );
+    put(
+        "charm_decode_seconds_total",
+        "counter",
+        "Seconds spent decoding after the first token.",
+        format!("{:.6}", l(&m.decode_us) as f64 / 1e6),
+    );
+    if let Some(r) = &s.remote {
+        for w in r.status() {
+            t += &format!(
+                "charm_worker_round_trip_ms{{worker=\"{}\"}} {:.3}\ncharm_worker_up{{worker=\"{}\"}} {}\n",
+                w.name,
+                w.mean_rtt_ms,
+                w.name,
+                u8::from(w.connected)
+            );
+        }
+    }
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], t).into_response())
+}
+
+async fn models(State(s): State<Arc<Shared>>, h: HeaderMap) -> Result<Response, ApiError> {
+    authorized(&s, &h)?;
+    Ok(axum::Json(json!({
+        "object": "list",
+        "data": [{"id": s.opts.model_name, "object": "model", "created": s.started, "owned_by": "charm"}],
+    }))
+    .into_response())
+}
+
+/// The sampling and length settings every generation endpoint shares, validated.
+struct Settings {
+    params: SamplingParams,
+    max_tokens: Option<usize>,
+    stop: Vec<String>,
+    stream: bool,
+}
+
+/// Checks `body` against the `known` fields and reads the shared settings.
+fn settings(body: &Json, known: &[&str]) -> Result<Settings, ApiError> {
+    let Some(obj) = body.as_object() else {
+        return Err(bad("the body must be a JSON object"));
+    };
+    const UNSUPPORTED: &[(&str, &str)] = &[
+        ("tools", "tool calls are not supported yet"),
+        ("tool_choice", "tool calls are not supported yet"),
+        ("functions", "function calls are not supported yet"),
+        ("response_format", "response formats are not supported yet"),
+        ("logit_bias", "logit_bias is not supported yet"),
+        ("suffix", "suffix is not supported"),
+    ];
+    for (k, v) in obj {
+        if let Some((_, why)) = UNSUPPORTED.iter().find(|(u, _)| u == k) {
+            if !v.is_null() {
+                return Err(bad(format!("`{k}`: {why}")));
+            }
+            continue;
+        }
+        if !known.contains(&k.as_str()) {
+            return Err(bad(format!("unknown field `{k}`")));
+        }
+    }
+    let num = |k: &str| -> Result<Option<f64>, ApiError> {
+        match obj.get(k) {
+            None | Some(Json::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| bad(format!("`{k}` must be a number"))),
+        }
+    };
+    let int = |k: &str| -> Result<Option<u64>, ApiError> {
+        match obj.get(k) {
+            None | Some(Json::Null) => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(Some)
+                .ok_or_else(|| bad(format!("`{k}` must be a non-negative integer"))),
+        }
+    };
+    for k in ["presence_penalty", "frequency_penalty"] {
+        if num(k)?.is_some_and(|v| v != 0.0) {
+            return Err(bad(format!("`{k}` is not supported yet (only 0)")));
+        }
+    }
+    if obj
+        .get("logprobs")
+        .is_some_and(|v| !v.is_null() && v != &json!(false))
+    {
+        return Err(bad("`logprobs` is not supported yet"));
+    }
+    if obj.get("echo").is_some_and(|v| v == &json!(true)) {
+        return Err(bad("`echo` is not supported"));
+    }
+    if int("n")?.is_some_and(|n| n != 1) {
+        return Err(bad("`n` must be 1"));
+    }
+    let temperature = num("temperature")?.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(bad(format!("`temperature` {temperature} is outside 0..2")));
+    }
+    let top_p = num("top_p")?.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(bad(format!("`top_p` {top_p} is outside (0, 1]")));
+    }
+    let max_tokens = int("max_completion_tokens")?.or(int("max_tokens")?);
+    if max_tokens == Some(0) {
+        return Err(bad("`max_tokens` must be at least 1"));
+    }
+    let stop = match obj.get("stop") {
+        None | Some(Json::Null) => vec![],
+        Some(Json::String(s)) => vec![s.clone()],
+        Some(Json::Array(a)) => a
+            .iter()
+            .map(|v| v.as_str().map(String::from))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| bad("`stop` must be a string or a list of strings"))?,
+        Some(_) => return Err(bad("`stop` must be a string or a list of strings")),
+    };
+    if stop.iter().any(|s| s.is_empty()) || stop.len() > 16 {
+        return Err(bad("`stop`: up to 16 non-empty strings"));
+    }
+    let stream = match obj.get("stream") {
+        None | Some(Json::Null) => false,
+        Some(Json::Bool(b)) => *b,
+        Some(_) => return Err(bad("`stream` must be true or false")),
+    };
+    Ok(Settings {
+        params: SamplingParams {
+            temperature: temperature as f32,
+            top_k: int("top_k")?.unwrap_or(0) as usize,
+            top_p: top_p as f32,
+            seed: int("seed")?.unwrap_or(0),
+        },
+        max_tokens: max_tokens.map(|n| n as usize),
+        stop,
+        stream,
+    })
+}
+
+const COMMON: &[&str] = &[
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "echo",
+];
+
+fn parse(body: &Bytes) -> Result<Json, ApiError> {
+    serde_json::from_slice(body).map_err(|e| bad(format!("the body is not valid JSON: {e}")))
+}
+
+async fn completions(
+    State(s): State<Arc<Shared>>,
+    h: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    authorized(&s, &h)?;
+    let body = parse(&body)?;
+    let set = settings(&body, &[COMMON, &["prompt"]].concat())?;
+    let prompt = match &body["prompt"] {
+        Json::String(p) => s.tok.encode(p).map_err(|e| bad(format!("`prompt`: {e}")))?,
+        Json::Array(a) if a.iter().all(|v| v.is_u64()) => {
+            a.iter().map(|v| v.as_u64().unwrap_or(0) as u32).collect()
+        }
+        _ => return Err(bad("`prompt` must be a string or a list of token ids")),
+    };
+    run(s, prompt, set, false).await
+}
+
+async fn chat_completions(
+    State(s): State<Arc<Shared>>,
+    h: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    authorized(&s, &h)?;
+    let parsed = parse(&body)?;
+    let set = settings(
+        &parsed,
+        &[
+            COMMON,
+            &["messages", "max_completion_tokens", "chat_template_kwargs"],
+        ]
+        .concat(),
+    )?;
+    let Some(t) = &s.template else {
+        return Err(bad("this model has no chat template: use /v1/completions"));
+    };
+    let ok_messages = parsed["messages"].as_array().is_some_and(|m| {
+        !m.is_empty()
+            && m.iter().all(|x| {
+                x["role"].is_string()
+                    && (x["content"].is_string()
+                        || x["content"].is_array()
+                        || x["content"].is_null())
+            })
+    });
+    if !ok_messages {
+        return Err(bad(
+            "`messages` must be a non-empty list of {role, content} objects",
+        ));
+    }
+    // the template sees the messages in their key order
+    let v: minijinja::Value = serde_json::from_slice(&body).map_err(|e| bad(e.to_string()))?;
+    let messages = drop_null_keys(&v.get_attr("messages").unwrap_or_default());
+    let kwargs = match v.get_attr("chat_template_kwargs") {
+        Ok(k) if !k.is_undefined() && !k.is_none() => k
+            .try_iter()
+            .map_err(|_| bad("`chat_template_kwargs` must be an object"))?
+            .filter_map(|key| {
+                let val = k.get_item(&key).ok()?;
+                Some((key.as_str()?.to_string(), val))
+            })
+            .collect(),
+        _ => vec![],
+    };
+    let text = t
+        .render(&ChatInput {
+            messages,
+            tools: minijinja::Value::from(()),
+            add_generation_prompt: true,
+            bos_token: None,
+            eos_token: None,
+            kwargs,
+        })
+        .map_err(|e| bad(e.to_string()))?;
+    let prompt = s.tok.encode(&text).map_err(|e| bad(e.to_string()))?;
+    run(s, prompt, set, true).await
+}
+
+/// Queues a generation and answers with its result or its stream.
+async fn run(
+    s: Arc<Shared>,
+    prompt: Vec<u32>,
+    set: Settings,
+    chat: bool,
+) -> Result<Response, ApiError> {
+    let ctx = s.opts.context;
+    if prompt.is_empty() {
+        return Err(bad("the prompt is empty"));
+    }
+    if prompt.len() >= ctx {
+        return Err(bad(format!(
+            "the prompt is {} tokens; the context holds {ctx}",
+            prompt.len()
+        )));
+    }
+    let max_tokens = set.max_tokens.unwrap_or(ctx - prompt.len());
+    if prompt.len() + max_tokens > ctx {
+        return Err(bad(format!(
+            "the prompt ({} tokens) plus max_tokens ({max_tokens}) exceeds the context of {ctx} tokens",
+            prompt.len()
+        )));
+    }
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let job = Job {
+        prompt,
+        max_tokens,
+        params: set.params,
+        stop: set.stop,
+        tx,
+        queued: Instant::now(),
+    };
+    s.metrics.queued.fetch_add(1, Ordering::Relaxed);
+    if let Err(e) = s.jobs.try_send(job) {
+        s.metrics.queued.fetch_sub(1, Ordering::Relaxed);
+        s.metrics.rejected.fetch_add(1, Ordering::Relaxed);
+        return Err(match e {
+            std::sync::mpsc::TrySendError::Full(_) => error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "too many requests waiting; retry shortly",
+            ),
+            std::sync::mpsc::TrySendError::Disconnected(_) => error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "the generator stopped",
+            ),
+        });
+    }
+    s.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    let id = format!(
+        "{}-{}",
+        if chat { "chatcmpl" } else { "cmpl" },
+        s.next_id.fetch_add(1, Ordering::Relaxed)
+    );
+    let (created, model) = (now(), s.opts.model_name.clone());
+    let usage = |p: usize, c: usize| json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+    if !set.stream {
+        let mut text = String::new();
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                Event::Text(t) => text += &t,
+                Event::Failed(m) => {
+                    return Err(error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", m))
+                }
+                Event::Done {
+                    finish,
+                    prompt_tokens,
+                    completion_tokens,
+                } => {
+                    let choice = if chat {
+                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": null})
+                    } else {
+                        json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null})
+                    };
+                    return Ok(axum::Json(json!({
+                        "id": id,
+                        "object": if chat { "chat.completion" } else { "text_completion" },
+                        "created": created,
+                        "model": model,
+                        "choices": [choice],
+                        "usage": usage(prompt_tokens, completion_tokens),
+                    }))
+                    .into_response());
+                }
+            }
+        }
+        return Err(error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "the generation ended without a result",
+        ));
+    }
+    let object = if chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let chunk = move |choice: Json, usage_v: Option<Json>| {
+        let mut c = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
+        if let Some(u) = usage_v {
+            c["choices"] = json!([]);
+            c["usage"] = u;
+        }
+        format!("data: {c}\n\n")
+    };
+    let stream = async_stream(rx, chat, chunk, usage);
+    Ok((
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        axum::body::Body::from_stream(stream),
+    )
+        .into_response())
+}
+
+/// The server-sent events of a streamed generation: a chunk per piece of text, one with the
+/// finish reason, one with the usage, then `[DONE]`. Dropping the stream (the client went away)
+/// drops the receiver, which stops the generation.
+fn async_stream(
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    chat: bool,
+    chunk: impl Fn(Json, Option<Json>) -> String + Send + 'static,
+    usage: impl Fn(usize, usize) -> Json + Send + 'static,
+) -> impl futures_core::Stream<Item = Result<Bytes, std::convert::Infallible>> {
+    let (tx, out) = mpsc::channel::<Result<Bytes, std::convert::Infallible>>(64);
+    tokio::spawn(async move {
+        let mut first = chat;
+        while let Some(ev) = rx.recv().await {
+            let text = match ev {
+                Event::Text(t) => {
+                    let choice = if chat {
+                        let mut d = json!({"content": t});
+                        if first {
+                            d["role"] = json!("assistant");
+                            first = false;
+                        }
+                        json!({"index": 0, "delta": d, "finish_reason": null})
+                    } else {
+                        json!({"index": 0, "text": t, "finish_reason": null, "logprobs": null})
+                    };
+                    chunk(choice, None)
+                }
+                Event::Done {
+                    finish,
+                    prompt_tokens,
+                    completion_tokens,
+                } => {
+                    let choice = if chat {
+                        json!({"index": 0, "delta": {}, "finish_reason": finish})
+                    } else {
+                        json!({"index": 0, "text": "", "finish_reason": finish, "logprobs": null})
+                    };
+                    let end = chunk(choice, None)
+                        + &chunk(json!(null), Some(usage(prompt_tokens, completion_tokens)))
+                        + "data: [DONE]\n\n";
+                    let _ = tx.send(Ok(Bytes::from(end))).await;
+                    return;
+                }
+                Event::Failed(m) => {
+                    let e = json!({"error": {"message": m, "type": "server_error", "param": null, "code": null}});
+                    let _ = tx.send(Ok(Bytes::from(format!("data: {e}\n\n")))).await;
+                    return;
+                }
+            };
+            if tx.send(Ok(Bytes::from(text))).await.is_err() {
+                return;
+            }
+        }
+    });
+    ReceiverStream(out)
+}
+
+/// A tokio receiver as a stream.
+struct ReceiverStream<T>(mpsc::Receiver<T>);
+
+impl<T> futures_core::Stream for ReceiverStream<T> {
+    type Item = T;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<T>> {
+        self.0.poll_recv(cx)
+    }
+}

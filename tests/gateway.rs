@@ -1,0 +1,426 @@
+//! `charm serve` as a process on loopback, driven over real HTTP/1.1 connections.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use charm_coordinator::generate::generate;
+use charm_coordinator::sampling::{Sampler, SamplingParams};
+use charm_coordinator::tokenizer::TextTokenizer;
+use charm_coordinator::{Engine, EngineOptions, ForwardOptions};
+use serde_json::{json, Value};
+
+fn demo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe")
+}
+
+/// A running `charm serve`, killed when dropped.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_charm"))
+            .args(["serve", "--model"])
+            .arg(demo())
+            .args(["--listen", "127.0.0.1:0"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("server did not start: {line}"))
+            .to_string();
+        Self { child, addr }
+    }
+}
+
+/// An HTTP response: status, headers (lower-case names), body (de-chunked).
+struct Reply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(i) = b.windows(2).position(|w| w == b"\r\n") else {
+            return out;
+        };
+        let n = usize::from_str_radix(std::str::from_utf8(&b[..i]).unwrap().trim(), 16).unwrap();
+        if n == 0 {
+            return out;
+        }
+        out.extend_from_slice(&b[i + 2..i + 2 + n]);
+        b = &b[i + 2 + n + 2..];
+    }
+}
+
+/// One request on a fresh connection.
+fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req += &format!("{k}: {v}\r\n");
+    }
+    req += &format!("Content-Length: {}\r\n\r\n", body.len());
+    s.write_all(req.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let end = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&raw[..end]).into_owned();
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_lowercase(), v.trim().to_string()))
+        .collect();
+    let body = raw[end + 4..].to_vec();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
+    Reply {
+        status,
+        headers,
+        body: if chunked { dechunk(&body) } else { body },
+    }
+}
+
+fn post(addr: &str, path: &str, body: &Value) -> Reply {
+    http(
+        addr,
+        "POST",
+        path,
+        &[("Content-Type", "application/json")],
+        body.to_string().as_bytes(),
+    )
+}
+
+/// The `data:` payloads of a server-sent event stream.
+fn events(body: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(body)
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: ").map(String::from))
+        .collect()
+}
+
+/// What the library generates greedily for `prompt`.
+fn greedy_text(prompt: &str, n: usize) -> String {
+    let e = Engine::load(&demo(), &EngineOptions::default()).unwrap();
+    let tok = TextTokenizer::load(&demo()).unwrap();
+    let g = generate(
+        &e.model,
+        &tok.encode(prompt).unwrap(),
+        n,
+        &mut Sampler::new(SamplingParams::default()),
+        &e.model.spec.eos_token_ids,
+        ForwardOptions::default(),
+    )
+    .unwrap();
+    tok.decode(&g.ids).unwrap()
+}
+
+#[test]
+fn completions_and_chat_answer_as_the_engine_generates_streamed_or_not() {
+    let s = Server::start(&[]);
+    let h = http(&s.addr, "GET", "/health", &[], b"");
+    assert_eq!((h.status, h.json()["status"].clone()), (200, json!("ok")));
+    let m = http(&s.addr, "GET", "/v1/models", &[], b"").json();
+    assert_eq!(m["data"][0]["id"], "charm-bard-moe");
+
+    let want = greedy_text("ROMEO. ", 24);
+    let r = post(
+        &s.addr,
+        "/v1/completions",
+        &json!({"model": "charm-bard-moe", "prompt": "ROMEO. ", "max_tokens": 24, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v["choices"][0]["text"], want.as_str());
+    assert_eq!(v["usage"]["completion_tokens"], 24);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+
+    // streamed: the pieces add up to the same text, then the finish, the usage and [DONE]
+    let r = post(
+        &s.addr,
+        "/v1/completions",
+        &json!({"prompt": "ROMEO. ", "max_tokens": 24, "temperature": 0, "stream": true}),
+    );
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let ev = events(&r.body);
+    assert_eq!(ev.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = ev[..ev.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, want);
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 24);
+
+    // a stop string: the text ends before it, in both modes
+    let cut = want.find("KING").expect("the sample names a king");
+    let stop = json!({"prompt": "ROMEO. ", "max_tokens": 24, "temperature": 0, "stop": ["KING"]});
+    let v = post(&s.addr, "/v1/completions", &stop).json();
+    assert_eq!(v["choices"][0]["text"], &want[..cut]);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let mut st = stop.clone();
+    st["stream"] = json!(true);
+    let streamed: String = events(&post(&s.addr, "/v1/completions", &st).body)
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .filter_map(|e| {
+            serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(streamed, &want[..cut]);
+
+    // chat: the model's template, streamed deltas equal to the whole answer
+    let chat = json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Speak, Romeo."}], "max_tokens": 16, "temperature": 0});
+    let v = post(&s.addr, "/v1/chat/completions", &chat).json();
+    let answer = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 4);
+    let mut c = chat.clone();
+    c["stream"] = json!(true);
+    let ev = events(&post(&s.addr, "/v1/chat/completions", &c).body);
+    let deltas: String = ev
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .filter_map(|e| {
+            serde_json::from_str::<Value>(e).unwrap()["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(deltas, answer);
+}
+
+#[test]
+fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
+    let s = Server::start(&[]);
+    let err = |r: &Reply, status: u16, needle: &str| {
+        assert_eq!(r.status, status, "{}", String::from_utf8_lossy(&r.body));
+        let m = r.json()["error"]["message"].as_str().unwrap().to_string();
+        assert!(m.contains(needle), "{m} (wanted {needle})");
+    };
+    let c = "/v1/completions";
+    let raw = |b: &[u8]| {
+        http(
+            &s.addr,
+            "POST",
+            c,
+            &[("Content-Type", "application/json")],
+            b,
+        )
+    };
+    err(&raw(b"{\"prompt\": "), 400, "not valid JSON");
+    err(&raw(b"\xff\xfe{}"), 400, "not valid JSON");
+    err(&raw(b"[1, 2]"), 400, "JSON object");
+    err(
+        &post(&s.addr, c, &json!({"prompt": "x", "temperature": "hot"})),
+        400,
+        "`temperature` must be a number",
+    );
+    err(&post(&s.addr, c, &json!({"prompt": 7})), 400, "`prompt`");
+    err(
+        &post(&s.addr, c, &json!({"prompt": "x", "colour": 1})),
+        400,
+        "unknown field `colour`",
+    );
+    err(
+        &post(&s.addr, c, &json!({"prompt": "x", "logprobs": 3})),
+        400,
+        "logprobs",
+    );
+    err(
+        &post(&s.addr, c, &json!({"prompt": "x", "n": 2})),
+        400,
+        "`n`",
+    );
+    err(
+        &post(&s.addr, c, &json!({"prompt": "x", "max_tokens": 5000})),
+        400,
+        "exceeds the context of 1024 tokens",
+    );
+    let long = "word ".repeat(3000);
+    err(
+        &post(&s.addr, c, &json!({"prompt": long})),
+        400,
+        "the context holds 1024",
+    );
+    let chat = "/v1/chat/completions";
+    err(
+        &post(&s.addr, chat, &json!({"messages": []})),
+        400,
+        "`messages`",
+    );
+    err(
+        &post(
+            &s.addr,
+            chat,
+            &json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
+        ),
+        400,
+        "tool calls are not supported",
+    );
+    // a body over the limit
+    let huge = format!("{{\"prompt\": \"{}\"}}", "a".repeat(5 << 20));
+    assert_eq!(raw(huge.as_bytes()).status, 413);
+    assert_eq!(http(&s.addr, "GET", "/nowhere", &[], b"").status, 404);
+    // still serving
+    let v = post(&s.addr, c, &json!({"prompt": "ROMEO. ", "max_tokens": 3})).json();
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+}
+
+#[test]
+fn a_key_is_required_when_configured_and_beyond_loopback() {
+    let dir = common::scratch("gw-key");
+    std::fs::create_dir_all(&dir).unwrap();
+    let key = dir.join("key");
+    std::fs::write(&key, "s3cret-key-of-some-length\n").unwrap();
+    let s = Server::start(&["--api-key-file", key.to_str().unwrap()]);
+    let models = |auth: Option<&str>| {
+        let h: Vec<(&str, &str)> = auth.map(|a| ("Authorization", a)).into_iter().collect();
+        http(&s.addr, "GET", "/v1/models", &h, b"").status
+    };
+    assert_eq!(models(None), 401);
+    assert_eq!(models(Some("Bearer wrong-key-of-some-length")), 401);
+    assert_eq!(models(Some("Bearer s3cret-key-of-some-length")), 200);
+    assert_eq!(http(&s.addr, "GET", "/health", &[], b"").status, 200);
+    let r = post(&s.addr, "/v1/completions", &json!({"prompt": "x"}));
+    assert_eq!(r.status, 401);
+    assert_eq!(r.json()["error"]["type"], "authentication_error");
+    drop(s);
+    // all interfaces without a key: refused
+    let o = Command::new(env!("CARGO_BIN_EXE_charm"))
+        .args(["serve", "--model"])
+        .arg(demo())
+        .args(["--listen", "0.0.0.0:0"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("api-key-file"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn metric(addr: &str, name: &str) -> f64 {
+    let r = http(addr, "GET", "/metrics", &[], b"");
+    String::from_utf8_lossy(&r.body)
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(&format!("{name} "))
+                .map(|v| v.parse().unwrap())
+        })
+        .unwrap_or_else(|| panic!("no {name}"))
+}
+
+#[test]
+fn a_flood_gets_429_and_a_client_that_leaves_stops_its_generation() {
+    let s = Server::start(&["--queue", "1"]);
+    // one running, one waiting, the rest refused
+    let addr = s.addr.clone();
+    let replies: Vec<Reply> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..5)
+            .map(|_| {
+                let a = addr.clone();
+                sc.spawn(move || {
+                    post(
+                        &a,
+                        "/v1/completions",
+                        &json!({"prompt": "ROMEO. ", "max_tokens": 600}),
+                    )
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let refused: Vec<&Reply> = replies.iter().filter(|r| r.status == 429).collect();
+    assert!(
+        !refused.is_empty(),
+        "{:?}",
+        replies.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
+    assert!(replies.iter().all(|r| r.status == 200 || r.status == 429));
+    assert_eq!(refused[0].header("retry-after"), Some("1"));
+    assert_eq!(refused[0].json()["error"]["type"], "rate_limit_error");
+    assert!(metric(&s.addr, "charm_requests_rejected_total") >= 1.0);
+
+    // a stream of up to 900 tokens whose client leaves after its first event
+    let before = metric(&s.addr, "charm_generated_tokens_total");
+    {
+        let mut c = TcpStream::connect(&s.addr).unwrap();
+        let body = json!({"prompt": "ROMEO. ", "max_tokens": 900, "stream": true}).to_string();
+        write!(
+            c,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut buf = [0u8; 512];
+        let n = c.read(&mut buf).unwrap();
+        assert!(String::from_utf8_lossy(&buf[..n]).contains("200"));
+    }
+    // the next request runs after the abandoned one ended: it must have ended early
+    let v = post(
+        &s.addr,
+        "/v1/completions",
+        &json!({"prompt": "ROMEO. ", "max_tokens": 2}),
+    )
+    .json();
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+    let spent = metric(&s.addr, "charm_generated_tokens_total") - before;
+    assert!(
+        spent < 900.0,
+        "the abandoned generation ran on: {spent} tokens"
+    );
+}
