@@ -424,3 +424,82 @@ fn a_flood_gets_429_and_a_client_that_leaves_stops_its_generation() {
         "the abandoned generation ran on: {spent} tokens"
     );
 }
+
+#[test]
+fn anthropic_messages_answer_whole_and_streamed() {
+    let s = Server::start(&[]);
+    let body = json!({"model": "charm-bard-moe", "max_tokens": 16, "temperature": 0, "system": "Be brief.", "messages": [{"role": "user", "content": [{"type": "text", "text": "Speak, Romeo."}]}]});
+    let v = post(&s.addr, "/v1/messages", &body).json();
+    assert_eq!(v["type"], "message");
+    assert_eq!(v["stop_reason"], "max_tokens");
+    assert_eq!(v["usage"]["output_tokens"], 16);
+    let text = v["content"][0]["text"].as_str().unwrap().to_string();
+    // the same conversation through the OpenAI route gives the same answer
+    let chat = json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Speak, Romeo."}], "max_tokens": 16, "temperature": 0});
+    let o = post(&s.addr, "/v1/chat/completions", &chat).json();
+    assert_eq!(o["choices"][0]["message"]["content"], text.as_str());
+    let mut st = body.clone();
+    st["stream"] = json!(true);
+    let raw = String::from_utf8(post(&s.addr, "/v1/messages", &st).body).unwrap();
+    let names: Vec<&str> = raw
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert_eq!(names.first(), Some(&"message_start"));
+    assert_eq!(names.last(), Some(&"message_stop"));
+    let streamed: String = raw
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| {
+            let v: Value = serde_json::from_str(d).ok()?;
+            v["delta"]["text"].as_str().map(String::from)
+        })
+        .collect();
+    assert_eq!(streamed, text);
+    // a stop sequence is named
+    let cut = text.chars().skip(3).take(3).collect::<String>();
+    let mut sq = body.clone();
+    sq["stop_sequences"] = json!([cut]);
+    let v = post(&s.addr, "/v1/messages", &sq).json();
+    assert_eq!(v["stop_reason"], "stop_sequence");
+    assert_eq!(v["stop_sequence"], cut.as_str());
+    // errors in Anthropic's shape
+    let r = post(
+        &s.addr,
+        "/v1/messages",
+        &json!({"messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["type"], "error");
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("max_tokens"));
+}
+
+/// The official `openai` and `anthropic` Python clients (`tests/clients/official.py`) against a
+/// server with a key. Needs a Python with both installed, named by `CHARM_TEST_PYTHON`: `.ci/run`
+/// makes one in a virtual environment and runs this test.
+#[test]
+#[ignore = "needs CHARM_TEST_PYTHON with the openai and anthropic packages (.ci/run sets it up)"]
+fn the_official_python_clients_drive_the_server() {
+    let python = std::env::var("CHARM_TEST_PYTHON")
+        .expect("CHARM_TEST_PYTHON: a python with `pip install openai anthropic`");
+    let dir = common::scratch("gw-clients");
+    std::fs::create_dir_all(&dir).unwrap();
+    let key = "client-test-key-0123456789";
+    std::fs::write(dir.join("key"), key).unwrap();
+    let s = Server::start(&["--api-key-file", dir.join("key").to_str().unwrap()]);
+    let o = Command::new(python)
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/official.py"))
+        .arg(format!("http://{}", s.addr))
+        .arg(key)
+        .output()
+        .unwrap();
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(o.status.success() && out.trim() == "ok", "{out}\n{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

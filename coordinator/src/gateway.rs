@@ -1,8 +1,9 @@
 //! The HTTP gateway: an OpenAI-compatible server on the coordinator (`charm serve`).
 //!
 //! - `GET /health` (no key needed), `GET /v1/models`, `POST /v1/completions`,
-//!   `POST /v1/chat/completions` (the model's chat template, see [`crate::chat`]), streaming as
-//!   server-sent events with a final usage chunk, `GET /metrics` (Prometheus text).
+//!   `POST /v1/chat/completions` (the model's chat template, see [`crate::chat`]),
+//!   `POST /v1/messages` (Anthropic's API), streaming as server-sent events (OpenAI's with a final
+//!   usage chunk, Anthropic's event sequence), `GET /metrics` (Prometheus text).
 //! - A bearer key (compared in constant time) when one is configured; binding beyond loopback
 //!   without one is refused. Bodies are limited in size; a prompt that does not fit the context
 //!   is a 400 naming both numbers; fields charm does not support are a 400 naming them; errors
@@ -65,6 +66,8 @@ enum Event {
     Text(String),
     Done {
         finish: &'static str,
+        /// The stop string that ended it, if one did.
+        matched: Option<String>,
         prompt_tokens: usize,
         completion_tokens: usize,
     },
@@ -109,11 +112,29 @@ struct ApiError {
     status: StatusCode,
     kind: &'static str,
     message: String,
+    /// In Anthropic's shape instead.
+    anthropic: bool,
+}
+
+impl ApiError {
+    fn anthropic(mut self) -> Self {
+        self.anthropic = true;
+        self
+    }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": null}});
+        let body = if self.anthropic {
+            let kind = if self.kind == "server_error" {
+                "api_error"
+            } else {
+                self.kind
+            };
+            json!({"type": "error", "error": {"type": kind, "message": self.message}})
+        } else {
+            json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": null}})
+        };
         let mut r = (self.status, axum::Json(body)).into_response();
         if self.status == StatusCode::TOO_MANY_REQUESTS {
             r.headers_mut()
@@ -128,6 +149,7 @@ fn error(status: StatusCode, kind: &'static str, message: impl Into<String>) -> 
         status,
         kind,
         message: message.into(),
+        anthropic: false,
     }
 }
 
@@ -150,10 +172,12 @@ fn authorized(s: &Shared, h: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &s.opts.api_key else {
         return Ok(());
     };
+    // `Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`
     let given = h
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
+        .or_else(|| h.get("x-api-key").and_then(|v| v.to_str().ok()))
         .unwrap_or("");
     if same_key(given.as_bytes(), key.as_bytes()) {
         Ok(())
@@ -209,6 +233,7 @@ pub async fn serve(
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/messages", post(messages))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "not_found_error", "no such route") })
         .layer(axum::extract::DefaultBodyLimit::max(max_body))
         .with_state(s);
@@ -266,12 +291,13 @@ fn generate(e: &Engine, tok: &TextTokenizer, job: &Job, metrics: &Metrics) -> Re
         ids.push(next);
         metrics.tokens.fetch_add(1, Ordering::Relaxed);
         let text = tok.decode(&ids).map_err(|e| e.to_string())?;
-        if let Some(at) = find_stop(&text, sent.saturating_sub(hold), &job.stop) {
+        if let Some((at, which)) = find_stop(&text, sent.saturating_sub(hold), &job.stop) {
             if at > sent {
                 let _ = job.tx.send(Event::Text(text[sent..at].to_string()));
             }
             let _ = job.tx.send(Event::Done {
                 finish: "stop",
+                matched: Some(job.stop[which].clone()),
                 prompt_tokens: job.prompt.len(),
                 completion_tokens: ids.len(),
             });
@@ -316,6 +342,7 @@ fn generate(e: &Engine, tok: &TextTokenizer, job: &Job, metrics: &Metrics) -> Re
     }
     let _ = job.tx.send(Event::Done {
         finish,
+        matched: None,
         prompt_tokens: job.prompt.len(),
         completion_tokens: ids.len(),
     });
@@ -323,16 +350,17 @@ fn generate(e: &Engine, tok: &TextTokenizer, job: &Job, metrics: &Metrics) -> Re
     Ok(())
 }
 
-/// Where the first of `stops` starts in `text`, searching from byte `from` (moved back to a
-/// character boundary).
-fn find_stop(text: &str, from: usize, stops: &[String]) -> Option<usize> {
+/// Where the first of `stops` starts in `text` and which one it is, searching from byte `from`
+/// (moved back to a character boundary).
+fn find_stop(text: &str, from: usize, stops: &[String]) -> Option<(usize, usize)> {
     let mut from = from.min(text.len());
     while !text.is_char_boundary(from) {
         from -= 1;
     }
     stops
         .iter()
-        .filter_map(|s| text[from..].find(s.as_str()).map(|i| from + i))
+        .enumerate()
+        .filter_map(|(k, s)| text[from..].find(s.as_str()).map(|i| (from + i, k)))
         .min()
 }
 
@@ -642,13 +670,13 @@ async fn chat_completions(
     run(s, prompt, set, true).await
 }
 
-/// Queues a generation and answers with its result or its stream.
-async fn run(
-    s: Arc<Shared>,
+/// Checks a prompt against the context and queues its generation; the events come on the
+/// returned receiver.
+fn submit(
+    s: &Shared,
     prompt: Vec<u32>,
-    set: Settings,
-    chat: bool,
-) -> Result<Response, ApiError> {
+    set: &Settings,
+) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
     let ctx = s.opts.context;
     if prompt.is_empty() {
         return Err(bad("the prompt is empty"));
@@ -666,12 +694,12 @@ async fn run(
             prompt.len()
         )));
     }
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, rx) = mpsc::unbounded_channel();
     let job = Job {
         prompt,
         max_tokens,
         params: set.params,
-        stop: set.stop,
+        stop: set.stop.clone(),
         tx,
         queued: Instant::now(),
     };
@@ -693,6 +721,17 @@ async fn run(
         });
     }
     s.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    Ok(rx)
+}
+
+/// Queues a generation and answers with its result or its stream (OpenAI shapes).
+async fn run(
+    s: Arc<Shared>,
+    prompt: Vec<u32>,
+    set: Settings,
+    chat: bool,
+) -> Result<Response, ApiError> {
+    let mut rx = submit(&s, prompt, &set)?;
     let id = format!(
         "{}-{}",
         if chat { "chatcmpl" } else { "cmpl" },
@@ -712,6 +751,7 @@ async fn run(
                     finish,
                     prompt_tokens,
                     completion_tokens,
+                    ..
                 } => {
                     let choice = if chat {
                         json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": null})
@@ -749,7 +789,42 @@ async fn run(
         }
         format!("data: {c}\n\n")
     };
-    let stream = async_stream(rx, chat, chunk, usage);
+    let mut first = chat;
+    let stream = sse(rx, String::new(), move |ev| match ev {
+        Event::Text(t) => {
+            let choice = if chat {
+                let mut d = json!({"content": t});
+                if first {
+                    d["role"] = json!("assistant");
+                    first = false;
+                }
+                json!({"index": 0, "delta": d, "finish_reason": null})
+            } else {
+                json!({"index": 0, "text": t, "finish_reason": null, "logprobs": null})
+            };
+            (chunk(choice, None), false)
+        }
+        Event::Done {
+            finish,
+            prompt_tokens,
+            completion_tokens,
+            ..
+        } => {
+            let choice = if chat {
+                json!({"index": 0, "delta": {}, "finish_reason": finish})
+            } else {
+                json!({"index": 0, "text": "", "finish_reason": finish, "logprobs": null})
+            };
+            let end = chunk(choice, None)
+                + &chunk(json!(null), Some(usage(prompt_tokens, completion_tokens)))
+                + "data: [DONE]\n\n";
+            (end, true)
+        }
+        Event::Failed(m) => {
+            let e = json!({"error": {"message": m, "type": "server_error", "param": null, "code": null}});
+            (format!("data: {e}\n\n"), true)
+        }
+    });
     Ok((
         [
             (header::CONTENT_TYPE, "text/event-stream"),
@@ -760,56 +835,22 @@ async fn run(
         .into_response())
 }
 
-/// The server-sent events of a streamed generation: a chunk per piece of text, one with the
-/// finish reason, one with the usage, then `[DONE]`. Dropping the stream (the client went away)
-/// drops the receiver, which stops the generation.
-fn async_stream(
+/// A server-sent event stream: `prefix`, then `frame(event)` for each event of a generation
+/// until one says it is the last. Dropping the stream (the client went away) drops the receiver,
+/// which stops the generation.
+fn sse(
     mut rx: mpsc::UnboundedReceiver<Event>,
-    chat: bool,
-    chunk: impl Fn(Json, Option<Json>) -> String + Send + 'static,
-    usage: impl Fn(usize, usize) -> Json + Send + 'static,
+    prefix: String,
+    mut frame: impl FnMut(Event) -> (String, bool) + Send + 'static,
 ) -> impl futures_core::Stream<Item = Result<Bytes, std::convert::Infallible>> {
     let (tx, out) = mpsc::channel::<Result<Bytes, std::convert::Infallible>>(64);
     tokio::spawn(async move {
-        let mut first = chat;
+        if !prefix.is_empty() && tx.send(Ok(Bytes::from(prefix))).await.is_err() {
+            return;
+        }
         while let Some(ev) = rx.recv().await {
-            let text = match ev {
-                Event::Text(t) => {
-                    let choice = if chat {
-                        let mut d = json!({"content": t});
-                        if first {
-                            d["role"] = json!("assistant");
-                            first = false;
-                        }
-                        json!({"index": 0, "delta": d, "finish_reason": null})
-                    } else {
-                        json!({"index": 0, "text": t, "finish_reason": null, "logprobs": null})
-                    };
-                    chunk(choice, None)
-                }
-                Event::Done {
-                    finish,
-                    prompt_tokens,
-                    completion_tokens,
-                } => {
-                    let choice = if chat {
-                        json!({"index": 0, "delta": {}, "finish_reason": finish})
-                    } else {
-                        json!({"index": 0, "text": "", "finish_reason": finish, "logprobs": null})
-                    };
-                    let end = chunk(choice, None)
-                        + &chunk(json!(null), Some(usage(prompt_tokens, completion_tokens)))
-                        + "data: [DONE]\n\n";
-                    let _ = tx.send(Ok(Bytes::from(end))).await;
-                    return;
-                }
-                Event::Failed(m) => {
-                    let e = json!({"error": {"message": m, "type": "server_error", "param": null, "code": null}});
-                    let _ = tx.send(Ok(Bytes::from(format!("data: {e}\n\n")))).await;
-                    return;
-                }
-            };
-            if tx.send(Ok(Bytes::from(text))).await.is_err() {
+            let (text, last) = frame(ev);
+            if tx.send(Ok(Bytes::from(text))).await.is_err() || last {
                 return;
             }
         }
@@ -828,4 +869,208 @@ impl<T> futures_core::Stream for ReceiverStream<T> {
     ) -> std::task::Poll<Option<T>> {
         self.0.poll_recv(cx)
     }
+}
+
+/// `POST /v1/messages`: Anthropic's Messages API over the same generator.
+async fn messages(
+    State(s): State<Arc<Shared>>,
+    h: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let a = |e: ApiError| e.anthropic();
+    authorized(&s, &h).map_err(a)?;
+    let parsed = parse(&body).map_err(a)?;
+    let Some(obj) = parsed.as_object() else {
+        return Err(a(bad("the body must be a JSON object")));
+    };
+    const KNOWN: &[&str] = &[
+        "model",
+        "messages",
+        "system",
+        "max_tokens",
+        "stop_sequences",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stream",
+        "metadata",
+    ];
+    for k in obj.keys() {
+        if matches!(k.as_str(), "tools" | "tool_choice" | "thinking") {
+            return Err(a(bad(format!("`{k}` is not supported yet"))));
+        }
+        if !KNOWN.contains(&k.as_str()) {
+            return Err(a(bad(format!("unknown field `{k}`"))));
+        }
+    }
+    let Some(max_tokens) = obj
+        .get("max_tokens")
+        .and_then(|v| v.as_u64())
+        .filter(|&n| n > 0)
+    else {
+        return Err(a(bad("`max_tokens` (a positive integer) is required")));
+    };
+    // the shared settings, in OpenAI's names
+    let mut o = json!({"max_tokens": max_tokens});
+    for (from, to) in [
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("stream", "stream"),
+        ("stop_sequences", "stop"),
+    ] {
+        if let Some(v) = obj.get(from) {
+            o[to] = v.clone();
+        }
+    }
+    let set = settings(&o, COMMON).map_err(a)?;
+    if set.params.temperature > 1.0 {
+        return Err(a(bad("`temperature` is outside 0..1")));
+    }
+    let Some(t) = &s.template else {
+        return Err(a(bad("this model has no chat template")));
+    };
+    // Anthropic content: a string or text blocks; the system prompt apart
+    let text_of = |v: &Json, what: &str| -> Result<String, ApiError> {
+        match v {
+            Json::String(t) => Ok(t.clone()),
+            Json::Array(blocks) => blocks
+                .iter()
+                .map(|b| match (b["type"].as_str(), b["text"].as_str()) {
+                    (Some("text"), Some(t)) => Ok(t.to_string()),
+                    _ => Err(bad(format!("{what}: only text blocks are supported"))),
+                })
+                .collect(),
+            _ => Err(bad(format!(
+                "{what} must be a string or a list of text blocks"
+            ))),
+        }
+    };
+    let msg = |role: &str, content: String| {
+        minijinja::Value::from_pairs([
+            ("role", minijinja::Value::from(role)),
+            ("content", minijinja::Value::from(content)),
+        ])
+    };
+    let mut msgs = Vec::new();
+    if let Some(sys) = obj.get("system") {
+        msgs.push(msg("system", text_of(sys, "`system`").map_err(a)?));
+    }
+    let Some(list) = obj
+        .get("messages")
+        .and_then(|m| m.as_array())
+        .filter(|m| !m.is_empty())
+    else {
+        return Err(a(bad("`messages` must be a non-empty list")));
+    };
+    for m in list {
+        let role = m["role"]
+            .as_str()
+            .filter(|r| matches!(*r, "user" | "assistant"));
+        let Some(role) = role else {
+            return Err(a(bad("each message's `role` must be user or assistant")));
+        };
+        msgs.push(msg(role, text_of(&m["content"], "`content`").map_err(a)?));
+    }
+    let rendered = t
+        .render(&ChatInput {
+            messages: minijinja::Value::from(msgs),
+            tools: minijinja::Value::from(()),
+            add_generation_prompt: true,
+            ..Default::default()
+        })
+        .map_err(|e| a(bad(e.to_string())))?;
+    let prompt = s.tok.encode(&rendered).map_err(|e| a(bad(e.to_string())))?;
+    let prompt_tokens = prompt.len();
+    let mut rx = submit(&s, prompt, &set).map_err(a)?;
+    let id = format!("msg_{}", s.next_id.fetch_add(1, Ordering::Relaxed));
+    let model = s.opts.model_name.clone();
+    let reason = |finish: &str, matched: &Option<String>| match (finish, matched) {
+        (_, Some(_)) => "stop_sequence",
+        ("length", _) => "max_tokens",
+        _ => "end_turn",
+    };
+    if !set.stream {
+        let mut text = String::new();
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                Event::Text(t) => text += &t,
+                Event::Failed(m) => {
+                    return Err(a(error(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "server_error",
+                        m,
+                    )))
+                }
+                Event::Done {
+                    finish,
+                    matched,
+                    prompt_tokens,
+                    completion_tokens,
+                } => return Ok(axum::Json(json!({
+                    "id": id,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": model,
+                    "content": [{"type": "text", "text": text}],
+                    "stop_reason": reason(finish, &matched),
+                    "stop_sequence": matched,
+                    "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens},
+                }))
+                .into_response()),
+            }
+        }
+        return Err(a(error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "the generation ended without a result",
+        )));
+    }
+    let ev = |name: &str, data: Json| format!("event: {name}\ndata: {data}\n\n");
+    let prefix = ev(
+        "message_start",
+        json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}),
+    ) + &ev(
+        "content_block_start",
+        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+    );
+    let stream = sse(rx, prefix, move |e| match e {
+        Event::Text(t) => (
+            ev(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": t}}),
+            ),
+            false,
+        ),
+        Event::Done {
+            finish,
+            matched,
+            completion_tokens,
+            ..
+        } => (
+            ev(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": 0}),
+            ) + &ev(
+                "message_delta",
+                json!({"type": "message_delta", "delta": {"stop_reason": reason(finish, &matched), "stop_sequence": matched}, "usage": {"output_tokens": completion_tokens}}),
+            ) + &ev("message_stop", json!({"type": "message_stop"})),
+            true,
+        ),
+        Event::Failed(m) => (
+            ev(
+                "error",
+                json!({"type": "error", "error": {"type": "api_error", "message": m}}),
+            ),
+            true,
+        ),
+    });
+    Ok((
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        axum::body::Body::from_stream(stream),
+    )
+        .into_response())
 }
