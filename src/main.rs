@@ -174,6 +174,12 @@ enum Cmd {
         /// One process, routed experts in RAM, no workers.
         #[arg(long)]
         single_box: bool,
+        /// Then serve the OpenAI-compatible API on `--listen` until interrupted, printing a
+        /// `curl` line that works.
+        #[arg(long)]
+        serve: bool,
+        #[arg(long, default_value = "127.0.0.1:8080", requires = "serve")]
+        listen: String,
     },
     /// Single-box memory plan from metadata only: resident bytes, expert cache, expected disk
     /// traffic per token, predicted bottleneck. MODEL is a charm container, or a Hugging Face
@@ -647,7 +653,7 @@ fn cmd_evaluate(
     Ok(())
 }
 
-fn cmd_demo(single_box: bool) -> Result<()> {
+fn cmd_demo(single_box: bool, serve: Option<&str>) -> Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let bard = root.join("models/charm-bard-moe");
     if !bard.join("model.safetensors").is_file() {
@@ -760,6 +766,35 @@ fn cmd_demo(single_box: bool) -> Result<()> {
             bail!("the cluster changed the output");
         }
     }
+    if let Some(listen) = serve {
+        let addr: std::net::SocketAddr = listen
+            .parse()
+            .with_context(|| format!("--listen {listen}"))?;
+        let template = charm_coordinator::chat::ChatTemplate::from_dir(&bard)?;
+        let opts = charm_coordinator::gateway::GatewayOptions {
+            model_name: "charm-bard-moe".into(),
+            context: e.model.spec.max_position_embeddings.clamp(1, 4096),
+            ..Default::default()
+        };
+        let rt = tokio::runtime::Runtime::new()?;
+        let served = rt.block_on(charm_coordinator::gateway::serve(
+            e,
+            tok,
+            template,
+            addr,
+            opts,
+            |a| {
+                println!("serving the OpenAI-compatible API on http://{a} (Ctrl-C stops); try:");
+                println!(
+                    "curl http://{a}/v1/chat/completions -H 'Content-Type: application/json' -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Speak, Romeo.\"}}], \"max_tokens\": 60}}'"
+                );
+                use std::io::Write;
+                let _ = std::io::stdout().flush();
+            },
+        ));
+        drop(lb);
+        served.map_err(anyhow::Error::msg)?;
+    }
     Ok(())
 }
 
@@ -790,7 +825,10 @@ fn main() -> ExitCode {
     // hand-off per call (which costs more than a small matmul). Not a worker or a server: they
     // wait on the network for their whole life and compute from other threads, so they would
     // hold a pool thread idle.
-    let r = if matches!(cli.cmd, Cmd::Worker { .. } | Cmd::Serve { .. }) {
+    let r = if matches!(
+        cli.cmd,
+        Cmd::Worker { .. } | Cmd::Serve { .. } | Cmd::Demo { serve: true, .. }
+    ) {
         run(cli)
     } else {
         rayon::scope(|_| run(cli))
@@ -877,7 +915,11 @@ fn run(cli: Cli) -> Result<()> {
             activations.into(),
             &store,
         ),
-        Cmd::Demo { single_box } => cmd_demo(single_box),
+        Cmd::Demo {
+            single_box,
+            serve,
+            listen,
+        } => cmd_demo(single_box, serve.then_some(listen.as_str())),
         Cmd::Plan {
             model,
             json,

@@ -503,3 +503,48 @@ fn the_official_python_clients_drive_the_server() {
     assert!(o.status.success() && out.trim() == "ok", "{out}\n{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn the_demo_serves_and_its_curl_line_works() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_charm"))
+        .args(["demo", "--serve", "--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let (mut curl, mut seen) = (String::new(), String::new());
+    while curl.is_empty() {
+        let mut line = String::new();
+        if out.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        seen += &line;
+        if line.starts_with("curl ") {
+            curl = line.trim().to_string();
+        }
+    }
+    assert!(!curl.is_empty(), "no curl line in: {seen}");
+    assert!(seen.contains("the same tokens"), "{seen}");
+    // the line's request as curl sends it: its URL and its -d body
+    let url = curl.split_whitespace().nth(1).unwrap();
+    let rest = url.strip_prefix("http://").unwrap();
+    let (addr, path) = rest.split_at(rest.find('/').unwrap());
+    let body = curl.split(" -d '").nth(1).unwrap().trim_end_matches('\'');
+    let s = Server {
+        child,
+        addr: addr.to_string(),
+    };
+    let r = http(
+        &s.addr,
+        "POST",
+        path,
+        &[("Content-Type", "application/json")],
+        body.as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert!(!r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .is_empty());
+}
