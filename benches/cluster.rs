@@ -243,6 +243,7 @@ fn decode(e: &Engine, prompt: &[u32], tokens: usize) -> Run {
             top_k: 0,
             top_p: 1.0,
             seed: 1,
+            ..Default::default()
         }),
         &[],
         ForwardOptions::default(),

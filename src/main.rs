@@ -718,6 +718,7 @@ fn cmd_demo(single_box: bool, serve: Option<&str>) -> Result<()> {
         top_k: 40,
         top_p: 0.95,
         seed: 7,
+        ..Default::default()
     };
     let run = |m: &Model| {
         generate(
@@ -876,6 +877,7 @@ fn run(cli: Cli) -> Result<()> {
                 top_k,
                 top_p,
                 seed,
+                ..Default::default()
             },
             stop_at_eos,
             json,

@@ -337,6 +337,7 @@ fn decode(e: &Engine, prompt: &[u32], n: usize, mut between: impl FnMut(usize)) 
         top_k: 0,
         top_p: 1.0,
         seed: 0,
+        ..Default::default()
     });
     let normed = m
         .forward(prompt, &mut cache, ForwardOptions::default(), None)
@@ -396,6 +397,7 @@ fn a_worker_killed_mid_generation_changes_no_token_and_rejoins_after_a_restart()
             top_k: 0,
             top_p: 1.0,
             seed: 0,
+            ..Default::default()
         }),
         &[],
         ForwardOptions::default(),

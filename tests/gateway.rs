@@ -278,9 +278,9 @@ fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
         "unknown field `colour`",
     );
     err(
-        &post(&s.addr, c, &json!({"prompt": "x", "logprobs": 3})),
+        &post(&s.addr, c, &json!({"prompt": "x", "logprobs": 30})),
         400,
-        "logprobs",
+        "at most 20",
     );
     err(
         &post(&s.addr, c, &json!({"prompt": "x", "n": 2})),
@@ -547,4 +547,115 @@ fn the_demo_serves_and_its_curl_line_works() {
         .as_str()
         .unwrap()
         .is_empty());
+}
+
+/// The library's greedy decode of `prompt` with `pen` applied before each choice.
+fn penalized_text(prompt: &str, n: usize, pen: charm_coordinator::sampling::Penalties) -> String {
+    use charm_coordinator::cache::KvCache;
+    let e = Engine::load(&demo(), &EngineOptions::default()).unwrap();
+    let tok = TextTokenizer::load(&demo()).unwrap();
+    let m = &e.model;
+    let p = tok.encode(prompt).unwrap();
+    let h = m.spec.hidden_size;
+    let mut cache = KvCache::new(&m.spec);
+    let mut s = Sampler::new(SamplingParams::default());
+    let normed = m
+        .forward(&p, &mut cache, ForwardOptions::default(), None)
+        .unwrap();
+    let mut logits = m.logits(&normed[(p.len() - 1) * h..], 1).unwrap();
+    let mut ids = Vec::new();
+    loop {
+        pen.apply(&mut logits, &p, &ids);
+        let t = s.sample(&logits);
+        if m.spec.eos_token_ids.contains(&t) {
+            break;
+        }
+        ids.push(t);
+        if ids.len() == n {
+            break;
+        }
+        let normed = m
+            .forward(&[t], &mut cache, ForwardOptions::default(), None)
+            .unwrap();
+        logits = m.logits(&normed, 1).unwrap();
+    }
+    tok.decode(&ids).unwrap()
+}
+
+#[test]
+fn penalties_min_p_and_logprobs_behave_as_defined() {
+    let s = Server::start(&[]);
+    let pen = charm_coordinator::sampling::Penalties {
+        presence: 1.5,
+        frequency: 0.5,
+        repetition: 1.3,
+    };
+    let want = penalized_text("ROMEO. ", 30, pen);
+    assert_ne!(
+        want,
+        greedy_text("ROMEO. ", 30),
+        "the penalties change nothing here"
+    );
+    let v = post(
+        &s.addr,
+        "/v1/completions",
+        &json!({"prompt": "ROMEO. ", "max_tokens": 30, "temperature": 0, "presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3}),
+    )
+    .json();
+    assert_eq!(v["choices"][0]["text"], want.as_str());
+
+    // chat logprobs: one entry per token, the greedy choice on top, alternatives descending
+    let v = post(
+        &s.addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Speak."}], "max_tokens": 12, "temperature": 0, "logprobs": true, "top_logprobs": 3}),
+    )
+    .json();
+    let c = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(
+        c.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    for e in c {
+        let lp = e["logprob"].as_f64().unwrap();
+        let top: Vec<f64> = e["top_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["logprob"].as_f64().unwrap())
+            .collect();
+        assert_eq!(top.len(), 3);
+        assert!(lp <= 0.0 && (lp - top[0]).abs() < 1e-6, "{e}");
+        assert!(top.windows(2).all(|w| w[0] >= w[1]), "{e}");
+    }
+    // completions' shape
+    let v = post(
+        &s.addr,
+        "/v1/completions",
+        &json!({"prompt": "ROMEO. ", "max_tokens": 5, "temperature": 0, "logprobs": 2}),
+    )
+    .json();
+    let l = &v["choices"][0]["logprobs"];
+    assert_eq!(l["tokens"].as_array().unwrap().len(), 5);
+    assert_eq!(l["token_logprobs"].as_array().unwrap().len(), 5);
+    assert_eq!(l["top_logprobs"][0].as_object().unwrap().len(), 2);
+    assert_eq!(l["text_offset"][0], 0);
+
+    // min_p 1.0 keeps only the most likely token: greedy, whatever the temperature
+    let v = post(
+        &s.addr,
+        "/v1/completions",
+        &json!({"prompt": "ROMEO. ", "max_tokens": 20, "temperature": 1.5, "min_p": 1.0, "seed": 5}),
+    )
+    .json();
+    assert_eq!(v["choices"][0]["text"], greedy_text("ROMEO. ", 20).as_str());
+    for bad in [
+        json!({"prompt": "x", "min_p": 2}),
+        json!({"prompt": "x", "presence_penalty": 3}),
+        json!({"prompt": "x", "repetition_penalty": 0}),
+        json!({"prompt": "x", "logprobs": 50}),
+        json!({"prompt": "x", "logprobs": 1, "stream": true}),
+    ] {
+        assert_eq!(post(&s.addr, "/v1/completions", &bad).status, 400, "{bad}");
+    }
 }

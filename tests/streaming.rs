@@ -39,6 +39,7 @@ fn greedy(m: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
         top_k: 0,
         top_p: 1.0,
         seed: 0,
+        ..Default::default()
     };
     generate(
         m,

@@ -30,7 +30,7 @@ use crate::cache::KvCache;
 use crate::chat::{drop_null_keys, ChatInput, ChatTemplate};
 use crate::engine::Engine;
 use crate::forward::ForwardOptions;
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{logprobs, Penalties, Sampler, SamplingParams};
 use crate::tokenizer::TextTokenizer;
 
 /// How the gateway serves.
@@ -68,6 +68,10 @@ enum Event {
         finish: &'static str,
         /// The stop string that ended it, if one did.
         matched: Option<String>,
+        /// Per generated token, when asked: the token, its log probability and the most likely
+        /// alternatives with theirs (of the model's distribution, before penalties and
+        /// temperature).
+        logprobs: Vec<(u32, f32, Vec<(u32, f32)>)>,
         prompt_tokens: usize,
         completion_tokens: usize,
     },
@@ -79,6 +83,9 @@ struct Job {
     prompt: Vec<u32>,
     max_tokens: usize,
     params: SamplingParams,
+    penalties: Penalties,
+    /// Log probabilities to report: of the chosen token and this many alternatives.
+    logprobs: Option<usize>,
     stop: Vec<String>,
     tx: mpsc::UnboundedSender<Event>,
     queued: Instant,
@@ -277,7 +284,18 @@ fn generate(e: &Engine, tok: &TextTokenizer, job: &Job, metrics: &Metrics) -> Re
     let logits = m
         .logits(&normed[(job.prompt.len() - 1) * h..], 1)
         .map_err(|e| e.to_string())?;
-    let mut next = sampler.sample(&logits);
+    let mut lps = Vec::new();
+    let mut pick = |mut logits: Vec<f32>, ids: &[u32], lps: &mut Vec<_>| {
+        let raw = job.logprobs.map(|_| logits.clone());
+        job.penalties.apply(&mut logits, &job.prompt, ids);
+        let t = sampler.sample(&logits);
+        if let (Some(top), Some(raw)) = (job.logprobs, raw) {
+            let (lp, alt) = logprobs(&raw, t, top);
+            lps.push((t, lp, alt));
+        }
+        t
+    };
+    let mut next = pick(logits, &[], &mut lps);
     let ttft = job.queued.elapsed();
     metrics
         .ttft_us
@@ -295,9 +313,11 @@ fn generate(e: &Engine, tok: &TextTokenizer, job: &Job, metrics: &Metrics) -> Re
             if at > sent {
                 let _ = job.tx.send(Event::Text(text[sent..at].to_string()));
             }
+            lps.truncate(ids.len());
             let _ = job.tx.send(Event::Done {
                 finish: "stop",
                 matched: Some(job.stop[which].clone()),
+                logprobs: lps,
                 prompt_tokens: job.prompt.len(),
                 completion_tokens: ids.len(),
             });
@@ -331,7 +351,7 @@ fn generate(e: &Engine, tok: &TextTokenizer, job: &Job, metrics: &Metrics) -> Re
             .forward(&[next], &mut cache, opts, None)
             .map_err(|e| e.to_string())?;
         let logits = m.logits(&normed, 1).map_err(|e| e.to_string())?;
-        next = sampler.sample(&logits);
+        next = pick(logits, &ids, &mut lps);
     };
     metrics
         .decode_us
@@ -340,9 +360,12 @@ fn generate(e: &Engine, tok: &TextTokenizer, job: &Job, metrics: &Metrics) -> Re
     if text.len() > sent {
         let _ = job.tx.send(Event::Text(text[sent..].to_string()));
     }
+    // (a token ended by the end-of-sequence id is not part of the completion)
+    lps.truncate(ids.len());
     let _ = job.tx.send(Event::Done {
         finish,
         matched: None,
+        logprobs: lps,
         prompt_tokens: job.prompt.len(),
         completion_tokens: ids.len(),
     });
@@ -463,6 +486,8 @@ async fn models(State(s): State<Arc<Shared>>, h: HeaderMap) -> Result<Response, 
 /// The sampling and length settings every generation endpoint shares, validated.
 struct Settings {
     params: SamplingParams,
+    penalties: Penalties,
+    logprobs: Option<usize>,
     max_tokens: Option<usize>,
     stop: Vec<String>,
     stream: bool,
@@ -510,16 +535,40 @@ fn settings(body: &Json, known: &[&str]) -> Result<Settings, ApiError> {
                 .ok_or_else(|| bad(format!("`{k}` must be a non-negative integer"))),
         }
     };
-    for k in ["presence_penalty", "frequency_penalty"] {
-        if num(k)?.is_some_and(|v| v != 0.0) {
-            return Err(bad(format!("`{k}` is not supported yet (only 0)")));
+    let mut penalties = Penalties::default();
+    for (k, slot) in [
+        ("presence_penalty", &mut penalties.presence),
+        ("frequency_penalty", &mut penalties.frequency),
+    ] {
+        if let Some(v) = num(k)? {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(bad(format!("`{k}` {v} is outside -2..2")));
+            }
+            *slot = v as f32;
         }
     }
-    if obj
-        .get("logprobs")
-        .is_some_and(|v| !v.is_null() && v != &json!(false))
-    {
-        return Err(bad("`logprobs` is not supported yet"));
+    if let Some(v) = num("repetition_penalty")? {
+        if !(v > 0.0 && v <= 10.0) {
+            return Err(bad(format!("`repetition_penalty` {v} is outside (0, 10]")));
+        }
+        penalties.repetition = v as f32;
+    }
+    let min_p = num("min_p")?.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(bad(format!("`min_p` {min_p} is outside 0..1")));
+    }
+    // chat: `logprobs: true` with `top_logprobs: N`; completions: `logprobs: N`
+    let logprobs = match obj.get("logprobs") {
+        None | Some(Json::Null) | Some(Json::Bool(false)) => None,
+        Some(Json::Bool(true)) => Some(int("top_logprobs")?.unwrap_or(0) as usize),
+        Some(v) => Some(
+            v.as_u64()
+                .ok_or_else(|| bad("`logprobs` must be true/false or a count"))?
+                as usize,
+        ),
+    };
+    if logprobs.is_some_and(|n| n > 20) {
+        return Err(bad("at most 20 alternatives (`top_logprobs`)"));
     }
     if obj.get("echo").is_some_and(|v| v == &json!(true)) {
         return Err(bad("`echo` is not supported"));
@@ -557,13 +606,19 @@ fn settings(body: &Json, known: &[&str]) -> Result<Settings, ApiError> {
         Some(Json::Bool(b)) => *b,
         Some(_) => return Err(bad("`stream` must be true or false")),
     };
+    if logprobs.is_some() && stream {
+        return Err(bad("`logprobs` with `stream` is not supported yet"));
+    }
     Ok(Settings {
         params: SamplingParams {
             temperature: temperature as f32,
             top_k: int("top_k")?.unwrap_or(0) as usize,
             top_p: top_p as f32,
             seed: int("seed")?.unwrap_or(0),
+            min_p: min_p as f32,
         },
+        penalties,
+        logprobs,
         max_tokens: max_tokens.map(|n| n as usize),
         stop,
         stream,
@@ -584,7 +639,10 @@ const COMMON: &[&str] = &[
     "user",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
     "logprobs",
+    "top_logprobs",
     "echo",
 ];
 
@@ -699,6 +757,8 @@ fn submit(
         prompt,
         max_tokens,
         params: set.params,
+        penalties: set.penalties,
+        logprobs: set.logprobs,
         stop: set.stop.clone(),
         tx,
         queued: Instant::now(),
@@ -751,12 +811,17 @@ async fn run(
                     finish,
                     prompt_tokens,
                     completion_tokens,
+                    logprobs,
                     ..
                 } => {
+                    let lp = set
+                        .logprobs
+                        .map(|_| logprobs_json(&s.tok, &logprobs, chat))
+                        .unwrap_or(Json::Null);
                     let choice = if chat {
-                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": null})
+                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": lp})
                     } else {
-                        json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null})
+                        json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": lp})
                     };
                     return Ok(axum::Json(json!({
                         "id": id,
@@ -833,6 +898,41 @@ async fn run(
         axum::body::Body::from_stream(stream),
     )
         .into_response())
+}
+
+/// Log probabilities in OpenAI's shapes: chat's `{"content": [{token, logprob, bytes,
+/// top_logprobs}]}`, completions' `{tokens, token_logprobs, top_logprobs, text_offset}`.
+fn logprobs_json(tok: &TextTokenizer, lps: &[(u32, f32, Vec<(u32, f32)>)], chat: bool) -> Json {
+    let text = |t: u32| tok.decode(&[t]).unwrap_or_default();
+    if chat {
+        let entry = |t: u32, lp: f32| {
+            let s = text(t);
+            json!({"token": s, "logprob": lp, "bytes": s.as_bytes()})
+        };
+        json!({"content": lps.iter().map(|(t, lp, alt)| {
+            let mut e = entry(*t, *lp);
+            e["top_logprobs"] = alt.iter().map(|(a, l)| entry(*a, *l)).collect();
+            e
+        }).collect::<Vec<_>>()})
+    } else {
+        let mut offset = 0;
+        let offsets: Vec<usize> = lps
+            .iter()
+            .map(|(t, _, _)| {
+                let o = offset;
+                offset += text(*t).len();
+                o
+            })
+            .collect();
+        json!({
+            "tokens": lps.iter().map(|(t, _, _)| text(*t)).collect::<Vec<_>>(),
+            "token_logprobs": lps.iter().map(|(_, lp, _)| *lp).collect::<Vec<_>>(),
+            "top_logprobs": lps.iter().map(|(_, _, alt)| {
+                alt.iter().map(|(a, l)| (text(*a), json!(l))).collect::<serde_json::Map<_, _>>()
+            }).collect::<Vec<_>>(),
+            "text_offset": offsets,
+        })
+    }
 }
 
 /// A server-sent event stream: `prefix`, then `frame(event)` for each event of a generation
@@ -1007,6 +1107,7 @@ async fn messages(
                     matched,
                     prompt_tokens,
                     completion_tokens,
+                    ..
                 } => return Ok(axum::Json(json!({
                     "id": id,
                     "type": "message",

@@ -10,6 +10,8 @@ pub struct SamplingParams {
     /// 1.0 = no limit.
     pub top_p: f32,
     pub seed: u64,
+    /// Drop tokens whose probability is below `min_p` times the most likely one's (0 = off).
+    pub min_p: f32,
 }
 
 impl Default for SamplingParams {
@@ -19,8 +21,95 @@ impl Default for SamplingParams {
             top_k: 0,
             top_p: 1.0,
             seed: 0,
+            min_p: 0.0,
         }
     }
+}
+
+/// Penalties on tokens already seen, applied to the logits before sampling.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Penalties {
+    /// OpenAI's: subtracted once from every token the completion already holds.
+    pub presence: f32,
+    /// OpenAI's: subtracted per occurrence in the completion.
+    pub frequency: f32,
+    /// The CTRL / transformers penalty over prompt and completion: positive logits divided by
+    /// it, negative ones multiplied (1 = off).
+    pub repetition: f32,
+}
+
+impl Default for Penalties {
+    fn default() -> Self {
+        Self {
+            presence: 0.0,
+            frequency: 0.0,
+            repetition: 1.0,
+        }
+    }
+}
+
+impl Penalties {
+    /// Whether any penalty applies.
+    pub fn active(&self) -> bool {
+        *self != Self::default()
+    }
+
+    /// Applies the penalties to `logits` given the `prompt` and the `completion` so far.
+    pub fn apply(&self, logits: &mut [f32], prompt: &[u32], completion: &[u32]) {
+        if !self.active() {
+            return;
+        }
+        let mut counts = std::collections::HashMap::<u32, u32>::new();
+        for &t in completion {
+            *counts.entry(t).or_insert(0) += 1;
+        }
+        if self.repetition != 1.0 {
+            let seen: std::collections::HashSet<u32> =
+                prompt.iter().chain(completion).copied().collect();
+            for t in seen {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 {
+                        *l / self.repetition
+                    } else {
+                        *l * self.repetition
+                    };
+                }
+            }
+        }
+        for (t, n) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= self.presence + self.frequency * n as f32;
+            }
+        }
+    }
+}
+
+/// `ln softmax(logits)[i]` for each of `ids`, and the `top` most likely tokens with theirs.
+pub fn logprobs(logits: &[f32], id: u32, top: usize) -> (f32, Vec<(u32, f32)>) {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = m + logits.iter().map(|&l| (l - m).exp()).sum::<f32>().ln();
+    let lp = |i: usize| logits[i] - lse;
+    let mut best: Vec<u32> = Vec::new();
+    if top > 0 {
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        let k = top.min(idx.len());
+        idx.select_nth_unstable_by(k - 1, |&a, &b| {
+            logits[b as usize]
+                .total_cmp(&logits[a as usize])
+                .then(a.cmp(&b))
+        });
+        idx.truncate(k);
+        idx.sort_by(|&a, &b| {
+            logits[b as usize]
+                .total_cmp(&logits[a as usize])
+                .then(a.cmp(&b))
+        });
+        best = idx;
+    }
+    (
+        lp(id as usize),
+        best.into_iter().map(|t| (t, lp(t as usize))).collect(),
+    )
 }
 
 /// A sampler with its own random state (splitmix64).
@@ -70,6 +159,14 @@ impl Sampler {
             .collect();
         let s: f32 = probs.iter().sum();
         probs.iter_mut().for_each(|x| *x /= s);
+        if p.min_p > 0.0 {
+            // probs are sorted, most likely first
+            let floor = probs[0] * p.min_p;
+            let keep = probs.iter().take_while(|&&q| q >= floor).count().max(1);
+            probs.truncate(keep);
+            let s: f32 = probs.iter().sum();
+            probs.iter_mut().for_each(|x| *x /= s);
+        }
         if p.top_p < 1.0 {
             let mut c = 0.0;
             let mut keep = probs.len();
@@ -120,6 +217,7 @@ mod tests {
             top_k: 2,
             top_p: 1.0,
             seed: 7,
+            ..Default::default()
         };
         let a: Vec<u32> = {
             let mut s = Sampler::new(p);
@@ -132,5 +230,48 @@ mod tests {
         assert_eq!(a, b);
         assert!(a.iter().all(|&t| t == 1 || t == 2));
         assert!(a.contains(&1) && a.contains(&2));
+        // min_p 0.5: token 2 (e^-0.1 of token 1) stays, nothing else
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            min_p: 0.5,
+            seed: 3,
+            ..Default::default()
+        });
+        assert!((0..50).all(|_| matches!(s.sample(&l), 1 | 2)));
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            min_p: 0.95,
+            seed: 3,
+            ..Default::default()
+        });
+        assert!((0..50).all(|_| s.sample(&l) == 1));
+    }
+
+    #[test]
+    fn penalties_follow_their_definitions() {
+        let mut l = vec![2.0, -1.0, 0.5, 1.0];
+        Penalties {
+            presence: 0.5,
+            frequency: 0.25,
+            repetition: 2.0,
+        }
+        .apply(&mut l, &[3], &[0, 0, 1]);
+        // token 0: /2 then -(0.5 + 2*0.25); token 1: *2 then -(0.5 + 0.25); token 3 (prompt): /2
+        assert_eq!(l, vec![0.0, -2.75, 0.5, 0.5]);
+        let mut same = vec![2.0, -1.0];
+        Penalties::default().apply(&mut same, &[0], &[0, 1]);
+        assert_eq!(same, vec![2.0, -1.0]);
+    }
+
+    #[test]
+    fn logprobs_are_log_softmax_with_the_top_tokens() {
+        let l = [1.0f32, 3.0, 2.0, 3.0];
+        let (lp, top) = logprobs(&l, 2, 3);
+        let z: f32 = l.iter().map(|x| x.exp()).sum();
+        assert!((lp - (2f32.exp() / z).ln()).abs() < 1e-6);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3, 2]);
+        let mass: f32 = top.iter().map(|t| t.1.exp()).sum();
+        assert!((mass - (2.0 * 3f32.exp() + 2f32.exp()) / z).abs() < 1e-6);
+        assert!(logprobs(&l, 0, 0).1.is_empty());
     }
 }
