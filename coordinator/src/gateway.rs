@@ -60,6 +60,9 @@ impl Default for GatewayOptions {
     }
 }
 
+/// A generated token, its log probability, and the most likely alternatives with theirs.
+type TokenLogprob = (u32, f32, Vec<(u32, f32)>);
+
 /// What a generation sends back as it runs.
 #[derive(Debug)]
 enum Event {
@@ -71,7 +74,7 @@ enum Event {
         /// Per generated token, when asked: the token, its log probability and the most likely
         /// alternatives with theirs (of the model's distribution, before penalties and
         /// temperature).
-        logprobs: Vec<(u32, f32, Vec<(u32, f32)>)>,
+        logprobs: Vec<TokenLogprob>,
         prompt_tokens: usize,
         completion_tokens: usize,
     },
@@ -902,7 +905,7 @@ async fn run(
 
 /// Log probabilities in OpenAI's shapes: chat's `{"content": [{token, logprob, bytes,
 /// top_logprobs}]}`, completions' `{tokens, token_logprobs, top_logprobs, text_offset}`.
-fn logprobs_json(tok: &TextTokenizer, lps: &[(u32, f32, Vec<(u32, f32)>)], chat: bool) -> Json {
+fn logprobs_json(tok: &TextTokenizer, lps: &[TokenLogprob], chat: bool) -> Json {
     let text = |t: u32| tok.decode(&[t]).unwrap_or_default();
     if chat {
         let entry = |t: u32, lp: f32| {
