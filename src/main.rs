@@ -23,6 +23,7 @@ use charm_shared::quant::Activations;
 use clap::{Parser, Subcommand, ValueEnum};
 use single_box::StoreArgs;
 
+mod chat_cli;
 mod cluster_cli;
 mod single_box;
 
@@ -289,6 +290,32 @@ enum Cmd {
         /// Requests that may wait beyond the running one (more get 429).
         #[arg(long, default_value_t = 16)]
         queue: usize,
+        #[arg(long, value_enum, default_value = "f32")]
+        activations: Act,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// A conversation in the terminal with a model (--model) or a running server (--url):
+    /// answers stream as they are generated, then a line of speed. `/reset` forgets the
+    /// conversation, `/quit` leaves.
+    Chat {
+        #[arg(long, required_unless_present = "url", conflicts_with = "url")]
+        model: Option<PathBuf>,
+        /// An OpenAI-compatible server, e.g. http://127.0.0.1:8080.
+        #[arg(long)]
+        url: Option<String>,
+        /// File holding the server's API key.
+        #[arg(long, requires = "url")]
+        api_key_file: Option<PathBuf>,
+        #[arg(long, default_value_t = 256)]
+        max_tokens: usize,
+        /// 0 = greedy.
+        #[arg(long, default_value_t = 0.8)]
+        temperature: f32,
+        #[arg(long, default_value_t = 0.95)]
+        top_p: f32,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
         #[arg(long, value_enum, default_value = "f32")]
         activations: Act,
         #[command(flatten)]
@@ -1016,6 +1043,52 @@ fn run(cli: Cli) -> Result<()> {
             activations.into(),
             &store,
         ),
+        Cmd::Chat {
+            model,
+            url,
+            api_key_file,
+            max_tokens,
+            temperature,
+            top_p,
+            seed,
+            activations,
+            store,
+        } => {
+            if !(temperature >= 0.0 && temperature.is_finite()) {
+                bail!("--temperature must be >= 0");
+            }
+            if !(top_p > 0.0 && top_p <= 1.0) {
+                bail!("--top-p must be in (0, 1]");
+            }
+            if max_tokens == 0 {
+                bail!("--max-tokens must be at least 1");
+            }
+            let set = chat_cli::ChatSettings {
+                params: SamplingParams {
+                    temperature,
+                    top_p,
+                    seed,
+                    ..Default::default()
+                },
+                max_tokens,
+            };
+            match (model, url) {
+                (Some(m), _) => chat_cli::chat_local(&m, &store, activations.into(), set),
+                (None, Some(u)) => {
+                    let key = match api_key_file {
+                        Some(f) => Some(
+                            std::fs::read_to_string(&f)
+                                .with_context(|| format!("--api-key-file {}", f.display()))?
+                                .trim()
+                                .to_string(),
+                        ),
+                        None => None,
+                    };
+                    chat_cli::chat_remote(&u, key.as_deref(), set)
+                }
+                (None, None) => bail!("give --model or --url"),
+            }
+        }
         Cmd::Cluster { cmd } => match cmd {
             ClusterCmd::Init { out, nodes } => cluster_cli::cmd_cluster_init(&out, &nodes),
             ClusterCmd::Status { model, json, store } => {

@@ -669,3 +669,59 @@ fn penalties_min_p_and_logprobs_behave_as_defined() {
         assert_eq!(post(&s.addr, "/v1/completions", &bad).status, 400, "{bad}");
     }
 }
+
+/// `charm chat ARGS` with `input` on standard input: its standard output.
+fn chat(args: &[&str], input: &str) -> String {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_charm"))
+        .arg("chat")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    c.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    let o = c.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap()
+}
+
+#[test]
+fn charm_chat_talks_to_a_local_model_and_to_a_server_alike() {
+    let s = Server::start(&[]);
+    let answer = |msgs: Value| {
+        post(
+            &s.addr,
+            "/v1/chat/completions",
+            &json!({"messages": msgs, "max_tokens": 16, "temperature": 0}),
+        )
+        .json()["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let first = answer(json!([{"role": "user", "content": "Speak, Romeo."}]));
+    let second_alone = answer(json!([{"role": "user", "content": "Who art thou?"}]));
+    let second_after = answer(json!([
+        {"role": "user", "content": "Speak, Romeo."},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "Who art thou?"}
+    ]));
+    assert_ne!(second_alone, second_after, "the history changes nothing here");
+    let common = ["--max-tokens", "16", "--temperature", "0"];
+    let model = demo();
+    let local = [&["--model", model.to_str().unwrap()][..], &common].concat();
+    let url = format!("http://{}", s.addr);
+    let remote = [&["--url", url.as_str()][..], &common].concat();
+    for args in [&local, &remote] {
+        // two turns: the second sees the first
+        let out = chat(args, "Speak, Romeo.\nWho art thou?\n");
+        assert!(out.contains(&format!("> {first}\n[")), "{out}");
+        assert!(out.contains(&format!("> {second_after}\n[")), "{out}");
+        assert!(out.contains("tokens,") && out.contains("tok/s"), "{out}");
+        // /reset forgets
+        let out = chat(args, "Speak, Romeo.\n/reset\nWho art thou?\n/quit\n");
+        assert!(out.contains("(conversation cleared)"), "{out}");
+        assert!(out.contains(&format!("> {second_alone}\n[")), "{out}");
+    }
+}
