@@ -255,7 +255,7 @@ pub fn cmd_serve(
     listen: &str,
     api_key_file: Option<&Path>,
     name: Option<String>,
-    queue: usize,
+    (queue, parallel): (usize, usize),
     act: Activations,
     args: &StoreArgs,
 ) -> Result<()> {
@@ -305,6 +305,7 @@ pub fn cmd_serve(
         }),
         api_key,
         queue: queue.max(1),
+        max_active: parallel.max(1),
         context,
         ..Default::default()
     };

@@ -287,9 +287,12 @@ enum Cmd {
         /// The model's name in the API (default: the model directory's name).
         #[arg(long)]
         name: Option<String>,
-        /// Requests that may wait beyond the running one (more get 429).
+        /// Requests that may wait beyond the running ones (more get 429).
         #[arg(long, default_value_t = 16)]
         queue: usize,
+        /// Generations running at once, interleaved step by step.
+        #[arg(long, default_value_t = 4)]
+        parallel: usize,
         #[arg(long, value_enum, default_value = "f32")]
         activations: Act,
         #[command(flatten)]
@@ -1032,6 +1035,7 @@ fn run(cli: Cli) -> Result<()> {
             api_key_file,
             name,
             queue,
+            parallel,
             activations,
             store,
         } => cluster_cli::cmd_serve(
@@ -1039,7 +1043,7 @@ fn run(cli: Cli) -> Result<()> {
             &listen,
             api_key_file.as_deref(),
             name,
-            queue,
+            (queue, parallel),
             activations.into(),
             &store,
         ),

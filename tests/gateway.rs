@@ -366,7 +366,7 @@ fn metric(addr: &str, name: &str) -> f64 {
 
 #[test]
 fn a_flood_gets_429_and_a_client_that_leaves_stops_its_generation() {
-    let s = Server::start(&["--queue", "1"]);
+    let s = Server::start(&["--queue", "1", "--parallel", "1"]);
     // one running, one waiting, the rest refused
     let addr = s.addr.clone();
     let replies: Vec<Reply> = std::thread::scope(|sc| {
@@ -707,7 +707,10 @@ fn charm_chat_talks_to_a_local_model_and_to_a_server_alike() {
         {"role": "assistant", "content": first},
         {"role": "user", "content": "Who art thou?"}
     ]));
-    assert_ne!(second_alone, second_after, "the history changes nothing here");
+    assert_ne!(
+        second_alone, second_after,
+        "the history changes nothing here"
+    );
     let common = ["--max-tokens", "16", "--temperature", "0"];
     let model = demo();
     let local = [&["--model", model.to_str().unwrap()][..], &common].concat();
@@ -724,4 +727,47 @@ fn charm_chat_talks_to_a_local_model_and_to_a_server_alike() {
         assert!(out.contains("(conversation cleared)"), "{out}");
         assert!(out.contains(&format!("> {second_alone}\n[")), "{out}");
     }
+}
+
+#[test]
+fn concurrent_requests_answer_exactly_as_one_at_a_time() {
+    let s = Server::start(&["--parallel", "4"]);
+    let prompts = ["ROMEO. ", "JULIET.\n", "KING. What", "Enter a"];
+    let ask = |p: &str, n: u64| json!({"prompt": p, "max_tokens": n, "temperature": 0.7, "seed": 11, "stream": true});
+    let text = |r: Reply| -> String {
+        events(&r.body)
+            .iter()
+            .filter(|e| *e != "[DONE]")
+            .filter_map(|e| {
+                serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"]
+                    .as_str()
+                    .map(String::from)
+            })
+            .collect()
+    };
+    // lengths differ so that sequences join and leave while others run
+    let lens = [60u64, 20, 45, 5];
+    let alone: Vec<String> = prompts
+        .iter()
+        .zip(lens)
+        .map(|(p, n)| text(post(&s.addr, "/v1/completions", &ask(p, n))))
+        .collect();
+    let addr = s.addr.clone();
+    let together: Vec<String> = std::thread::scope(|sc| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .zip(lens)
+            .map(|(p, n)| {
+                let (a, b) = (addr.clone(), ask(p, n));
+                sc.spawn(move || text(post(&a, "/v1/completions", &b)))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(together, alone);
+    assert!(alone.iter().all(|t| !t.is_empty()));
+    assert!(
+        metric(&s.addr, "charm_batch_size_peak") >= 2.0,
+        "the requests never ran together"
+    );
 }

@@ -8,9 +8,11 @@
 //!   without one is refused. Bodies are limited in size; a prompt that does not fit the context
 //!   is a 400 naming both numbers; fields charm does not support are a 400 naming them; errors
 //!   come in OpenAI's error shape.
-//! - One generation runs at a time, in arrival order, from a bounded queue (full: 429 with
-//!   `Retry-After`). A client that goes away cancels its generation and frees its KV cache.
-//!   (Continuous batching of several sequences per step is not built yet.)
+//! - Up to `max_active` generations run interleaved, one forward step each per round, joining
+//!   and leaving at every round; more wait in a bounded queue (full: 429 with `Retry-After`). A
+//!   client that goes away cancels its generation and frees its KV cache. (Their steps are not
+//!   yet one batched forward pass with each layer's experts run once for all: that is continuous
+//!   batching proper, not built yet.)
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -46,6 +48,8 @@ pub struct GatewayOptions {
     pub queue: usize,
     /// Tokens of context a request may use (prompt plus completion).
     pub context: usize,
+    /// Generations running at once (interleaved step by step).
+    pub max_active: usize,
 }
 
 impl Default for GatewayOptions {
@@ -56,6 +60,7 @@ impl Default for GatewayOptions {
             max_body_bytes: 4 << 20,
             queue: 16,
             context: 4096,
+            max_active: 4,
         }
     }
 }
@@ -100,6 +105,9 @@ struct Metrics {
     rejected: AtomicU64,
     tokens: AtomicU64,
     queued: AtomicU64,
+    /// Sequences running now, and the most there were at once.
+    active: AtomicU64,
+    active_peak: AtomicU64,
     ttft_us: AtomicU64,
     ttft_n: AtomicU64,
     decode_us: AtomicU64,
@@ -216,6 +224,7 @@ pub async fn serve(
         ));
     }
     let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(opts.queue);
+    let max_active = opts.max_active.max(1);
     let metrics = Arc::new(Metrics::default());
     let tok = Arc::new(tok);
     let remote = engine.remote.clone();
@@ -223,7 +232,7 @@ pub async fn serve(
         let (tok, metrics) = (tok.clone(), metrics.clone());
         std::thread::Builder::new()
             .name("charm-generate".into())
-            .spawn(move || rayon::scope(|_| run_jobs(&engine, &tok, rx, &metrics)))
+            .spawn(move || rayon::scope(|_| run_jobs(&engine, &tok, rx, &metrics, max_active)))
             .map_err(|e| e.to_string())?;
     }
     let max_body = opts.max_body_bytes;
@@ -254,126 +263,200 @@ pub async fn serve(
     axum::serve(l, app).await.map_err(|e| e.to_string())
 }
 
-/// Runs queued generations one at a time.
+/// Runs queued generations, up to `max_active` of them interleaved: every round admits what
+/// waits (while there is room), then advances each running sequence by one forward step (its
+/// prefill, or one token), so a long answer never holds a short one back. Each sequence keeps
+/// its own KV cache and sampler; the kernels are batch-invariant, so its tokens are the same as
+/// when it runs alone.
 fn run_jobs(
     e: &Engine,
     tok: &TextTokenizer,
     rx: std::sync::mpsc::Receiver<Job>,
     metrics: &Metrics,
+    max_active: usize,
 ) {
-    for job in rx {
-        metrics.queued.fetch_sub(1, Ordering::Relaxed);
-        let r = generate(e, tok, &job, metrics);
-        if let Err(m) = r {
-            let _ = job.tx.send(Event::Failed(m));
+    let mut active: Vec<Sequence> = Vec::new();
+    loop {
+        // admit: block only when nothing runs
+        while active.len() < max_active {
+            let job = if active.is_empty() {
+                match rx.recv() {
+                    Ok(j) => j,
+                    Err(_) => return,
+                }
+            } else {
+                match rx.try_recv() {
+                    Ok(j) => j,
+                    Err(_) => break,
+                }
+            };
+            metrics.queued.fetch_sub(1, Ordering::Relaxed);
+            active.push(Sequence::new(e, job));
         }
+        metrics.active.store(active.len() as u64, Ordering::Relaxed);
+        metrics
+            .active_peak
+            .fetch_max(active.len() as u64, Ordering::Relaxed);
+        active.retain_mut(|seq| match seq.step(e, tok, metrics) {
+            Ok(more) => more,
+            Err(m) => {
+                let _ = seq.job.tx.send(Event::Failed(m));
+                false
+            }
+        });
+        e.model.experts.step_end();
     }
 }
 
-/// Decodes one job, sending text as it becomes final: whole UTF-8 characters only, held back
-/// while it could still be the start of a stop string.
-fn generate(e: &Engine, tok: &TextTokenizer, job: &Job, metrics: &Metrics) -> Result<(), String> {
-    let m = &e.model;
-    let h = m.spec.hidden_size;
-    let mut cache = KvCache::new(&m.spec);
-    cache.reserve(job.prompt.len() + job.max_tokens, &m.spec);
-    let mut sampler = Sampler::new(job.params);
-    let hold = job.stop.iter().map(|s| s.len()).max().unwrap_or(0);
-    let (mut ids, mut sent) = (Vec::new(), 0usize);
-    let opts = ForwardOptions::default();
-    let normed = m
-        .forward(&job.prompt, &mut cache, opts, None)
-        .map_err(|e| e.to_string())?;
-    let logits = m
-        .logits(&normed[(job.prompt.len() - 1) * h..], 1)
-        .map_err(|e| e.to_string())?;
-    let mut lps = Vec::new();
-    let mut pick = |mut logits: Vec<f32>, ids: &[u32], lps: &mut Vec<_>| {
-        let raw = job.logprobs.map(|_| logits.clone());
-        job.penalties.apply(&mut logits, &job.prompt, ids);
-        let t = sampler.sample(&logits);
-        if let (Some(top), Some(raw)) = (job.logprobs, raw) {
+/// One generation in progress.
+struct Sequence {
+    job: Job,
+    cache: KvCache,
+    sampler: Sampler,
+    /// The token chosen and not yet fed back (none before the prefill).
+    next: Option<u32>,
+    ids: Vec<u32>,
+    /// Bytes of the decoded text already sent.
+    sent: usize,
+    lps: Vec<TokenLogprob>,
+    started: Option<Instant>,
+}
+
+impl Sequence {
+    fn new(e: &Engine, job: Job) -> Self {
+        let spec = &e.model.spec;
+        let mut cache = KvCache::new(spec);
+        cache.reserve(job.prompt.len() + job.max_tokens, spec);
+        Self {
+            sampler: Sampler::new(job.params),
+            job,
+            cache,
+            next: None,
+            ids: Vec::new(),
+            sent: 0,
+            lps: Vec::new(),
+            started: None,
+        }
+    }
+
+    /// Penalties, then the sampler; the log probabilities of the model's distribution when
+    /// asked.
+    fn pick(&mut self, mut logits: Vec<f32>) -> u32 {
+        let raw = self.job.logprobs.map(|_| logits.clone());
+        self.job
+            .penalties
+            .apply(&mut logits, &self.job.prompt, &self.ids);
+        let t = self.sampler.sample(&logits);
+        if let (Some(top), Some(raw)) = (self.job.logprobs, raw) {
             let (lp, alt) = logprobs(&raw, t, top);
-            lps.push((t, lp, alt));
+            self.lps.push((t, lp, alt));
         }
         t
-    };
-    let mut next = pick(logits, &[], &mut lps);
-    let ttft = job.queued.elapsed();
-    metrics
-        .ttft_us
-        .fetch_add(ttft.as_micros() as u64, Ordering::Relaxed);
-    metrics.ttft_n.fetch_add(1, Ordering::Relaxed);
-    let t = Instant::now();
-    let finish = loop {
-        if m.spec.eos_token_ids.contains(&next) {
-            break "stop";
-        }
-        ids.push(next);
-        metrics.tokens.fetch_add(1, Ordering::Relaxed);
-        let text = tok.decode(&ids).map_err(|e| e.to_string())?;
-        if let Some((at, which)) = find_stop(&text, sent.saturating_sub(hold), &job.stop) {
-            if at > sent {
-                let _ = job.tx.send(Event::Text(text[sent..at].to_string()));
+    }
+
+    /// One forward step; sends text as it becomes final (whole UTF-8 characters, held back
+    /// while it could still start a stop string). `Ok(false)` when the sequence is done or its
+    /// client went away (its KV cache goes with it).
+    fn step(&mut self, e: &Engine, tok: &TextTokenizer, metrics: &Metrics) -> Result<bool, String> {
+        let m = &e.model;
+        let opts = ForwardOptions::default();
+        let logits = match self.next {
+            None => {
+                let n = self.job.prompt.len();
+                let normed = m
+                    .forward(&self.job.prompt, &mut self.cache, opts, None)
+                    .map_err(|e| e.to_string())?;
+                let l = m
+                    .logits(&normed[(n - 1) * m.spec.hidden_size..], 1)
+                    .map_err(|e| e.to_string())?;
+                metrics.ttft_us.fetch_add(
+                    self.job.queued.elapsed().as_micros() as u64,
+                    Ordering::Relaxed,
+                );
+                metrics.ttft_n.fetch_add(1, Ordering::Relaxed);
+                self.started = Some(Instant::now());
+                l
             }
-            lps.truncate(ids.len());
-            let _ = job.tx.send(Event::Done {
-                finish: "stop",
-                matched: Some(job.stop[which].clone()),
-                logprobs: lps,
-                prompt_tokens: job.prompt.len(),
-                completion_tokens: ids.len(),
-            });
-            return Ok(());
+            Some(t) => {
+                let normed = m
+                    .forward(&[t], &mut self.cache, opts, None)
+                    .map_err(|e| e.to_string())?;
+                m.logits(&normed, 1).map_err(|e| e.to_string())?
+            }
+        };
+        let next = self.pick(logits);
+        self.next = Some(next);
+        if m.spec.eos_token_ids.contains(&next) {
+            return self.finish(tok, "stop", None, metrics);
         }
-        // final text: not a partial character, not a possible stop-string start
+        self.ids.push(next);
+        metrics.tokens.fetch_add(1, Ordering::Relaxed);
+        let job = &self.job;
+        let hold = job.stop.iter().map(|s| s.len()).max().unwrap_or(0);
+        let text = tok.decode(&self.ids).map_err(|e| e.to_string())?;
+        if let Some((at, which)) = find_stop(&text, self.sent.saturating_sub(hold), &job.stop) {
+            if at > self.sent {
+                let _ = job.tx.send(Event::Text(text[self.sent..at].to_string()));
+            }
+            self.sent = text.len();
+            let matched = Some(job.stop[which].clone());
+            return self.finish(tok, "stop", matched, metrics);
+        }
         let mut end = text.len().saturating_sub(hold.saturating_sub(1));
         if text.ends_with('\u{FFFD}') {
             end = end.min(text.len() - '\u{FFFD}'.len_utf8());
         }
-        while end > sent && !text.is_char_boundary(end) {
+        while end > self.sent && !text.is_char_boundary(end) {
             end -= 1;
         }
-        if end > sent {
+        if end > self.sent {
             if job
                 .tx
-                .send(Event::Text(text[sent..end].to_string()))
+                .send(Event::Text(text[self.sent..end].to_string()))
                 .is_err()
             {
-                // the client went away: stop, the KV cache goes with this frame
-                return Ok(());
+                return Ok(false);
             }
-            sent = end;
+            self.sent = end;
         } else if job.tx.is_closed() {
-            return Ok(());
+            return Ok(false);
         }
-        if ids.len() >= job.max_tokens {
-            break "length";
+        if self.ids.len() >= job.max_tokens {
+            return self.finish(tok, "length", None, metrics);
         }
-        let normed = m
-            .forward(&[next], &mut cache, opts, None)
-            .map_err(|e| e.to_string())?;
-        let logits = m.logits(&normed, 1).map_err(|e| e.to_string())?;
-        next = pick(logits, &ids, &mut lps);
-    };
-    metrics
-        .decode_us
-        .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
-    let text = tok.decode(&ids).map_err(|e| e.to_string())?;
-    if text.len() > sent {
-        let _ = job.tx.send(Event::Text(text[sent..].to_string()));
+        Ok(true)
     }
-    // (a token ended by the end-of-sequence id is not part of the completion)
-    lps.truncate(ids.len());
-    let _ = job.tx.send(Event::Done {
-        finish,
-        matched: None,
-        logprobs: lps,
-        prompt_tokens: job.prompt.len(),
-        completion_tokens: ids.len(),
-    });
-    m.experts.step_end();
-    Ok(())
+
+    /// Sends the rest of the text and the end of the generation.
+    fn finish(
+        &mut self,
+        tok: &TextTokenizer,
+        finish: &'static str,
+        matched: Option<String>,
+        metrics: &Metrics,
+    ) -> Result<bool, String> {
+        if let Some(t) = self.started {
+            metrics
+                .decode_us
+                .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+        }
+        if matched.is_none() {
+            let text = tok.decode(&self.ids).map_err(|e| e.to_string())?;
+            if text.len() > self.sent {
+                let _ = self.job.tx.send(Event::Text(text[self.sent..].to_string()));
+            }
+        }
+        // (a token ended by the end-of-sequence id is not part of the completion)
+        self.lps.truncate(self.ids.len());
+        let _ = self.job.tx.send(Event::Done {
+            finish,
+            matched,
+            logprobs: std::mem::take(&mut self.lps),
+            prompt_tokens: self.job.prompt.len(),
+            completion_tokens: self.ids.len(),
+        });
+        Ok(false)
+    }
 }
 
 /// Where the first of `stops` starts in `text` and which one it is, searching from byte `from`
@@ -442,8 +525,14 @@ async fn metrics_text(State(s): State<Arc<Shared>>, h: HeaderMap) -> Result<Resp
     put(
         "charm_batch_size",
         "gauge",
-        "Sequences decoded per step.",
-        "1".into(),
+        "Sequences advanced per round.",
+        l(&m.active).to_string(),
+    );
+    put(
+        "charm_batch_size_peak",
+        "gauge",
+        "The most sequences advanced in one round so far.",
+        l(&m.active_peak).to_string(),
     );
     put(
         "charm_time_to_first_token_seconds_sum",
