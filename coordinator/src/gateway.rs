@@ -498,60 +498,66 @@ async fn metrics_text(State(s): State<Arc<Shared>>, h: HeaderMap) -> Result<Resp
     let mut put = |name: &str, kind: &str, help: &str, v: String| {
         t += &format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n");
     };
-    put(
-        "charm_requests_total",
-        "counter",
-        "Generation requests accepted.",
-        l(&m.requests).to_string(),
-    );
-    put(
-        "charm_requests_rejected_total",
-        "counter",
-        "Requests refused with 429 (queue full).",
-        l(&m.rejected).to_string(),
-    );
-    put(
-        "charm_generated_tokens_total",
-        "counter",
-        "Tokens generated.",
-        l(&m.tokens).to_string(),
-    );
-    put(
-        "charm_queue_depth",
-        "gauge",
-        "Requests waiting.",
-        l(&m.queued).to_string(),
-    );
-    put(
-        "charm_batch_size",
-        "gauge",
-        "Sequences advanced per round.",
-        l(&m.active).to_string(),
-    );
-    put(
-        "charm_batch_size_peak",
-        "gauge",
-        "The most sequences advanced in one round so far.",
-        l(&m.active_peak).to_string(),
-    );
-    put(
-        "charm_time_to_first_token_seconds_sum",
-        "counter",
-        "Time from arrival to the first token, summed.",
-        format!("{:.6}", l(&m.ttft_us) as f64 / 1e6),
-    );
-    put(
-        "charm_time_to_first_token_seconds_count",
-        "counter",
-        "Requests with a first token.",
-        l(&m.ttft_n).to_string(),
-    );
-    put(
-        "charm_decode_seconds_total",
-        "counter",
-        "Seconds spent decoding after the first token.",
-        format!("{:.6}", l(&m.decode_us) as f64 / 1e6),
-    );
+    let secs = |x: &AtomicU64| format!("{:.6}", l(x) as f64 / 1e6);
+    let rows: [(&str, &str, &str, String); 9] = [
+        (
+            "charm_requests_total",
+            "counter",
+            "Generation requests accepted.",
+            l(&m.requests).to_string(),
+        ),
+        (
+            "charm_requests_rejected_total",
+            "counter",
+            "Requests refused with 429 (queue full).",
+            l(&m.rejected).to_string(),
+        ),
+        (
+            "charm_generated_tokens_total",
+            "counter",
+            "Tokens generated.",
+            l(&m.tokens).to_string(),
+        ),
+        (
+            "charm_queue_depth",
+            "gauge",
+            "Requests waiting.",
+            l(&m.queued).to_string(),
+        ),
+        (
+            "charm_batch_size",
+            "gauge",
+            "Sequences advanced per round.",
+            l(&m.active).to_string(),
+        ),
+        (
+            "charm_batch_size_peak",
+            "gauge",
+            "The most sequences advanced in one round so far.",
+            l(&m.active_peak).to_string(),
+        ),
+        (
+            "charm_time_to_first_token_seconds_sum",
+            "counter",
+            "Time from arrival to the first token, summed.",
+            secs(&m.ttft_us),
+        ),
+        (
+            "charm_time_to_first_token_seconds_count",
+            "counter",
+            "Requests with a first token.",
+            l(&m.ttft_n).to_string(),
+        ),
+        (
+            "charm_decode_seconds_total",
+            "counter",
+            "Seconds spent decoding after the first token.",
+            secs(&m.decode_us),
+        ),
+    ];
+    for (name, kind, help, v) in rows {
+        put(name, kind, help, v);
+    }
     if let Some(r) = &s.remote {
         for w in r.status() {
             t += &format!(
