@@ -255,7 +255,7 @@ pub fn cmd_serve(
     listen: &str,
     api_key_file: Option<&Path>,
     name: Option<String>,
-    (queue, parallel): (usize, usize),
+    (queue, parallel, prefix_mb): (usize, usize, usize),
     act: Activations,
     args: &StoreArgs,
 ) -> Result<()> {
@@ -306,6 +306,7 @@ pub fn cmd_serve(
         api_key,
         queue: queue.max(1),
         max_active: parallel.max(1),
+        prefix_cache_bytes: prefix_mb << 20,
         context,
         ..Default::default()
     };

@@ -293,6 +293,9 @@ enum Cmd {
         /// Generations running at once, interleaved step by step.
         #[arg(long, default_value_t = 4)]
         parallel: usize,
+        /// MiB of finished conversations' KV kept for requests that continue them (0: none).
+        #[arg(long, default_value_t = 256)]
+        prefix_cache_mb: usize,
         #[arg(long, value_enum, default_value = "f32")]
         activations: Act,
         #[command(flatten)]
@@ -1036,6 +1039,7 @@ fn run(cli: Cli) -> Result<()> {
             name,
             queue,
             parallel,
+            prefix_cache_mb,
             activations,
             store,
         } => cluster_cli::cmd_serve(
@@ -1043,7 +1047,7 @@ fn run(cli: Cli) -> Result<()> {
             &listen,
             api_key_file.as_deref(),
             name,
-            (queue, parallel),
+            (queue, parallel, prefix_cache_mb),
             activations.into(),
             &store,
         ),

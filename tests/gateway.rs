@@ -771,3 +771,35 @@ fn concurrent_requests_answer_exactly_as_one_at_a_time() {
         "the requests never ran together"
     );
 }
+
+#[test]
+fn a_conversation_reuses_its_earlier_turns_and_answers_as_from_a_cold_prefill() {
+    let warm = Server::start(&[]);
+    let cold = Server::start(&["--prefix-cache-mb", "0"]);
+    let ask = |addr: &str, msgs: &Value| {
+        post(
+            addr,
+            "/v1/chat/completions",
+            &json!({"messages": msgs, "max_tokens": 24, "temperature": 0}),
+        )
+        .json()["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let system =
+        "You are a player in a company of actors, and you answer in verse, as the ".repeat(3);
+    let mut msgs = json!([{"role": "system", "content": system}, {"role": "user", "content": "Speak, Romeo."}]);
+    let first = ask(&warm.addr, &msgs);
+    assert_eq!(first, ask(&cold.addr, &msgs));
+    msgs.as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": first}),
+        json!({"role": "user", "content": "And then?"}),
+    ]);
+    let before = metric(&warm.addr, "charm_prefix_tokens_reused_total");
+    let second = ask(&warm.addr, &msgs);
+    let reused = metric(&warm.addr, "charm_prefix_tokens_reused_total") - before;
+    assert!(reused >= 16.0, "nothing reused ({reused})");
+    assert_eq!(second, ask(&cold.addr, &msgs));
+    assert_eq!(metric(&cold.addr, "charm_prefix_tokens_reused_total"), 0.0);
+}

@@ -68,6 +68,16 @@ impl KvCache {
         }
     }
 
+    /// Keeps only the first `tokens` tokens (a shared prefix another sequence continues from).
+    pub fn truncate(&mut self, tokens: usize) {
+        let n = self.len();
+        for l in &mut self.layers {
+            let per_token_index = l.index_keys.len().checked_div(n).unwrap_or(0);
+            l.kv.truncate(tokens * l.width);
+            l.index_keys.truncate(tokens * per_token_index);
+        }
+    }
+
     /// Tokens cached so far.
     pub fn len(&self) -> usize {
         self.layers.first().map_or(0, |l| l.len())

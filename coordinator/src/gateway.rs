@@ -50,6 +50,8 @@ pub struct GatewayOptions {
     pub context: usize,
     /// Generations running at once (interleaved step by step).
     pub max_active: usize,
+    /// Bytes of finished sequences' KV kept for requests that start with the same tokens.
+    pub prefix_cache_bytes: usize,
 }
 
 impl Default for GatewayOptions {
@@ -61,6 +63,7 @@ impl Default for GatewayOptions {
             queue: 16,
             context: 4096,
             max_active: 4,
+            prefix_cache_bytes: 256 << 20,
         }
     }
 }
@@ -110,6 +113,8 @@ struct Metrics {
     active_peak: AtomicU64,
     ttft_us: AtomicU64,
     ttft_n: AtomicU64,
+    /// Prompt tokens whose KV came from the prefix cache instead of a prefill.
+    reused: AtomicU64,
     decode_us: AtomicU64,
 }
 
@@ -225,6 +230,7 @@ pub async fn serve(
     }
     let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(opts.queue);
     let max_active = opts.max_active.max(1);
+    let prefix_bytes = opts.prefix_cache_bytes;
     let metrics = Arc::new(Metrics::default());
     let tok = Arc::new(tok);
     let remote = engine.remote.clone();
@@ -232,7 +238,9 @@ pub async fn serve(
         let (tok, metrics) = (tok.clone(), metrics.clone());
         std::thread::Builder::new()
             .name("charm-generate".into())
-            .spawn(move || rayon::scope(|_| run_jobs(&engine, &tok, rx, &metrics, max_active)))
+            .spawn(move || {
+                rayon::scope(|_| run_jobs(&engine, &tok, rx, &metrics, max_active, prefix_bytes))
+            })
             .map_err(|e| e.to_string())?;
     }
     let max_body = opts.max_body_bytes;
@@ -274,8 +282,10 @@ fn run_jobs(
     rx: std::sync::mpsc::Receiver<Job>,
     metrics: &Metrics,
     max_active: usize,
+    prefix_bytes: usize,
 ) {
     let mut active: Vec<Sequence> = Vec::new();
+    let mut prefixes = PrefixCache::new(prefix_bytes);
     loop {
         // admit: block only when nothing runs
         while active.len() < max_active {
@@ -291,14 +301,32 @@ fn run_jobs(
                 }
             };
             metrics.queued.fetch_sub(1, Ordering::Relaxed);
-            active.push(Sequence::new(e, job));
+            let mut seq = Sequence::new(e, job);
+            if let Some(c) = prefixes.take(&seq.job.prompt) {
+                metrics.reused.fetch_add(c.len() as u64, Ordering::Relaxed);
+                seq.cache = c;
+            }
+            active.push(seq);
         }
         metrics.active.store(active.len() as u64, Ordering::Relaxed);
         metrics
             .active_peak
             .fetch_max(active.len() as u64, Ordering::Relaxed);
         active.retain_mut(|seq| match seq.step(e, tok, metrics) {
-            Ok(more) => more,
+            Ok(true) => true,
+            Ok(false) => {
+                if seq.finished {
+                    // what the cache holds: the prompt, then the tokens fed back
+                    let mut tokens = seq.job.prompt.clone();
+                    tokens.extend_from_slice(&seq.ids);
+                    tokens.truncate(seq.cache.len());
+                    prefixes.put(
+                        tokens,
+                        std::mem::replace(&mut seq.cache, KvCache::new(&e.model.spec)),
+                    );
+                }
+                false
+            }
             Err(m) => {
                 let _ = seq.job.tx.send(Event::Failed(m));
                 false
@@ -320,6 +348,8 @@ struct Sequence {
     sent: usize,
     lps: Vec<TokenLogprob>,
     started: Option<Instant>,
+    /// Ended normally (not cancelled): its KV may serve a later request's prefix.
+    finished: bool,
 }
 
 impl Sequence {
@@ -336,6 +366,7 @@ impl Sequence {
             sent: 0,
             lps: Vec::new(),
             started: None,
+            finished: false,
         }
     }
 
@@ -362,9 +393,11 @@ impl Sequence {
         let opts = ForwardOptions::default();
         let logits = match self.next {
             None => {
-                let n = self.job.prompt.len();
+                // the part of the prompt the (possibly reused) cache does not hold yet
+                let rest = &self.job.prompt[self.cache.len()..];
+                let n = rest.len();
                 let normed = m
-                    .forward(&self.job.prompt, &mut self.cache, opts, None)
+                    .forward(rest, &mut self.cache, opts, None)
                     .map_err(|e| e.to_string())?;
                 let l = m
                     .logits(&normed[(n - 1) * m.spec.hidden_size..], 1)
@@ -455,7 +488,62 @@ impl Sequence {
             prompt_tokens: self.job.prompt.len(),
             completion_tokens: self.ids.len(),
         });
+        self.finished = true;
         Ok(false)
+    }
+}
+
+/// The KV caches of finished sequences, kept within a byte budget (least recently used go
+/// first), for requests whose prompt starts with the same tokens: a conversation's next turn, a
+/// shared system prompt. A reused prefix computes nothing again and gives the same result, since
+/// every kernel gives a token's values whatever else it is batched with.
+struct PrefixCache {
+    budget: usize,
+    /// (tokens the cache holds, the cache), most recently used last.
+    entries: Vec<(Vec<u32>, KvCache)>,
+}
+
+impl PrefixCache {
+    fn new(budget: usize) -> Self {
+        Self {
+            budget,
+            entries: Vec::new(),
+        }
+    }
+
+    /// The cache of the longest stored prefix `prompt` shares (at least 16 tokens, at most all
+    /// but its last token, which must be computed for its logits), cut to that prefix.
+    fn take(&mut self, prompt: &[u32]) -> Option<KvCache> {
+        let common = |t: &[u32]| t.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let (i, n) = self
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, (t, _))| (i, common(t).min(prompt.len().saturating_sub(1))))
+            .max_by_key(|&(i, n)| (n, i))?;
+        if n < 16 {
+            return None;
+        }
+        let (tokens, cache) = self.entries.remove(i);
+        let mut reused = cache.clone();
+        reused.truncate(n);
+        // the entry stays for others, now the most recently used
+        self.entries.push((tokens, cache));
+        Some(reused)
+    }
+
+    /// Keeps `cache` (holding `tokens`), dropping the least recently used past the budget.
+    fn put(&mut self, tokens: Vec<u32>, cache: KvCache) {
+        if cache.bytes() > self.budget || tokens.len() < 16 {
+            return;
+        }
+        // a stored sequence this one extends is redundant
+        self.entries
+            .retain(|(t, _)| !(t.len() <= tokens.len() && tokens[..t.len()] == t[..]));
+        self.entries.push((tokens, cache));
+        while self.entries.iter().map(|(_, c)| c.bytes()).sum::<usize>() > self.budget {
+            self.entries.remove(0);
+        }
     }
 }
 
@@ -499,7 +587,13 @@ async fn metrics_text(State(s): State<Arc<Shared>>, h: HeaderMap) -> Result<Resp
         t += &format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n");
     };
     let secs = |x: &AtomicU64| format!("{:.6}", l(x) as f64 / 1e6);
-    let rows: [(&str, &str, &str, String); 9] = [
+    let rows: [(&str, &str, &str, String); 10] = [
+        (
+            "charm_prefix_tokens_reused_total",
+            "counter",
+            "Prompt tokens whose KV came from the prefix cache.",
+            l(&m.reused).to_string(),
+        ),
         (
             "charm_requests_total",
             "counter",
