@@ -307,6 +307,7 @@ pub fn cmd_serve(
         queue: queue.max(1),
         max_active: parallel.max(1),
         prefix_cache_bytes: prefix_mb << 20,
+        stop_ids: charm_coordinator::gateway::stop_token_ids(model, &spec),
         context,
         ..Default::default()
     };

@@ -808,6 +808,7 @@ fn cmd_demo(single_box: bool, serve: Option<&str>) -> Result<()> {
         let opts = charm_coordinator::gateway::GatewayOptions {
             model_name: "charm-bard-moe".into(),
             context: e.model.spec.max_position_embeddings.clamp(1, 4096),
+            stop_ids: charm_coordinator::gateway::stop_token_ids(&bard, &e.model.spec),
             ..Default::default()
         };
         let rt = tokio::runtime::Runtime::new()?;

@@ -803,3 +803,26 @@ fn a_conversation_reuses_its_earlier_turns_and_answers_as_from_a_cold_prefill() 
     assert_eq!(second, ask(&cold.addr, &msgs));
     assert_eq!(metric(&cold.addr, "charm_prefix_tokens_reused_total"), 0.0);
 }
+
+#[test]
+fn generation_config_adds_its_stop_tokens() {
+    use charm_coordinator::gateway::stop_token_ids;
+    use charm_shared::config::ModelSpec;
+    let spec = ModelSpec::from_dir(&demo()).unwrap();
+    let ids = stop_token_ids(&demo(), &spec);
+    assert_eq!(ids, spec.eos_token_ids);
+    let d = common::scratch("gw-stops");
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::copy(demo().join("config.json"), d.join("config.json")).unwrap();
+    std::fs::write(
+        d.join("generation_config.json"),
+        r#"{"eos_token_id": [7, 0, 9]}"#,
+    )
+    .unwrap();
+    let ids = stop_token_ids(&d, &spec);
+    assert!(ids.contains(&7) && ids.contains(&9));
+    assert_eq!(ids.iter().filter(|&&t| t == 0).count(), 1);
+    std::fs::write(d.join("generation_config.json"), r#"{"eos_token_id": 11}"#).unwrap();
+    assert!(stop_token_ids(&d, &spec).contains(&11));
+    std::fs::remove_dir_all(&d).unwrap();
+}

@@ -52,6 +52,35 @@ pub struct GatewayOptions {
     pub max_active: usize,
     /// Bytes of finished sequences' KV kept for requests that start with the same tokens.
     pub prefix_cache_bytes: usize,
+    /// Tokens that end a generation (the model's end-of-sequence ids and those of its
+    /// `generation_config.json`; see [`stop_token_ids`]); empty: the model config's.
+    pub stop_ids: Vec<u32>,
+}
+
+/// The ids that end a generation for the model in `dir`: `config.json`'s end-of-sequence ids
+/// and `generation_config.json`'s `eos_token_id` (a number or a list), where it has one.
+pub fn stop_token_ids(dir: &std::path::Path, spec: &charm_shared::config::ModelSpec) -> Vec<u32> {
+    let mut ids = spec.eos_token_ids.clone();
+    let g = std::fs::read_to_string(dir.join("generation_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Json>(&t).ok());
+    if let Some(g) = g {
+        let more: Vec<u32> = match &g["eos_token_id"] {
+            Json::Number(n) => n.as_u64().into_iter().map(|x| x as u32).collect(),
+            Json::Array(a) => a
+                .iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as u32)
+                .collect(),
+            _ => vec![],
+        };
+        for t in more {
+            if !ids.contains(&t) {
+                ids.push(t);
+            }
+        }
+    }
+    ids
 }
 
 impl Default for GatewayOptions {
@@ -64,6 +93,7 @@ impl Default for GatewayOptions {
             context: 4096,
             max_active: 4,
             prefix_cache_bytes: 256 << 20,
+            stop_ids: vec![],
         }
     }
 }
@@ -231,6 +261,11 @@ pub async fn serve(
     let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(opts.queue);
     let max_active = opts.max_active.max(1);
     let prefix_bytes = opts.prefix_cache_bytes;
+    let stop_ids = if opts.stop_ids.is_empty() {
+        engine.model.spec.eos_token_ids.clone()
+    } else {
+        opts.stop_ids.clone()
+    };
     let metrics = Arc::new(Metrics::default());
     let tok = Arc::new(tok);
     let remote = engine.remote.clone();
@@ -239,7 +274,12 @@ pub async fn serve(
         std::thread::Builder::new()
             .name("charm-generate".into())
             .spawn(move || {
-                rayon::scope(|_| run_jobs(&engine, &tok, rx, &metrics, max_active, prefix_bytes))
+                let lim = Limits {
+                    max_active,
+                    prefix_bytes,
+                    stop_ids,
+                };
+                rayon::scope(|_| run_jobs(&engine, &tok, rx, &metrics, &lim))
             })
             .map_err(|e| e.to_string())?;
     }
@@ -281,11 +321,11 @@ fn run_jobs(
     tok: &TextTokenizer,
     rx: std::sync::mpsc::Receiver<Job>,
     metrics: &Metrics,
-    max_active: usize,
-    prefix_bytes: usize,
+    lim: &Limits,
 ) {
+    let max_active = lim.max_active;
     let mut active: Vec<Sequence> = Vec::new();
-    let mut prefixes = PrefixCache::new(prefix_bytes);
+    let mut prefixes = PrefixCache::new(lim.prefix_bytes);
     loop {
         // admit: block only when nothing runs
         while active.len() < max_active {
@@ -312,7 +352,7 @@ fn run_jobs(
         metrics
             .active_peak
             .fetch_max(active.len() as u64, Ordering::Relaxed);
-        active.retain_mut(|seq| match seq.step(e, tok, metrics) {
+        active.retain_mut(|seq| match seq.step(e, tok, metrics, &lim.stop_ids) {
             Ok(true) => true,
             Ok(false) => {
                 if seq.finished {
@@ -334,6 +374,13 @@ fn run_jobs(
         });
         e.model.experts.step_end();
     }
+}
+
+/// How the generator thread runs sequences.
+struct Limits {
+    max_active: usize,
+    prefix_bytes: usize,
+    stop_ids: Vec<u32>,
 }
 
 /// One generation in progress.
@@ -388,7 +435,13 @@ impl Sequence {
     /// One forward step; sends text as it becomes final (whole UTF-8 characters, held back
     /// while it could still start a stop string). `Ok(false)` when the sequence is done or its
     /// client went away (its KV cache goes with it).
-    fn step(&mut self, e: &Engine, tok: &TextTokenizer, metrics: &Metrics) -> Result<bool, String> {
+    fn step(
+        &mut self,
+        e: &Engine,
+        tok: &TextTokenizer,
+        metrics: &Metrics,
+        stop_ids: &[u32],
+    ) -> Result<bool, String> {
         let m = &e.model;
         let opts = ForwardOptions::default();
         let logits = match self.next {
@@ -419,7 +472,7 @@ impl Sequence {
         };
         let next = self.pick(logits);
         self.next = Some(next);
-        if m.spec.eos_token_ids.contains(&next) {
+        if stop_ids.contains(&next) {
             return self.finish(tok, "stop", None, metrics);
         }
         self.ids.push(next);
