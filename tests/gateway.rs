@@ -826,3 +826,69 @@ fn generation_config_adds_its_stop_tokens() {
     assert!(stop_token_ids(&d, &spec).contains(&11));
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+#[test]
+fn a_template_that_opens_thinking_gets_the_reasoning_apart() {
+    // the demo model with a template whose generation prompt opens `<think>`, as GLM's does
+    let d = common::scratch("gw-think");
+    std::fs::create_dir_all(&d).unwrap();
+    for f in std::fs::read_dir(demo()).unwrap() {
+        let f = f.unwrap().path();
+        let name = f.file_name().unwrap().to_owned();
+        if name != "chat_template.jinja" {
+            std::os::unix::fs::symlink(&f, d.join(name)).unwrap();
+        }
+    }
+    let t = std::fs::read_to_string(demo().join("chat_template.jinja")).unwrap();
+    std::fs::write(
+        d.join("chat_template.jinja"),
+        t.replace(
+            "<|assistant|>\n{% endif -%}",
+            "<|assistant|>\n<think>{% endif -%}",
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_charm"))
+        .args(["serve", "--model"])
+        .arg(&d)
+        .args(["--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let s = Server {
+        child,
+        addr: line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap()
+            .to_string(),
+    };
+    let req = json!({"messages": [{"role": "user", "content": "Speak."}], "max_tokens": 12, "temperature": 0});
+    let v = post(&s.addr, "/v1/chat/completions", &req).json();
+    let msg = &v["choices"][0]["message"];
+    // this model never closes its thinking: everything is reasoning
+    let reasoning = msg["reasoning_content"].as_str().unwrap().to_string();
+    assert!(!reasoning.is_empty(), "{v}");
+    assert_eq!(msg["content"], "");
+    let mut st = req.clone();
+    st["stream"] = json!(true);
+    let (mut r, mut c) = (String::new(), String::new());
+    for e in events(&post(&s.addr, "/v1/chat/completions", &st).body) {
+        if e == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&e).unwrap();
+        r += v["choices"][0]["delta"]["reasoning_content"]
+            .as_str()
+            .unwrap_or("");
+        c += v["choices"][0]["delta"]["content"].as_str().unwrap_or("");
+    }
+    assert_eq!((r, c), (reasoning, String::new()));
+    drop(s);
+    std::fs::remove_dir_all(&d).unwrap();
+}

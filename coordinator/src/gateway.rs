@@ -546,6 +546,103 @@ impl Sequence {
     }
 }
 
+/// Splits a chat answer into its reasoning and its content: text before `</think>` is
+/// reasoning when the turn opened thinking (or the answer opens it with `<think>`), the rest is
+/// content (one newline after the closing tag dropped). Tags split across pieces are held
+/// until they are whole.
+#[derive(Debug)]
+struct Reasoning {
+    /// Inside the reasoning part.
+    inside: bool,
+    /// Nothing has been emitted yet (the answer may still open with `<think>`).
+    fresh: bool,
+    /// Text held back: it may be the start of a tag.
+    held: String,
+    /// A newline right after `</think>` is still to be dropped.
+    after_close: bool,
+}
+
+impl Reasoning {
+    const OPEN: &'static str = "<think>";
+    const CLOSE: &'static str = "</think>";
+
+    fn new(thinking: bool) -> Self {
+        Self {
+            inside: thinking,
+            fresh: true,
+            held: String::new(),
+            after_close: false,
+        }
+    }
+
+    /// (reasoning, content) of the next piece of text.
+    fn push(&mut self, text: &str) -> (String, String) {
+        let (mut r, mut c) = (String::new(), String::new());
+        self.held.push_str(text);
+        loop {
+            if self.fresh && !self.inside {
+                let t = self.held.trim_start();
+                if t.starts_with(Self::OPEN) {
+                    let at = self.held.find(Self::OPEN).unwrap_or(0) + Self::OPEN.len();
+                    self.held.drain(..at);
+                    self.inside = true;
+                } else if Self::OPEN.starts_with(t) && !t.is_empty() {
+                    return (r, c); // maybe the opening tag: wait
+                }
+            }
+            if self.inside {
+                if let Some(i) = self.held.find(Self::CLOSE) {
+                    r.push_str(&self.held[..i]);
+                    self.held.drain(..i + Self::CLOSE.len());
+                    self.inside = false;
+                    self.after_close = true;
+                    self.fresh = false;
+                    continue;
+                }
+            }
+            if self.after_close && !self.held.is_empty() {
+                if self.held.starts_with('\n') {
+                    self.held.remove(0);
+                }
+                self.after_close = false;
+            }
+            // keep back what could begin the closing tag
+            let keep = if self.inside {
+                (1..Self::CLOSE.len())
+                    .rev()
+                    .find(|&k| self.held.ends_with(&Self::CLOSE[..k]))
+                    .unwrap_or(0)
+            } else {
+                0
+            };
+            let mut cut = self.held.len() - keep;
+            while !self.held.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            let out: String = self.held.drain(..cut).collect();
+            if !out.is_empty() {
+                self.fresh = false;
+            }
+            if self.inside {
+                r += &out;
+            } else {
+                c += &out;
+            }
+            return (r, c);
+        }
+    }
+
+    /// Whatever is still held, at the end of the answer.
+    fn end(&mut self) -> (String, String) {
+        let rest = std::mem::take(&mut self.held);
+        if self.inside {
+            (rest, String::new())
+        } else {
+            (String::new(), rest)
+        }
+    }
+}
+
 /// The KV caches of finished sequences, kept within a byte budget (least recently used go
 /// first), for requests whose prompt starts with the same tokens: a conversation's next turn, a
 /// shared system prompt. A reused prefix computes nothing again and gives the same result, since
@@ -910,7 +1007,7 @@ async fn completions(
         }
         _ => return Err(bad("`prompt` must be a string or a list of token ids")),
     };
-    run(s, prompt, set, false).await
+    run(s, prompt, set, None).await
 }
 
 async fn chat_completions(
@@ -970,7 +1067,10 @@ async fn chat_completions(
         })
         .map_err(|e| bad(e.to_string()))?;
     let prompt = s.tok.encode(&text).map_err(|e| bad(e.to_string()))?;
-    run(s, prompt, set, true).await
+    // a template that opens the assistant's turn with `<think>` (GLM with thinking on) has the
+    // model reason first: that part is returned apart, as `reasoning_content`
+    let thinking = text.trim_end().ends_with("<think>");
+    run(s, prompt, set, Some(thinking)).await
 }
 
 /// Checks a prompt against the context and queues its generation; the events come on the
@@ -1034,8 +1134,10 @@ async fn run(
     s: Arc<Shared>,
     prompt: Vec<u32>,
     set: Settings,
-    chat: bool,
+    chat_thinking: Option<bool>,
 ) -> Result<Response, ApiError> {
+    let chat = chat_thinking.is_some();
+    let mut split = Reasoning::new(chat_thinking == Some(true));
     let mut rx = submit(&s, prompt, &set)?;
     let id = format!(
         "{}-{}",
@@ -1064,7 +1166,13 @@ async fn run(
                         .map(|_| logprobs_json(&s.tok, &logprobs, chat))
                         .unwrap_or(Json::Null);
                     let choice = if chat {
-                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": lp})
+                        let (r, c) = split.push(&text);
+                        let (r2, c2) = split.end();
+                        let mut msg = json!({"role": "assistant", "content": c + &c2});
+                        if !(r.is_empty() && r2.is_empty()) {
+                            msg["reasoning_content"] = json!(r + &r2);
+                        }
+                        json!({"index": 0, "message": msg, "finish_reason": finish, "logprobs": lp})
                     } else {
                         json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": lp})
                     };
@@ -1102,17 +1210,25 @@ async fn run(
     let mut first = chat;
     let stream = sse(rx, String::new(), move |ev| match ev {
         Event::Text(t) => {
-            let choice = if chat {
-                let mut d = json!({"content": t});
+            if !chat {
+                let choice =
+                    json!({"index": 0, "text": t, "finish_reason": null, "logprobs": null});
+                return (chunk(choice, None), false);
+            }
+            let (r, c) = split.push(&t);
+            let mut out = String::new();
+            for (field, piece) in [("reasoning_content", r), ("content", c)] {
+                if piece.is_empty() {
+                    continue;
+                }
+                let mut d = json!({ field: piece });
                 if first {
                     d["role"] = json!("assistant");
                     first = false;
                 }
-                json!({"index": 0, "delta": d, "finish_reason": null})
-            } else {
-                json!({"index": 0, "text": t, "finish_reason": null, "logprobs": null})
-            };
-            (chunk(choice, None), false)
+                out += &chunk(json!({"index": 0, "delta": d, "finish_reason": null}), None);
+            }
+            (out, false)
         }
         Event::Done {
             finish,
@@ -1120,12 +1236,24 @@ async fn run(
             completion_tokens,
             ..
         } => {
+            let mut held = String::new();
+            if chat {
+                let (r, c) = split.end();
+                for (field, piece) in [("reasoning_content", r), ("content", c)] {
+                    if !piece.is_empty() {
+                        let d = json!({ field: piece });
+                        held +=
+                            &chunk(json!({"index": 0, "delta": d, "finish_reason": null}), None);
+                    }
+                }
+            }
             let choice = if chat {
                 json!({"index": 0, "delta": {}, "finish_reason": finish})
             } else {
                 json!({"index": 0, "text": "", "finish_reason": finish, "logprobs": null})
             };
-            let end = chunk(choice, None)
+            let end = held
+                + &chunk(choice, None)
                 + &chunk(json!(null), Some(usage(prompt_tokens, completion_tokens)))
                 + "data: [DONE]\n\n";
             (end, true)
@@ -1419,4 +1547,56 @@ async fn messages(
         axum::body::Body::from_stream(stream),
     )
         .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Reasoning;
+
+    fn split(thinking: bool, pieces: &[&str]) -> (String, String) {
+        let mut s = Reasoning::new(thinking);
+        let (mut r, mut c) = (String::new(), String::new());
+        for p in pieces {
+            let (a, b) = s.push(p);
+            r += &a;
+            c += &b;
+        }
+        let (a, b) = s.end();
+        (r + &a, c + &b)
+    }
+
+    #[test]
+    fn reasoning_is_split_from_content_whatever_the_pieces() {
+        let whole = "Let me think.</think>\nThe answer is 4.";
+        let want = ("Let me think.".to_string(), "The answer is 4.".to_string());
+        assert_eq!(split(true, &[whole]), want);
+        // every split point, including inside the tag and inside a multi-byte character
+        let text = "Héllo, let me see.</think>\nAnswer: é";
+        for i in 0..text.len() {
+            if !text.is_char_boundary(i) {
+                continue;
+            }
+            let got = split(true, &[&text[..i], &text[i..]]);
+            assert_eq!(
+                got,
+                ("Héllo, let me see.".into(), "Answer: é".into()),
+                "split at {i}"
+            );
+        }
+        // the answer opens thinking itself
+        assert_eq!(
+            split(false, &["<thi", "nk>why</think>so"]),
+            ("why".into(), "so".into())
+        );
+        // no thinking: all content, tags or not
+        assert_eq!(
+            split(false, &["plain </think> text"]),
+            (String::new(), "plain </think> text".into())
+        );
+        // thinking never closed: all reasoning
+        assert_eq!(
+            split(true, &["still ", "thinking"]),
+            ("still thinking".into(), String::new())
+        );
+    }
 }
