@@ -311,7 +311,28 @@ fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
             &json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
         ),
         400,
-        "tool calls are not supported",
+        "does not define tool calls",
+    );
+    err(
+        &post(
+            &s.addr,
+            chat,
+            &json!({"messages": [{"role": "user", "content": "hi"}], "tools": [], "tool_choice": "required"}),
+        ),
+        400,
+        "tool_choice",
+    );
+    // tool_choice none: the tools are left out and the answer is plain
+    let r = post(
+        &s.addr,
+        chat,
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}),
+    );
+    assert_eq!(r.status, 200);
+    err(
+        &post(&s.addr, c, &json!({"prompt": "x", "tools": []})),
+        400,
+        "tool calls are not supported yet",
     );
     // a body over the limit
     let huge = format!("{{\"prompt\": \"{}\"}}", "a".repeat(5 << 20));
@@ -889,6 +910,80 @@ fn a_template_that_opens_thinking_gets_the_reasoning_apart() {
         c += v["choices"][0]["delta"]["content"].as_str().unwrap_or("");
     }
     assert_eq!((r, c), (reasoning, String::new()));
+    drop(s);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn tools_reach_a_template_that_defines_tool_calls() {
+    // the demo model with a GLM-style template that lists the tools
+    let d = common::scratch("gw-tools");
+    std::fs::create_dir_all(&d).unwrap();
+    for f in std::fs::read_dir(demo()).unwrap() {
+        let f = f.unwrap().path();
+        let name = f.file_name().unwrap().to_owned();
+        if name != "chat_template.jinja" {
+            std::os::unix::fs::symlink(&f, d.join(name)).unwrap();
+        }
+    }
+    let t = std::fs::read_to_string(demo().join("chat_template.jinja")).unwrap();
+    let tools = "{% if tools %}<|system|>\nCall tools as <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}";
+    std::fs::write(
+        d.join("chat_template.jinja"),
+        t.replacen("[gMASK]<sop>", &format!("[gMASK]<sop>{tools}"), 1),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_charm"))
+        .args(["serve", "--model"])
+        .arg(&d)
+        .args(["--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let s = Server {
+        child,
+        addr: line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap()
+            .to_string(),
+    };
+    let tool = json!({"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+    let ask = |tools: Option<Value>, stream: bool| {
+        let mut b = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 6, "temperature": 0, "stream": stream});
+        if let Some(t) = tools {
+            b["tools"] = t;
+        }
+        post(&s.addr, "/v1/chat/completions", &b)
+    };
+    let plain = ask(None, false).json();
+    let with = ask(Some(json!([tool])), false).json();
+    // the tools were rendered into the prompt
+    assert!(
+        with["usage"]["prompt_tokens"].as_u64().unwrap()
+            > plain["usage"]["prompt_tokens"].as_u64().unwrap() + 20,
+        "{with} {plain}"
+    );
+    // this model calls none: a plain answer, streamed the same
+    assert!(with["choices"][0]["message"].get("tool_calls").is_none());
+    let streamed: String = events(&ask(Some(json!([tool])), true).body)
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .filter_map(|e| {
+            serde_json::from_str::<Value>(e).unwrap()["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(
+        streamed,
+        with["choices"][0]["message"]["content"].as_str().unwrap()
+    );
     drop(s);
     std::fs::remove_dir_all(&d).unwrap();
 }

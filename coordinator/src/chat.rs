@@ -31,6 +31,8 @@ pub enum ChatError {
 #[derive(Debug)]
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// How the template teaches the model to call tools, if it does in a known way.
+    pub tool_format: Option<crate::tools::ToolFormat>,
 }
 
 /// What a template is rendered with.
@@ -73,9 +75,10 @@ impl ChatTemplate {
             v.kind() != ValueKind::None && v.try_iter().is_ok()
         });
         let src = normalize(source);
+        let tool_format = crate::tools::ToolFormat::of_template(&src);
         env.add_template_owned("chat", src)
             .map_err(|e| ChatError::Render(e.to_string()))?;
-        Ok(Self { env })
+        Ok(Self { env, tool_format })
     }
 
     /// The template of a model directory: `chat_template.jinja`, else `tokenizer_config.json`'s

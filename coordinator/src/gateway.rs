@@ -1010,13 +1010,58 @@ async fn completions(
     run(s, prompt, set, None).await
 }
 
+/// How a chat answer is taken apart.
+#[derive(Debug, Clone, Copy)]
+struct ChatMode {
+    /// The turn opened `<think>`: reasoning comes first.
+    thinking: bool,
+    /// Tool calls are read back in this format.
+    tools: Option<crate::tools::ToolFormat>,
+}
+
+/// The message of a whole answer: reasoning apart, tool calls taken out; and whether it
+/// called tools.
+fn chat_message(
+    content: String,
+    reasoning: String,
+    tools: Option<crate::tools::ToolFormat>,
+    id: &str,
+) -> (Json, bool) {
+    let (content, calls) = match tools {
+        Some(f) => f.extract(&content),
+        None => (content, vec![]),
+    };
+    let mut msg = json!({"role": "assistant", "content": content});
+    if !reasoning.is_empty() {
+        msg["reasoning_content"] = json!(reasoning);
+    }
+    if !calls.is_empty() {
+        msg["tool_calls"] = calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                json!({"id": format!("call_{id}_{i}"), "type": "function",
+                       "function": {"name": c.name, "arguments": c.arguments.to_string()}})
+            })
+            .collect();
+    }
+    (msg, !calls.is_empty())
+}
+
 async fn chat_completions(
     State(s): State<Arc<Shared>>,
     h: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     authorized(&s, &h)?;
-    let parsed = parse(&body)?;
+    let mut parsed = parse(&body)?;
+    // tools are the template's business: taken out before the shared checks
+    let tools_given = parsed.get("tools").is_some_and(|t| !t.is_null());
+    let tool_choice = parsed.get("tool_choice").cloned().unwrap_or(Json::Null);
+    if let Some(o) = parsed.as_object_mut() {
+        o.remove("tools");
+        o.remove("tool_choice");
+    }
     let set = settings(
         &parsed,
         &[
@@ -1028,6 +1073,22 @@ async fn chat_completions(
     let Some(t) = &s.template else {
         return Err(bad("this model has no chat template: use /v1/completions"));
     };
+    let use_tools = match (&tool_choice, tools_given) {
+        (_, false) => false,
+        (Json::Null, true) => true,
+        (Json::String(c), true) if c == "auto" => true,
+        (Json::String(c), true) if c == "none" => false,
+        _ => {
+            return Err(bad(
+                "`tool_choice`: only \"auto\" and \"none\" are supported",
+            ))
+        }
+    };
+    if use_tools && t.tool_format.is_none() {
+        return Err(bad(
+            "this model's chat template does not define tool calls charm can read back",
+        ));
+    }
     let ok_messages = parsed["messages"].as_array().is_some_and(|m| {
         !m.is_empty()
             && m.iter().all(|x| {
@@ -1045,6 +1106,15 @@ async fn chat_completions(
     // the template sees the messages in their key order
     let v: minijinja::Value = serde_json::from_slice(&body).map_err(|e| bad(e.to_string()))?;
     let messages = drop_null_keys(&v.get_attr("messages").unwrap_or_default());
+    let tools = if use_tools {
+        let t = v.get_attr("tools").unwrap_or_default();
+        if t.kind() != minijinja::value::ValueKind::Seq {
+            return Err(bad("`tools` must be a list"));
+        }
+        t
+    } else {
+        minijinja::Value::from(())
+    };
     let kwargs = match v.get_attr("chat_template_kwargs") {
         Ok(k) if !k.is_undefined() && !k.is_none() => k
             .try_iter()
@@ -1059,7 +1129,7 @@ async fn chat_completions(
     let text = t
         .render(&ChatInput {
             messages,
-            tools: minijinja::Value::from(()),
+            tools,
             add_generation_prompt: true,
             bos_token: None,
             eos_token: None,
@@ -1070,7 +1140,8 @@ async fn chat_completions(
     // a template that opens the assistant's turn with `<think>` (GLM with thinking on) has the
     // model reason first: that part is returned apart, as `reasoning_content`
     let thinking = text.trim_end().ends_with("<think>");
-    run(s, prompt, set, Some(thinking)).await
+    let tools = if use_tools { t.tool_format } else { None };
+    run(s, prompt, set, Some(ChatMode { thinking, tools })).await
 }
 
 /// Checks a prompt against the context and queues its generation; the events come on the
@@ -1134,10 +1205,11 @@ async fn run(
     s: Arc<Shared>,
     prompt: Vec<u32>,
     set: Settings,
-    chat_thinking: Option<bool>,
+    mode: Option<ChatMode>,
 ) -> Result<Response, ApiError> {
-    let chat = chat_thinking.is_some();
-    let mut split = Reasoning::new(chat_thinking == Some(true));
+    let chat = mode.is_some();
+    let tools = mode.and_then(|m| m.tools);
+    let mut split = Reasoning::new(mode.is_some_and(|m| m.thinking));
     let mut rx = submit(&s, prompt, &set)?;
     let id = format!(
         "{}-{}",
@@ -1168,10 +1240,8 @@ async fn run(
                     let choice = if chat {
                         let (r, c) = split.push(&text);
                         let (r2, c2) = split.end();
-                        let mut msg = json!({"role": "assistant", "content": c + &c2});
-                        if !(r.is_empty() && r2.is_empty()) {
-                            msg["reasoning_content"] = json!(r + &r2);
-                        }
+                        let (msg, called) = chat_message(c + &c2, r + &r2, tools, &id);
+                        let finish = if called { "tool_calls" } else { finish };
                         json!({"index": 0, "message": msg, "finish_reason": finish, "logprobs": lp})
                     } else {
                         json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": lp})
@@ -1199,6 +1269,7 @@ async fn run(
     } else {
         "text_completion"
     };
+    let stream_id = id.clone();
     let chunk = move |choice: Json, usage_v: Option<Json>| {
         let mut c = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
         if let Some(u) = usage_v {
@@ -1208,6 +1279,7 @@ async fn run(
         format!("data: {c}\n\n")
     };
     let mut first = chat;
+    let mut held_content = String::new();
     let stream = sse(rx, String::new(), move |ev| match ev {
         Event::Text(t) => {
             if !chat {
@@ -1215,7 +1287,12 @@ async fn run(
                     json!({"index": 0, "text": t, "finish_reason": null, "logprobs": null});
                 return (chunk(choice, None), false);
             }
-            let (r, c) = split.push(&t);
+            let (r, mut c) = split.push(&t);
+            if tools.is_some() {
+                // tool calls are read from the whole answer: content waits for the end
+                held_content += &c;
+                c = String::new();
+            }
             let mut out = String::new();
             for (field, piece) in [("reasoning_content", r), ("content", c)] {
                 if piece.is_empty() {
@@ -1237,9 +1314,30 @@ async fn run(
             ..
         } => {
             let mut held = String::new();
+            let mut finish = finish;
             if chat {
                 let (r, c) = split.end();
-                for (field, piece) in [("reasoning_content", r), ("content", c)] {
+                let mut content = c;
+                let mut calls = Json::Null;
+                if tools.is_some() {
+                    let all = std::mem::take(&mut held_content) + &content;
+                    let (msg, called) = chat_message(all, String::new(), tools, &stream_id);
+                    content = msg["content"].as_str().unwrap_or_default().to_string();
+                    if called {
+                        finish = "tool_calls";
+                        calls = msg["tool_calls"].clone();
+                        if let Some(a) = calls.as_array_mut() {
+                            for (i, c) in a.iter_mut().enumerate() {
+                                c["index"] = json!(i);
+                            }
+                        }
+                    }
+                }
+                if !calls.is_null() {
+                    let d = json!({"tool_calls": calls});
+                    held += &chunk(json!({"index": 0, "delta": d, "finish_reason": null}), None);
+                }
+                for (field, piece) in [("reasoning_content", r), ("content", content)] {
                     if !piece.is_empty() {
                         let d = json!({ field: piece });
                         held +=

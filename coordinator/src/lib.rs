@@ -14,6 +14,7 @@
 //! - [`tokenizer`]: text <-> ids via `tokenizer.json`.
 //! - [`chat`]: chat templates rendered as transformers renders them.
 //! - [`gateway`]: the OpenAI-compatible HTTP server of `charm serve`.
+//! - [`tools`]: tool calls taken out of generated text.
 //! - [`generate`]: prefill + decode loop with timings.
 //! - [`info`]: parameter and byte accounting for `charm info`.
 //! - [`synth`]: deterministic synthetic containers with GLM-5.2 shapes.
@@ -41,6 +42,7 @@ pub mod rope;
 pub mod sampling;
 pub mod synth;
 pub mod tokenizer;
+pub mod tools;
 
 pub use cache::KvCache;
 pub use engine::{Engine, EngineOptions, HistoryPolicy};

@@ -1,0 +1,150 @@
+//! Tool calls in generated text, in the formats the chat templates teach the model: taken out of
+//! the answer and returned as structured calls (OpenAI's `tool_calls`).
+//!
+//! - [`ToolFormat::Glm`] (GLM-4.5 and later): `<tool_call>NAME<arg_key>K</arg_key>
+//!   <arg_value>V</arg_value>...</tool_call>`, each value JSON text or a plain string.
+//! - [`ToolFormat::Hermes`] (Qwen3 and others): `<tool_call>{"name": ..., "arguments": {...}}
+//!   </tool_call>`.
+
+use serde_json::{Map, Value};
+
+/// How a template's model writes tool calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolFormat {
+    Glm,
+    Hermes,
+}
+
+/// A call taken out of an answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    pub name: String,
+    /// The arguments, an object.
+    pub arguments: Value,
+}
+
+const OPEN: &str = "<tool_call>";
+const CLOSE: &str = "</tool_call>";
+
+impl ToolFormat {
+    /// The format a chat template's source teaches, if it teaches one of these.
+    pub fn of_template(src: &str) -> Option<Self> {
+        if src.contains("<arg_key>") && src.contains(OPEN) {
+            Some(Self::Glm)
+        } else if src.contains(OPEN) {
+            Some(Self::Hermes)
+        } else {
+            None
+        }
+    }
+
+    /// The answer's text outside tool calls (trimmed), and the calls, in order. A block that
+    /// does not parse stays in the text.
+    pub fn extract(self, text: &str) -> (String, Vec<ToolCall>) {
+        let (mut content, mut calls) = (String::new(), Vec::new());
+        let mut rest = text;
+        while let Some(i) = rest.find(OPEN) {
+            let after = &rest[i + OPEN.len()..];
+            let Some(j) = after.find(CLOSE) else {
+                break;
+            };
+            let body = &after[..j];
+            match self.parse(body) {
+                Some(c) => {
+                    content.push_str(&rest[..i]);
+                    calls.push(c);
+                }
+                None => content.push_str(&rest[..i + OPEN.len() + j + CLOSE.len()]),
+            }
+            rest = &after[j + CLOSE.len()..];
+        }
+        content.push_str(rest);
+        (content.trim().to_string(), calls)
+    }
+
+    fn parse(self, body: &str) -> Option<ToolCall> {
+        match self {
+            Self::Hermes => {
+                let v: Value = serde_json::from_str(body.trim()).ok()?;
+                let name = v["name"].as_str()?.to_string();
+                let arguments = match &v["arguments"] {
+                    Value::Object(_) => v["arguments"].clone(),
+                    Value::String(s) => serde_json::from_str(s).ok()?,
+                    Value::Null => Value::Object(Map::new()),
+                    _ => return None,
+                };
+                Some(ToolCall { name, arguments })
+            }
+            Self::Glm => {
+                let (name, mut rest) = match body.find("<arg_key>") {
+                    Some(i) => (body[..i].trim(), &body[i..]),
+                    None => (body.trim(), ""),
+                };
+                if name.is_empty() {
+                    return None;
+                }
+                let mut args = Map::new();
+                while !rest.trim().is_empty() {
+                    let r = rest.trim_start().strip_prefix("<arg_key>")?;
+                    let (k, r) = r.split_once("</arg_key>")?;
+                    let r = r.trim_start().strip_prefix("<arg_value>")?;
+                    let (v, r) = r.split_once("</arg_value>")?;
+                    let value = serde_json::from_str(v).unwrap_or_else(|_| Value::String(v.into()));
+                    args.insert(k.trim().to_string(), value);
+                    rest = r;
+                }
+                Some(ToolCall {
+                    name: name.to_string(),
+                    arguments: Value::Object(args),
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn glm_calls_come_out_with_typed_arguments() {
+        let t = "Let me look.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call><tool_call>now</tool_call>";
+        let (content, calls) = ToolFormat::Glm.extract(t);
+        assert_eq!(content, "Let me look.");
+        assert_eq!(
+            calls,
+            vec![
+                ToolCall {
+                    name: "get_weather".into(),
+                    arguments: json!({"city": "Paris", "days": 3})
+                },
+                ToolCall {
+                    name: "now".into(),
+                    arguments: json!({})
+                },
+            ]
+        );
+        // a broken block stays text
+        let (content, calls) = ToolFormat::Glm.extract("a <tool_call>x<arg_key>k</tool_call> b");
+        assert!(calls.is_empty());
+        assert_eq!(content, "a <tool_call>x<arg_key>k</tool_call> b");
+    }
+
+    #[test]
+    fn hermes_calls_come_out_and_templates_say_their_format() {
+        let t = "<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": \"rust\", \"n\": 2}}\n</tool_call>\nDone.";
+        let (content, calls) = ToolFormat::Hermes.extract(t);
+        assert_eq!(content, "Done.");
+        assert_eq!(calls[0].name, "search");
+        assert_eq!(calls[0].arguments, json!({"q": "rust", "n": 2}));
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/templates");
+        let fmt = |n: &str| ToolFormat::of_template(&std::fs::read_to_string(dir.join(n)).unwrap());
+        assert_eq!(fmt("GLM-5.2.jinja"), Some(ToolFormat::Glm));
+        assert_eq!(fmt("GLM-4.6.jinja"), Some(ToolFormat::Glm));
+        assert_eq!(fmt("Qwen-Qwen3-0.6B.jinja"), Some(ToolFormat::Hermes));
+        assert_eq!(fmt("deepseek-ai-DeepSeek-V3.1.jinja"), None);
+        // an unfinished block is text
+        assert_eq!(ToolFormat::Hermes.extract("<tool_call>{").0, "<tool_call>{");
+    }
+}
