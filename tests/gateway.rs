@@ -494,6 +494,15 @@ fn anthropic_messages_answer_whole_and_streamed() {
     let v = post(&s.addr, "/v1/messages", &sq).json();
     assert_eq!(v["stop_reason"], "stop_sequence");
     assert_eq!(v["stop_sequence"], cut.as_str());
+    // tools for a template that does not define tool calls: a clear 400
+    let mut t = body.clone();
+    t["tools"] = json!([{"name": "f", "input_schema": {"type": "object"}}]);
+    let r = post(&s.addr, "/v1/messages", &t);
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("tool calls"));
     // errors in Anthropic's shape
     let r = post(
         &s.addr,
@@ -983,6 +992,29 @@ fn tools_reach_a_template_that_defines_tool_calls() {
     assert_eq!(
         streamed,
         with["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    // Anthropic's tools and a history with a tool use and its result reach the template too
+    let anth = |tools: bool| {
+        let mut b = json!({"max_tokens": 6, "temperature": 0, "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}, {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "22 C"}]}
+        ]});
+        if tools {
+            b["tools"] = json!([{"name": "get_weather", "description": "Weather of a city.", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]);
+        }
+        post(&s.addr, "/v1/messages", &b)
+    };
+    let (plain, with) = (anth(false), anth(true));
+    assert_eq!(
+        (plain.status, with.status),
+        (200, 200),
+        "{}",
+        String::from_utf8_lossy(&with.body)
+    );
+    assert!(
+        with.json()["usage"]["input_tokens"].as_u64().unwrap()
+            > plain.json()["usage"]["input_tokens"].as_u64().unwrap() + 20
     );
     drop(s);
     std::fs::remove_dir_all(&d).unwrap();

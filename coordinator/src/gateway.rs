@@ -1442,6 +1442,27 @@ impl<T> futures_core::Stream for ReceiverStream<T> {
     }
 }
 
+/// Anthropic content blocks of a whole answer: its text, then its tool calls as `tool_use`
+/// blocks (when `format` reads them); and whether it called tools.
+fn anthropic_content(
+    text: String,
+    format: Option<crate::tools::ToolFormat>,
+    id: &str,
+) -> (Json, bool) {
+    let (text, calls) = match format {
+        Some(f) => f.extract(&text),
+        None => (text, vec![]),
+    };
+    let mut blocks = Vec::new();
+    if !text.is_empty() || calls.is_empty() {
+        blocks.push(json!({"type": "text", "text": text}));
+    }
+    for (i, c) in calls.iter().enumerate() {
+        blocks.push(json!({"type": "tool_use", "id": format!("toolu_{id}_{i}"), "name": c.name, "input": c.arguments}));
+    }
+    (Json::Array(blocks), !calls.is_empty())
+}
+
 /// `POST /v1/messages`: Anthropic's Messages API over the same generator.
 async fn messages(
     State(s): State<Arc<Shared>>,
@@ -1465,9 +1486,11 @@ async fn messages(
         "top_k",
         "stream",
         "metadata",
+        "tools",
+        "tool_choice",
     ];
     for k in obj.keys() {
-        if matches!(k.as_str(), "tools" | "tool_choice" | "thinking") {
+        if k == "thinking" {
             return Err(a(bad(format!("`{k}` is not supported yet"))));
         }
         if !KNOWN.contains(&k.as_str()) {
@@ -1534,19 +1557,124 @@ async fn messages(
     else {
         return Err(a(bad("`messages` must be a non-empty list")));
     };
-    for m in list {
+    // the same messages in their key order (tool inputs keep theirs)
+    let mv: minijinja::Value = serde_json::from_slice(&body).map_err(|e| a(bad(e.to_string())))?;
+    let mlist = mv.get_attr("messages").unwrap_or_default();
+    let use_tools = match obj.get("tool_choice").map(|c| c["type"].as_str()) {
+        None => obj.get("tools").is_some_and(|t| !t.is_null()),
+        Some(Some("auto")) => true,
+        Some(Some("none")) => false,
+        Some(_) => return Err(a(bad("`tool_choice`: only auto and none are supported"))),
+    };
+    if use_tools && t.tool_format.is_none() {
+        return Err(a(bad(
+            "this model's chat template does not define tool calls charm can read back",
+        )));
+    }
+    for (i, m) in list.iter().enumerate() {
         let role = m["role"]
             .as_str()
             .filter(|r| matches!(*r, "user" | "assistant"));
         let Some(role) = role else {
             return Err(a(bad("each message's `role` must be user or assistant")));
         };
-        msgs.push(msg(role, text_of(&m["content"], "`content`").map_err(a)?));
+        let Json::Array(blocks) = &m["content"] else {
+            msgs.push(msg(role, text_of(&m["content"], "`content`").map_err(a)?));
+            continue;
+        };
+        let mblocks = mlist
+            .get_item(&minijinja::Value::from(i))
+            .and_then(|x| x.get_attr("content"))
+            .unwrap_or_default();
+        let (mut text, mut calls) = (String::new(), Vec::new());
+        for (j, b) in blocks.iter().enumerate() {
+            match (b["type"].as_str(), role) {
+                (Some("text"), _) => text += b["text"].as_str().unwrap_or_default(),
+                (Some("tool_use"), "assistant") => {
+                    let input = mblocks
+                        .get_item(&minijinja::Value::from(j))
+                        .and_then(|x| x.get_attr("input"))
+                        .unwrap_or_default();
+                    let name = b["name"].as_str().unwrap_or_default();
+                    calls.push(minijinja::Value::from_pairs([
+                        (
+                            "id",
+                            minijinja::Value::from(b["id"].as_str().unwrap_or_default()),
+                        ),
+                        ("type", minijinja::Value::from("function")),
+                        (
+                            "function",
+                            minijinja::Value::from_pairs([
+                                ("name", minijinja::Value::from(name)),
+                                ("arguments", input),
+                            ]),
+                        ),
+                    ]));
+                }
+                (Some("tool_result"), "user") => {
+                    let content = match &b["content"] {
+                        Json::Null => String::new(),
+                        c => text_of(c, "`tool_result` content").map_err(a)?,
+                    };
+                    msgs.push(minijinja::Value::from_pairs([
+                        ("role", minijinja::Value::from("tool")),
+                        (
+                            "tool_call_id",
+                            minijinja::Value::from(b["tool_use_id"].as_str().unwrap_or_default()),
+                        ),
+                        ("content", minijinja::Value::from(content)),
+                    ]));
+                }
+                _ => {
+                    return Err(a(bad(format!(
+                        "`content`: {} blocks are not supported in {role} messages",
+                        b["type"].as_str().unwrap_or("untyped")
+                    ))))
+                }
+            }
+        }
+        if calls.is_empty() {
+            if !text.is_empty() || role == "assistant" {
+                msgs.push(msg(role, text));
+            }
+        } else {
+            msgs.push(minijinja::Value::from_pairs([
+                ("role", minijinja::Value::from(role)),
+                ("content", minijinja::Value::from(text)),
+                ("tool_calls", minijinja::Value::from(calls)),
+            ]));
+        }
     }
+    // Anthropic's tools in the shape the templates read (OpenAI's)
+    let tools = if use_tools {
+        let list = mv.get_attr("tools").unwrap_or_default();
+        let Ok(items) = list.try_iter() else {
+            return Err(a(bad("`tools` must be a list")));
+        };
+        let converted: Vec<minijinja::Value> = items
+            .map(|tool| {
+                let get = |k: &str| tool.get_attr(k).unwrap_or_default();
+                minijinja::Value::from_pairs([
+                    ("type", minijinja::Value::from("function")),
+                    (
+                        "function",
+                        minijinja::Value::from_pairs([
+                            ("name", get("name")),
+                            ("description", get("description")),
+                            ("parameters", get("input_schema")),
+                        ]),
+                    ),
+                ])
+            })
+            .collect();
+        minijinja::Value::from(converted)
+    } else {
+        minijinja::Value::from(())
+    };
     let rendered = t
         .render(&ChatInput {
             messages: minijinja::Value::from(msgs),
-            tools: minijinja::Value::from(()),
+            tools,
             add_generation_prompt: true,
             ..Default::default()
         })
@@ -1561,6 +1689,7 @@ async fn messages(
         ("length", _) => "max_tokens",
         _ => "end_turn",
     };
+    let format = if use_tools { t.tool_format } else { None };
     if !set.stream {
         let mut text = String::new();
         while let Some(ev) = rx.recv().await {
@@ -1579,17 +1708,25 @@ async fn messages(
                     prompt_tokens,
                     completion_tokens,
                     ..
-                } => return Ok(axum::Json(json!({
-                    "id": id,
-                    "type": "message",
-                    "role": "assistant",
-                    "model": model,
-                    "content": [{"type": "text", "text": text}],
-                    "stop_reason": reason(finish, &matched),
-                    "stop_sequence": matched,
-                    "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens},
-                }))
-                .into_response()),
+                } => {
+                    let (content, called) = anthropic_content(text, format, &id);
+                    let stop = if called {
+                        "tool_use"
+                    } else {
+                        reason(finish, &matched)
+                    };
+                    return Ok(axum::Json(json!({
+                        "id": id,
+                        "type": "message",
+                        "role": "assistant",
+                        "model": model,
+                        "content": content,
+                        "stop_reason": stop,
+                        "stop_sequence": matched,
+                        "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens},
+                    }))
+                    .into_response());
+                }
             }
         }
         return Err(a(error(
@@ -1606,7 +1743,14 @@ async fn messages(
         "content_block_start",
         json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
     );
+    let mut held = String::new();
+    let msg_id = id.clone();
     let stream = sse(rx, prefix, move |e| match e {
+        Event::Text(t) if format.is_some() => {
+            // tool calls are read from the whole answer: it waits for the end
+            held += &t;
+            (String::new(), false)
+        }
         Event::Text(t) => (
             ev(
                 "content_block_delta",
@@ -1619,16 +1763,53 @@ async fn messages(
             matched,
             completion_tokens,
             ..
-        } => (
-            ev(
+        } => {
+            let mut out = String::new();
+            let mut stop = reason(finish, &matched);
+            let mut blocks = vec![];
+            if format.is_some() {
+                let (content, called) =
+                    anthropic_content(std::mem::take(&mut held), format, &msg_id);
+                if called {
+                    stop = "tool_use";
+                }
+                blocks = content.as_array().cloned().unwrap_or_default();
+                // the first block is the open text block, if the answer has text
+                if let Some(t) = blocks.first().and_then(|b| b["text"].as_str()) {
+                    out += &ev(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": t}}),
+                    );
+                }
+            }
+            out += &ev(
                 "content_block_stop",
                 json!({"type": "content_block_stop", "index": 0}),
-            ) + &ev(
+            );
+            let uses = blocks.iter().filter(|b| b["type"] == "tool_use");
+            for (i, b) in uses.enumerate() {
+                let mut start = b.clone();
+                start["input"] = json!({});
+                out += &ev(
+                    "content_block_start",
+                    json!({"type": "content_block_start", "index": i + 1, "content_block": start}),
+                );
+                out += &ev(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": i + 1, "delta": {"type": "input_json_delta", "partial_json": b["input"].to_string()}}),
+                );
+                out += &ev(
+                    "content_block_stop",
+                    json!({"type": "content_block_stop", "index": i + 1}),
+                );
+            }
+            out += &ev(
                 "message_delta",
-                json!({"type": "message_delta", "delta": {"stop_reason": reason(finish, &matched), "stop_sequence": matched}, "usage": {"output_tokens": completion_tokens}}),
-            ) + &ev("message_stop", json!({"type": "message_stop"})),
-            true,
-        ),
+                json!({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": matched}, "usage": {"output_tokens": completion_tokens}}),
+            );
+            out += &ev("message_stop", json!({"type": "message_stop"}));
+            (out, true)
+        }
         Event::Failed(m) => (
             ev(
                 "error",
@@ -1649,7 +1830,23 @@ async fn messages(
 
 #[cfg(test)]
 mod tests {
-    use super::Reasoning;
+    use super::{anthropic_content, Reasoning};
+    use crate::tools::ToolFormat;
+    use serde_json::json;
+
+    #[test]
+    fn anthropic_answers_put_tool_calls_in_tool_use_blocks() {
+        let t = "Checking.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>";
+        let (c, called) = anthropic_content(t.into(), Some(ToolFormat::Glm), "m1");
+        assert!(called);
+        assert_eq!(
+            c,
+            json!([{"type": "text", "text": "Checking."}, {"type": "tool_use", "id": "toolu_m1_0", "name": "get_weather", "input": {"city": "Paris"}}])
+        );
+        let (c, called) = anthropic_content("plain".into(), None, "m2");
+        assert!(!called);
+        assert_eq!(c, json!([{"type": "text", "text": "plain"}]));
+    }
 
     fn split(thinking: bool, pieces: &[&str]) -> (String, String) {
         let mut s = Reasoning::new(thinking);
