@@ -32,9 +32,13 @@ impl Drop for Server {
 
 impl Server {
     fn start(extra: &[&str]) -> Self {
+        Self::start_model(&demo(), extra)
+    }
+
+    fn start_model(model: &Path, extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_charm"))
             .args(["serve", "--model"])
-            .arg(demo())
+            .arg(model)
             .args(["--listen", "127.0.0.1:0"])
             .args(extra)
             .stdout(Stdio::piped())
@@ -52,6 +56,22 @@ impl Server {
             .to_string();
         Self { child, addr }
     }
+}
+
+/// A copy of the demo model (its files linked) whose chat template is `edit` of the demo's.
+fn demo_with_template(tag: &str, edit: impl FnOnce(&str) -> String) -> PathBuf {
+    let d = common::scratch(tag);
+    std::fs::create_dir_all(&d).unwrap();
+    for f in std::fs::read_dir(demo()).unwrap() {
+        let f = f.unwrap().path();
+        let name = f.file_name().unwrap().to_owned();
+        if name != "chat_template.jinja" {
+            std::os::unix::fs::symlink(&f, d.join(name)).unwrap();
+        }
+    }
+    let t = std::fs::read_to_string(demo().join("chat_template.jinja")).unwrap();
+    std::fs::write(d.join("chat_template.jinja"), edit(&t)).unwrap();
+    d
 }
 
 /// An HTTP response: status, headers (lower-case names), body (de-chunked).
@@ -860,44 +880,13 @@ fn generation_config_adds_its_stop_tokens() {
 #[test]
 fn a_template_that_opens_thinking_gets_the_reasoning_apart() {
     // the demo model with a template whose generation prompt opens `<think>`, as GLM's does
-    let d = common::scratch("gw-think");
-    std::fs::create_dir_all(&d).unwrap();
-    for f in std::fs::read_dir(demo()).unwrap() {
-        let f = f.unwrap().path();
-        let name = f.file_name().unwrap().to_owned();
-        if name != "chat_template.jinja" {
-            std::os::unix::fs::symlink(&f, d.join(name)).unwrap();
-        }
-    }
-    let t = std::fs::read_to_string(demo().join("chat_template.jinja")).unwrap();
-    std::fs::write(
-        d.join("chat_template.jinja"),
+    let d = demo_with_template("gw-think", |t| {
         t.replace(
             "<|assistant|>\n{% endif -%}",
             "<|assistant|>\n<think>{% endif -%}",
-        ),
-    )
-    .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_charm"))
-        .args(["serve", "--model"])
-        .arg(&d)
-        .args(["--listen", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let s = Server {
-        child,
-        addr: line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap()
-            .to_string(),
-    };
+        )
+    });
+    let s = Server::start_model(&d, &[]);
     let req = json!({"messages": [{"role": "user", "content": "Speak."}], "max_tokens": 12, "temperature": 0});
     let v = post(&s.addr, "/v1/chat/completions", &req).json();
     let msg = &v["choices"][0]["message"];
@@ -926,42 +915,11 @@ fn a_template_that_opens_thinking_gets_the_reasoning_apart() {
 #[test]
 fn tools_reach_a_template_that_defines_tool_calls() {
     // the demo model with a GLM-style template that lists the tools
-    let d = common::scratch("gw-tools");
-    std::fs::create_dir_all(&d).unwrap();
-    for f in std::fs::read_dir(demo()).unwrap() {
-        let f = f.unwrap().path();
-        let name = f.file_name().unwrap().to_owned();
-        if name != "chat_template.jinja" {
-            std::os::unix::fs::symlink(&f, d.join(name)).unwrap();
-        }
-    }
-    let t = std::fs::read_to_string(demo().join("chat_template.jinja")).unwrap();
-    let tools = "{% if tools %}<|system|>\nCall tools as <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}";
-    std::fs::write(
-        d.join("chat_template.jinja"),
-        t.replacen("[gMASK]<sop>", &format!("[gMASK]<sop>{tools}"), 1),
-    )
-    .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_charm"))
-        .args(["serve", "--model"])
-        .arg(&d)
-        .args(["--listen", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let s = Server {
-        child,
-        addr: line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap()
-            .to_string(),
-    };
+    let d = demo_with_template("gw-tools", |t| {
+        let tools = "{% if tools %}<|system|>\nCall tools as <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}";
+        t.replacen("[gMASK]<sop>", &format!("[gMASK]<sop>{tools}"), 1)
+    });
+    let s = Server::start_model(&d, &[]);
     let tool = json!({"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
     let ask = |tools: Option<Value>, stream: bool| {
         let mut b = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 6, "temperature": 0, "stream": stream});
