@@ -701,6 +701,39 @@ fn penalties_min_p_and_logprobs_behave_as_defined() {
     assert_eq!(l["top_logprobs"][0].as_object().unwrap().len(), 2);
     assert_eq!(l["text_offset"][0], 0);
 
+    // streamed: each chunk carries its tokens' log probabilities, all of them in order
+    let whole = post(
+        &s.addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Speak."}], "max_tokens": 12, "temperature": 0, "logprobs": true, "top_logprobs": 2}),
+    )
+    .json();
+    let want: Vec<f64> = whole["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["logprob"].as_f64().unwrap())
+        .collect();
+    let got: Vec<f64> = events(
+        &post(
+            &s.addr,
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "Speak."}], "max_tokens": 12, "temperature": 0, "logprobs": true, "top_logprobs": 2, "stream": true}),
+        )
+        .body,
+    )
+    .iter()
+    .filter(|e| *e != "[DONE]")
+    .flat_map(|e| {
+        let v: Value = serde_json::from_str(e).unwrap();
+        v["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    })
+    .map(|e| e["logprob"].as_f64().unwrap())
+    .collect();
+    assert_eq!(got, want);
     // min_p 1.0 keeps only the most likely token: greedy, whatever the temperature
     let v = post(
         &s.addr,
@@ -714,7 +747,6 @@ fn penalties_min_p_and_logprobs_behave_as_defined() {
         json!({"prompt": "x", "presence_penalty": 3}),
         json!({"prompt": "x", "repetition_penalty": 0}),
         json!({"prompt": "x", "logprobs": 50}),
-        json!({"prompt": "x", "logprobs": 1, "stream": true}),
     ] {
         assert_eq!(post(&s.addr, "/v1/completions", &bad).status, 400, "{bad}");
     }

@@ -105,6 +105,8 @@ type TokenLogprob = (u32, f32, Vec<(u32, f32)>);
 #[derive(Debug)]
 enum Event {
     Text(String),
+    /// The log probabilities of the tokens behind the next `Text` (streams that asked for them).
+    Logprobs(Vec<TokenLogprob>),
     Done {
         finish: &'static str,
         /// The stop string that ended it, if one did.
@@ -397,6 +399,8 @@ struct Sequence {
     started: Option<Instant>,
     /// Ended normally (not cancelled): its KV may serve a later request's prefix.
     finished: bool,
+    /// Entries of `lps` already sent with a piece of text.
+    lp_sent: usize,
 }
 
 impl Sequence {
@@ -414,6 +418,7 @@ impl Sequence {
             lps: Vec::new(),
             started: None,
             finished: false,
+            lp_sent: 0,
         }
     }
 
@@ -477,15 +482,16 @@ impl Sequence {
         }
         self.ids.push(next);
         metrics.tokens.fetch_add(1, Ordering::Relaxed);
-        let job = &self.job;
-        let hold = job.stop.iter().map(|s| s.len()).max().unwrap_or(0);
+        let hold = self.job.stop.iter().map(|s| s.len()).max().unwrap_or(0);
         let text = tok.decode(&self.ids).map_err(|e| e.to_string())?;
-        if let Some((at, which)) = find_stop(&text, self.sent.saturating_sub(hold), &job.stop) {
+        if let Some((at, which)) = find_stop(&text, self.sent.saturating_sub(hold), &self.job.stop)
+        {
             if at > self.sent {
-                let _ = job.tx.send(Event::Text(text[self.sent..at].to_string()));
+                let piece = text[self.sent..at].to_string();
+                self.send_text(piece);
             }
             self.sent = text.len();
-            let matched = Some(job.stop[which].clone());
+            let matched = Some(self.job.stop[which].clone());
             return self.finish(tok, "stop", matched, metrics);
         }
         let mut end = text.len().saturating_sub(hold.saturating_sub(1));
@@ -496,21 +502,28 @@ impl Sequence {
             end -= 1;
         }
         if end > self.sent {
-            if job
-                .tx
-                .send(Event::Text(text[self.sent..end].to_string()))
-                .is_err()
-            {
+            if !self.send_text(text[self.sent..end].to_string()) {
                 return Ok(false);
             }
             self.sent = end;
-        } else if job.tx.is_closed() {
+        } else if self.job.tx.is_closed() {
             return Ok(false);
         }
-        if self.ids.len() >= job.max_tokens {
+        if self.ids.len() >= self.job.max_tokens {
             return self.finish(tok, "length", None, metrics);
         }
         Ok(true)
+    }
+
+    /// Sends a piece of text, after the log probabilities of the tokens not yet covered when
+    /// the request asked for them; false when the client went away.
+    fn send_text(&mut self, piece: String) -> bool {
+        if self.job.logprobs.is_some() && self.lp_sent < self.lps.len() {
+            let new = self.lps[self.lp_sent..].to_vec();
+            self.lp_sent = self.lps.len();
+            let _ = self.job.tx.send(Event::Logprobs(new));
+        }
+        self.job.tx.send(Event::Text(piece)).is_ok()
     }
 
     /// Sends the rest of the text and the end of the generation.
@@ -528,11 +541,12 @@ impl Sequence {
         }
         if matched.is_none() {
             let text = tok.decode(&self.ids).map_err(|e| e.to_string())?;
+            // (a token ended by the end-of-sequence id is not part of the completion)
+            self.lps.truncate(self.ids.len());
             if text.len() > self.sent {
-                let _ = self.job.tx.send(Event::Text(text[self.sent..].to_string()));
+                self.send_text(text[self.sent..].to_string());
             }
         }
-        // (a token ended by the end-of-sequence id is not part of the completion)
         self.lps.truncate(self.ids.len());
         let _ = self.job.tx.send(Event::Done {
             finish,
@@ -948,9 +962,6 @@ fn settings(body: &Json, known: &[&str]) -> Result<Settings, ApiError> {
         Some(Json::Bool(b)) => *b,
         Some(_) => return Err(bad("`stream` must be true or false")),
     };
-    if logprobs.is_some() && stream {
-        return Err(bad("`logprobs` with `stream` is not supported yet"));
-    }
     Ok(Settings {
         params: SamplingParams {
             temperature: temperature as f32,
@@ -1223,6 +1234,7 @@ async fn run(
         while let Some(ev) = rx.recv().await {
             match ev {
                 Event::Text(t) => text += &t,
+                Event::Logprobs(_) => {}
                 Event::Failed(m) => {
                     return Err(error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", m))
                 }
@@ -1280,11 +1292,21 @@ async fn run(
     };
     let mut first = chat;
     let mut held_content = String::new();
+    let mut pending_lp: Vec<TokenLogprob> = Vec::new();
+    let tok = s.tok.clone();
     let stream = sse(rx, String::new(), move |ev| match ev {
+        Event::Logprobs(l) => {
+            pending_lp = l;
+            (String::new(), false)
+        }
         Event::Text(t) => {
+            let mut lp = if pending_lp.is_empty() {
+                Json::Null
+            } else {
+                logprobs_json(&tok, &std::mem::take(&mut pending_lp), chat)
+            };
             if !chat {
-                let choice =
-                    json!({"index": 0, "text": t, "finish_reason": null, "logprobs": null});
+                let choice = json!({"index": 0, "text": t, "finish_reason": null, "logprobs": lp});
                 return (chunk(choice, None), false);
             }
             let (r, mut c) = split.push(&t);
@@ -1303,7 +1325,11 @@ async fn run(
                     d["role"] = json!("assistant");
                     first = false;
                 }
-                out += &chunk(json!({"index": 0, "delta": d, "finish_reason": null}), None);
+                let mut c = json!({"index": 0, "delta": d, "finish_reason": null});
+                if !lp.is_null() {
+                    c["logprobs"] = std::mem::take(&mut lp);
+                }
+                out += &chunk(c, None);
             }
             (out, false)
         }
@@ -1421,7 +1447,8 @@ fn sse(
         }
         while let Some(ev) = rx.recv().await {
             let (text, last) = frame(ev);
-            if tx.send(Ok(Bytes::from(text))).await.is_err() || last {
+            // (nothing to say yet: no empty chunk on the wire)
+            if !text.is_empty() && tx.send(Ok(Bytes::from(text))).await.is_err() || last {
                 return;
             }
         }
@@ -1695,6 +1722,7 @@ async fn messages(
         while let Some(ev) = rx.recv().await {
             match ev {
                 Event::Text(t) => text += &t,
+                Event::Logprobs(_) => {}
                 Event::Failed(m) => {
                     return Err(a(error(
                         StatusCode::INTERNAL_SERVER_ERROR,
@@ -1746,6 +1774,7 @@ async fn messages(
     let mut held = String::new();
     let msg_id = id.clone();
     let stream = sse(rx, prefix, move |e| match e {
+        Event::Logprobs(_) => (String::new(), false),
         Event::Text(t) if format.is_some() => {
             // tool calls are read from the whole answer: it waits for the end
             held += &t;
