@@ -134,3 +134,37 @@ fn a_model_directory_gives_its_template() {
     assert!(ChatTemplate::from_dir(&d).is_err());
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+#[test]
+fn tool_arguments_take_the_form_each_template_reads() {
+    use charm_coordinator::chat::tool_arguments;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/templates");
+    // an OpenAI client's history: arguments as JSON text
+    let messages: Value = serde_json::from_str(r#"[{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 3}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]"#).unwrap();
+    let render = |name: &str, m: Value| {
+        let src = std::fs::read_to_string(dir.join(name)).unwrap();
+        ChatTemplate::new(&src).unwrap().render(&ChatInput {
+            messages: m,
+            add_generation_prompt: true,
+            ..Default::default()
+        })
+    };
+    // GLM iterates the arguments: text fails, the object form renders each key
+    assert!(render("GLM-5.2.jinja", messages.clone()).is_err());
+    let glm = render("GLM-5.2.jinja", tool_arguments(&messages, true)).unwrap();
+    assert!(
+        glm.contains("<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>3</arg_value>"),
+        "{glm}"
+    );
+    // DeepSeek concatenates them: the object form goes back to text
+    let objects = tool_arguments(&messages, true);
+    let ds = render(
+        "deepseek-ai-DeepSeek-V3.1.jinja",
+        tool_arguments(&objects, false),
+    )
+    .unwrap();
+    assert!(
+        ds.contains(r#"get_weather<｜tool▁sep｜>{"city": "Paris", "days": 3}"#),
+        "{ds}"
+    );
+}

@@ -374,3 +374,75 @@ fn strftime_now(f: &str) -> String {
         String::from_utf8_lossy(&buf).into_owned()
     }
 }
+
+/// `messages` with every tool call's `function.arguments` as an object (`as_objects`: GLM's
+/// templates iterate them) or as JSON text (DeepSeek's concatenate them), whichever the
+/// client sent; other values are kept as they are.
+pub fn tool_arguments(messages: &Value, as_objects: bool) -> Value {
+    let Ok(iter) = messages.try_iter() else {
+        return messages.clone();
+    };
+    let convert = |args: Value| -> Value {
+        match (args.kind(), as_objects) {
+            (ValueKind::String, true) => {
+                serde_json::from_str::<Value>(args.as_str().unwrap_or_default()).unwrap_or(args)
+            }
+            (ValueKind::Map, false) => {
+                let mut s = String::new();
+                match py_json(&args, None, 0, false, &mut s) {
+                    Ok(()) => Value::from(s),
+                    Err(_) => args,
+                }
+            }
+            _ => args,
+        }
+    };
+    let remap = |m: &Value, f: &dyn Fn(&Value, &Value) -> Value| -> Value {
+        Value::from_pairs(
+            m.try_iter()
+                .into_iter()
+                .flatten()
+                .map(|k| {
+                    let v = m.get_item(&k).unwrap_or_default();
+                    (k.clone(), f(&k, &v))
+                })
+                .collect::<Vec<_>>(),
+        )
+    };
+    Value::from(
+        iter.map(|m| {
+            if m.kind() != ValueKind::Map {
+                return m;
+            }
+            remap(&m, &|k, v| {
+                if k.as_str() != Some("tool_calls") || v.kind() != ValueKind::Seq {
+                    return v.clone();
+                }
+                Value::from(
+                    v.try_iter()
+                        .into_iter()
+                        .flatten()
+                        .map(|call| {
+                            if call.kind() != ValueKind::Map {
+                                return call;
+                            }
+                            remap(&call, &|k, f| {
+                                if k.as_str() != Some("function") || f.kind() != ValueKind::Map {
+                                    return f.clone();
+                                }
+                                remap(f, &|k, a| {
+                                    if k.as_str() == Some("arguments") {
+                                        convert(a.clone())
+                                    } else {
+                                        a.clone()
+                                    }
+                                })
+                            })
+                        })
+                        .collect::<Vec<_>>(),
+                )
+            })
+        })
+        .collect::<Vec<_>>(),
+    )
+}

@@ -29,7 +29,7 @@ use serde_json::{json, Value as Json};
 use tokio::sync::mpsc;
 
 use crate::cache::KvCache;
-use crate::chat::{drop_null_keys, ChatInput, ChatTemplate};
+use crate::chat::{drop_null_keys, tool_arguments, ChatInput, ChatTemplate};
 use crate::engine::Engine;
 use crate::forward::ForwardOptions;
 use crate::sampling::{logprobs, Penalties, Sampler, SamplingParams};
@@ -1116,7 +1116,13 @@ async fn chat_completions(
     }
     // the template sees the messages in their key order
     let v: minijinja::Value = serde_json::from_slice(&body).map_err(|e| bad(e.to_string()))?;
-    let messages = drop_null_keys(&v.get_attr("messages").unwrap_or_default());
+    let mut messages = drop_null_keys(&v.get_attr("messages").unwrap_or_default());
+    // tool-call arguments in the form the template reads (clients send JSON text)
+    match t.tool_format {
+        Some(crate::tools::ToolFormat::Glm) => messages = tool_arguments(&messages, true),
+        Some(crate::tools::ToolFormat::DeepSeek) => messages = tool_arguments(&messages, false),
+        _ => {}
+    }
     let tools = if use_tools {
         let t = v.get_attr("tools").unwrap_or_default();
         if t.kind() != minijinja::value::ValueKind::Seq {

@@ -5,6 +5,10 @@
 //!   <arg_value>V</arg_value>...</tool_call>`, each value JSON text or a plain string.
 //! - [`ToolFormat::Hermes`] (Qwen3 and others): `<tool_call>{"name": ..., "arguments": {...}}
 //!   </tool_call>`.
+//! - [`ToolFormat::DeepSeek`] (DeepSeek-V3.1): `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS
+//!   <｜tool▁call▁end｜>` inside `<｜tool▁calls▁begin｜>` … `<｜tool▁calls▁end｜>`.
+//! - [`ToolFormat::Kimi`] (Kimi-K2): `<|tool_call_begin|>functions.NAME:N
+//!   <|tool_call_argument_begin|>ARGS<|tool_call_end|>` inside the tool-calls section markers.
 
 use serde_json::{Map, Value};
 
@@ -13,6 +17,8 @@ use serde_json::{Map, Value};
 pub enum ToolFormat {
     Glm,
     Hermes,
+    DeepSeek,
+    Kimi,
 }
 
 /// A call taken out of an answer.
@@ -25,12 +31,30 @@ pub struct ToolCall {
 
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
+const DS: [&str; 5] = [
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+];
+const KIMI: [&str; 5] = [
+    "<|tool_calls_section_begin|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|tool_calls_section_end|>",
+];
 
 impl ToolFormat {
     /// The format a chat template's source teaches, if it teaches one of these.
     pub fn of_template(src: &str) -> Option<Self> {
         if src.contains("<arg_key>") && src.contains(OPEN) {
             Some(Self::Glm)
+        } else if src.contains(DS[2]) {
+            Some(Self::DeepSeek)
+        } else if src.contains(KIMI[2]) {
+            Some(Self::Kimi)
         } else if src.contains(OPEN) {
             Some(Self::Hermes)
         } else {
@@ -41,6 +65,17 @@ impl ToolFormat {
     /// The answer's text outside tool calls (trimmed), and the calls, in order. A block that
     /// does not parse stays in the text.
     pub fn extract(self, text: &str) -> (String, Vec<ToolCall>) {
+        match self {
+            Self::DeepSeek => return sectioned(text, &DS, |id| id.to_string()),
+            // `functions.NAME:INDEX`
+            Self::Kimi => {
+                return sectioned(text, &KIMI, |id| {
+                    let id = id.strip_prefix("functions.").unwrap_or(id);
+                    id.rsplit_once(':').map_or(id, |(n, _)| n).to_string()
+                })
+            }
+            Self::Glm | Self::Hermes => {}
+        }
         let (mut content, mut calls) = (String::new(), Vec::new());
         let mut rest = text;
         while let Some(i) = rest.find(OPEN) {
@@ -64,6 +99,7 @@ impl ToolFormat {
 
     fn parse(self, body: &str) -> Option<ToolCall> {
         match self {
+            Self::DeepSeek | Self::Kimi => None,
             Self::Hermes => {
                 let v: Value = serde_json::from_str(body.trim()).ok()?;
                 let name = v["name"].as_str()?.to_string();
@@ -99,6 +135,44 @@ impl ToolFormat {
                 })
             }
         }
+    }
+}
+
+/// Calls written as `[section open] (call open) NAME-OR-ID (separator) ARGS (call close) ...
+/// [section close]` (markers `m`); `name` turns what precedes the separator into the tool name.
+/// A section that does not parse stays text.
+fn sectioned(text: &str, m: &[&str; 5], name: impl Fn(&str) -> String) -> (String, Vec<ToolCall>) {
+    let parse = |section: &str| -> Option<Vec<ToolCall>> {
+        let mut calls = Vec::new();
+        let mut rest = section;
+        while let Some(i) = rest.find(m[1]) {
+            let after = &rest[i + m[1].len()..];
+            let (head, tail) = after.split_once(m[2])?;
+            let (args, next) = tail.split_once(m[3])?;
+            let arguments: Value = serde_json::from_str(args.trim()).ok()?;
+            if !arguments.is_object() {
+                return None;
+            }
+            calls.push(ToolCall {
+                name: name(head.trim()),
+                arguments,
+            });
+            rest = next;
+        }
+        (!calls.is_empty()).then_some(calls)
+    };
+    let Some(start) = text.find(m[0]) else {
+        return (text.trim().to_string(), vec![]);
+    };
+    let body_end = text[start..].find(m[4]).map(|j| start + j);
+    let section = &text[start + m[0].len()..body_end.unwrap_or(text.len())];
+    match parse(section) {
+        Some(calls) => {
+            let after = body_end.map_or("", |j| &text[j + m[4].len()..]);
+            let content = format!("{}{}", &text[..start], after);
+            (content.trim().to_string(), calls)
+        }
+        None => (text.trim().to_string(), vec![]),
     }
 }
 
@@ -143,8 +217,31 @@ mod tests {
         assert_eq!(fmt("GLM-5.2.jinja"), Some(ToolFormat::Glm));
         assert_eq!(fmt("GLM-4.6.jinja"), Some(ToolFormat::Glm));
         assert_eq!(fmt("Qwen-Qwen3-0.6B.jinja"), Some(ToolFormat::Hermes));
-        assert_eq!(fmt("deepseek-ai-DeepSeek-V3.1.jinja"), None);
+        assert_eq!(
+            fmt("deepseek-ai-DeepSeek-V3.1.jinja"),
+            Some(ToolFormat::DeepSeek)
+        );
+        assert_eq!(fmt("Kimi-K2-Instruct.jinja"), Some(ToolFormat::Kimi));
+        assert_eq!(fmt("moonshotai-Kimi-K2.jinja"), None);
         // an unfinished block is text
         assert_eq!(ToolFormat::Hermes.extract("<tool_call>{").0, "<tool_call>{");
+    }
+
+    #[test]
+    fn deepseek_and_kimi_calls_come_out() {
+        let t = "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        let (content, calls) = ToolFormat::DeepSeek.extract(t);
+        assert_eq!(content, "Sure.");
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0].arguments, json!({"city": "Paris"}));
+        assert_eq!(calls[1].name, "now");
+        let k = "<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>{\"q\": \"x\"}<|tool_call_end|><|tool_calls_section_end|>";
+        let (content, calls) = ToolFormat::Kimi.extract(k);
+        assert_eq!(content, "");
+        assert_eq!(calls[0].name, "search");
+        assert_eq!(calls[0].arguments, json!({"q": "x"}));
+        // arguments that are not an object: the text stays
+        let bad = "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>[1]<|tool_call_end|><|tool_calls_section_end|>";
+        assert!(ToolFormat::Kimi.extract(bad).1.is_empty());
     }
 }
