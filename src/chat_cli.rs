@@ -133,14 +133,15 @@ pub fn chat_local(
         let mut next = sampler.sample(&m.logits(&normed[(prompt.len() - 1) * h..], 1)?);
         let ttft = t0.elapsed().as_secs_f64();
         let (mut ids, mut shown) = (Vec::new(), 0usize);
+        let mut stream = tok.stream();
         while !m.spec.eos_token_ids.contains(&next) {
             ids.push(next);
-            let text = tok.decode(&ids)?;
-            // whole characters only
-            if !text.ends_with('\u{FFFD}') && text.len() > shown {
-                write!(out, "{}", &text[shown..])?;
+            // whole characters only, decoding just the last tokens
+            let piece = stream.push(next)?;
+            if !piece.is_empty() {
+                write!(out, "{piece}")?;
                 out.flush()?;
-                shown = text.len();
+                shown += piece.len();
             }
             if ids.len() >= set.max_tokens {
                 break;

@@ -392,13 +392,7 @@ impl Engine {
             .iter()
             .map(|l| l.count as u64 * charm_worker::store::expert_ram_bytes(l))
             .sum();
-        let budget = match opts.ram {
-            Some(r) => r,
-            None => crate::plan::meminfo().map_or(0, |m| {
-                m.available
-                    .saturating_sub((m.available / 20).max(512 << 20))
-            }),
-        };
+        let (budget, _) = crate::plan::budget(opts.ram);
         let need = io + WORKER_WORKING_BYTES;
         if budget < need {
             return Err(LoadError::config(

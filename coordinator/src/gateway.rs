@@ -33,7 +33,7 @@ use crate::chat::{drop_null_keys, tool_arguments, ChatInput, ChatTemplate};
 use crate::engine::Engine;
 use crate::forward::ForwardOptions;
 use crate::sampling::{logprobs, Penalties, Sampler, SamplingParams};
-use crate::tokenizer::TextTokenizer;
+use crate::tokenizer::{TextStream, TextTokenizer};
 
 /// How the gateway serves.
 #[derive(Debug, Clone)]
@@ -343,7 +343,7 @@ fn run_jobs(
                 }
             };
             metrics.queued.fetch_sub(1, Ordering::Relaxed);
-            let mut seq = Sequence::new(e, job);
+            let mut seq = Sequence::new(e, tok, job);
             if let Some(c) = prefixes.take(&seq.job.prompt) {
                 metrics.reused.fetch_add(c.len() as u64, Ordering::Relaxed);
                 seq.cache = c;
@@ -386,14 +386,16 @@ struct Limits {
 }
 
 /// One generation in progress.
-struct Sequence {
+struct Sequence<'t> {
     job: Job,
     cache: KvCache,
     sampler: Sampler,
     /// The token chosen and not yet fed back (none before the prefill).
     next: Option<u32>,
     ids: Vec<u32>,
-    /// Bytes of the decoded text already sent.
+    /// The completion decoded as its tokens come, and how many of its bytes were sent.
+    stream: TextStream<'t>,
+    text: String,
     sent: usize,
     lps: Vec<TokenLogprob>,
     started: Option<Instant>,
@@ -403,8 +405,8 @@ struct Sequence {
     lp_sent: usize,
 }
 
-impl Sequence {
-    fn new(e: &Engine, job: Job) -> Self {
+impl<'t> Sequence<'t> {
+    fn new(e: &Engine, tok: &'t TextTokenizer, job: Job) -> Self {
         let spec = &e.model.spec;
         let mut cache = KvCache::new(spec);
         cache.reserve(job.prompt.len() + job.max_tokens, spec);
@@ -414,6 +416,8 @@ impl Sequence {
             cache,
             next: None,
             ids: Vec::new(),
+            stream: tok.stream(),
+            text: String::new(),
             sent: 0,
             lps: Vec::new(),
             started: None,
@@ -483,26 +487,26 @@ impl Sequence {
         self.ids.push(next);
         metrics.tokens.fetch_add(1, Ordering::Relaxed);
         let hold = self.job.stop.iter().map(|s| s.len()).max().unwrap_or(0);
-        let text = tok.decode(&self.ids).map_err(|e| e.to_string())?;
-        if let Some((at, which)) = find_stop(&text, self.sent.saturating_sub(hold), &self.job.stop)
-        {
+        // only whole characters arrive from the stream decoder
+        let piece = self.stream.push(next).map_err(|e| e.to_string())?;
+        self.text.push_str(&piece);
+        let found = find_stop(&self.text, self.sent.saturating_sub(hold), &self.job.stop);
+        if let Some((at, which)) = found {
             if at > self.sent {
-                let piece = text[self.sent..at].to_string();
+                let piece = self.text[self.sent..at].to_string();
                 self.send_text(piece);
             }
-            self.sent = text.len();
+            self.sent = self.text.len();
             let matched = Some(self.job.stop[which].clone());
             return self.finish(tok, "stop", matched, metrics);
         }
-        let mut end = text.len().saturating_sub(hold.saturating_sub(1));
-        if text.ends_with('\u{FFFD}') {
-            end = end.min(text.len() - '\u{FFFD}'.len_utf8());
-        }
-        while end > self.sent && !text.is_char_boundary(end) {
+        let mut end = self.text.len().saturating_sub(hold.saturating_sub(1));
+        while end > self.sent && !self.text.is_char_boundary(end) {
             end -= 1;
         }
         if end > self.sent {
-            if !self.send_text(text[self.sent..end].to_string()) {
+            let piece = self.text[self.sent..end].to_string();
+            if !self.send_text(piece) {
                 return Ok(false);
             }
             self.sent = end;

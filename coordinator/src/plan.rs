@@ -45,6 +45,21 @@ pub fn meminfo() -> Option<MemInfo> {
     })
 }
 
+/// The RAM budget: `ram` when given (`"--ram"`), else what is available less a margin for the
+/// system, 5% and at least 512 MiB (`"MemAvailable"`; 0 where the system does not say).
+pub fn budget(ram: Option<u64>) -> (u64, &'static str) {
+    match ram {
+        Some(r) => (r, "--ram"),
+        None => (
+            meminfo().map_or(0, |m| {
+                m.available
+                    .saturating_sub((m.available / 20).max(512 << 20))
+            }),
+            "MemAvailable",
+        ),
+    }
+}
+
 /// Peak and current resident set size of this process (`VmHWM`, `VmRSS`), in bytes.
 pub fn rss() -> Option<(u64, u64)> {
     let text = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -281,17 +296,7 @@ impl Stored<'_> {
         let tied = spec.tie_word_embeddings && tensor(names::HEAD).is_none();
         let resident_bytes = dense_bytes + kv_bytes + io + working_bytes;
         let mem = meminfo();
-        let (budget, source) = match input.ram {
-            Some(r) => (r, "--ram"),
-            None => (
-                // leave the system a margin: 5% of what is available, at least 512 MiB
-                mem.map_or(0, |m| {
-                    m.available
-                        .saturating_sub((m.available / 20).max(512 << 20))
-                }),
-                "MemAvailable",
-            ),
-        };
+        let (budget, source) = budget(input.ram);
         // With no cache at all every expert streams through the I/O working set: slow, still exact.
         let min_budget_bytes = resident_bytes;
         let fits = budget >= min_budget_bytes;

@@ -466,18 +466,11 @@ impl RemoteExperts {
             Ok::<_, String>(ep)
         })?;
         let shared = Arc::new(Shared {
-            hello: Hello {
-                version: PROTOCOL_VERSION,
-                node: opts.node.clone(),
-                model: model.to_string(),
-                activations: activations.map(String::from).into_iter().collect(),
-                experts: vec![],
-                ram_bytes: 0,
-                disk_free_bytes: 0,
-                expert_rate: 0.0,
-                fetches: false,
-                act_group: 0,
-            },
+            hello: Hello::holding_nothing(
+                &opts.node,
+                model,
+                activations.map(String::from).into_iter().collect(),
+            ),
             endpoint,
             rt: rt.handle().clone(),
             source,
@@ -742,13 +735,20 @@ enum Answer {
 async fn request(
     w: &Worker,
     conn: quinn::Connection,
-    req: &ComputeRequest,
+    req: ComputeRequest,
     limit: Duration,
 ) -> Answer {
     let t = Instant::now();
+    // encoded in place (the activations are not copied), kept to check the answer against
+    let m = Message::Compute(req);
+    let frame = encode(&m);
+    let Message::Compute(req) = m else {
+        unreachable!("built above")
+    };
+    let req = &req;
     let go = async {
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
-        let frame = encode(&Message::Compute(req.clone())).map_err(|e| e.to_string())?;
+        let frame = frame.map_err(|e| e.to_string())?;
         send.write_all(&frame).await.map_err(|e| e.to_string())?;
         send.finish().map_err(|e| e.to_string())?;
         w.sent.fetch_add(frame.len() as u64, Ordering::Relaxed);
@@ -998,7 +998,7 @@ async fn serve(
                 w,
                 idx,
                 tokio::spawn(
-                    async move { request(&s2.workers[w], conn, &req, s2.opts.deadline).await },
+                    async move { request(&s2.workers[w], conn, req, s2.opts.deadline).await },
                 ),
             ));
         }

@@ -39,3 +39,40 @@ impl TextTokenizer {
             .map_err(|e| TokenizerError(e.to_string()))
     }
 }
+
+/// Text of a sequence decoded as its tokens arrive: each step decodes only the last few tokens
+/// (the `tokenizers` crate's stream decoder), and gives text only once its characters are whole.
+pub struct TextStream<'t>(
+    tokenizers::DecodeStream<
+        't,
+        tokenizers::ModelWrapper,
+        tokenizers::NormalizerWrapper,
+        tokenizers::PreTokenizerWrapper,
+        tokenizers::PostProcessorWrapper,
+        tokenizers::DecoderWrapper,
+    >,
+);
+
+impl std::fmt::Debug for TextStream<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TextStream")
+    }
+}
+
+impl TextStream<'_> {
+    /// The text token `id` completes (empty while a character is still partial).
+    pub fn push(&mut self, id: u32) -> Result<String, TokenizerError> {
+        Ok(self
+            .0
+            .step(id)
+            .map_err(|e| TokenizerError(e.to_string()))?
+            .unwrap_or_default())
+    }
+}
+
+impl TextTokenizer {
+    /// A stream decoder over this tokenizer (special tokens kept visible, as [`Self::decode`]).
+    pub fn stream(&self) -> TextStream<'_> {
+        TextStream(self.inner.decode_stream(false))
+    }
+}

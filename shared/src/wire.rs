@@ -115,6 +115,24 @@ pub struct Hello {
     pub act_group: u32,
 }
 
+impl Hello {
+    /// The hello of a peer of this protocol version holding no experts (a coordinator).
+    pub fn holding_nothing(node: &str, model: &str, activations: Vec<String>) -> Self {
+        Self {
+            version: PROTOCOL_VERSION,
+            node: node.into(),
+            model: model.into(),
+            activations,
+            experts: vec![],
+            ram_bytes: 0,
+            disk_free_bytes: 0,
+            expert_rate: 0.0,
+            fetches: false,
+            act_group: 0,
+        }
+    }
+}
+
 /// Expert ids of one layer, ascending.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 pub struct LayerExperts {
@@ -304,11 +322,15 @@ impl ComputeRequest {
 
     /// The `[tokens, hidden]` activations as f32: `x`, or rebuilt from the codes so that the
     /// integer path quantizes them to exactly those codes and scales again.
-    pub fn activations_f32(&self) -> Vec<f32> {
+    pub fn activations_f32(&self) -> std::borrow::Cow<'_, [f32]> {
         if self.group == 0 {
-            return self.x.clone();
+            return std::borrow::Cow::Borrowed(&self.x);
         }
-        ActCodes::rebuild(&self.codes, &self.amax, self.group as usize)
+        std::borrow::Cow::Owned(ActCodes::rebuild(
+            &self.codes,
+            &self.amax,
+            self.group as usize,
+        ))
     }
 
     /// Refuses a request that does not fit `limits`: another width, a partial row, too many
@@ -666,12 +688,27 @@ mod tests {
 
     proptest! {
         #[test]
-        fn any_activations_rebuild_exactly_when_encode_accepts_them(
-            x in proptest::collection::vec(proptest::num::f32::ANY, 64..=64),
+        fn rebuilt_activations_give_the_integer_path_the_same_bits(
+            x in proptest::collection::vec(proptest::num::f32::ANY, 128..=128),
         ) {
+            // what the worker computes from codes against what the coordinator would from x,
+            // through the integer kernel of this machine's ISA (encode checks with the scalar twin)
+            use crate::quant::{active_isa, Activations, QMatrix, QuantKind};
+            let w = crate::kernels::Matrix::new(
+                4,
+                128,
+                (0..4 * 128).map(|i| ((i as f32) * 0.7).sin()).collect(),
+            );
+            let q = QMatrix::quantize(&w, QuantKind::Int8, 64).unwrap();
             if let Some(c) = ActCodes::encode(&x, 64) {
                 let back = ActCodes::rebuild(&c.codes, &c.amax, 64);
-                prop_assert_eq!(quantized(&back, 64), quantized(&x, 64));
+                let y = |v: &[f32]| {
+                    q.matmul_with(v, 1, active_isa(), Activations::Int8)
+                        .iter()
+                        .map(|f| f.to_bits())
+                        .collect::<Vec<_>>()
+                };
+                prop_assert_eq!(y(&back), y(&x));
             }
         }
 

@@ -443,15 +443,7 @@ mod tests {
     fn hello(node: &str, version: u32, model: &str) -> Hello {
         Hello {
             version,
-            node: node.into(),
-            model: model.into(),
-            activations: vec!["f32".into()],
-            experts: vec![],
-            ram_bytes: 0,
-            disk_free_bytes: 0,
-            expert_rate: 0.0,
-            fetches: false,
-            act_group: 0,
+            ..Hello::holding_nothing(node, model, vec!["f32".into()])
         }
     }
 
