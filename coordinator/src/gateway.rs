@@ -276,7 +276,7 @@ pub async fn serve(
         std::thread::Builder::new()
             .name("charm-generate".into())
             .spawn(move || {
-                let lim = Limits {
+                let lim = Schedule {
                     max_active,
                     prefix_bytes,
                     stop_ids,
@@ -323,7 +323,7 @@ fn run_jobs(
     tok: &TextTokenizer,
     rx: std::sync::mpsc::Receiver<Job>,
     metrics: &Metrics,
-    lim: &Limits,
+    lim: &Schedule,
 ) {
     let max_active = lim.max_active;
     let mut active: Vec<Sequence> = Vec::new();
@@ -379,7 +379,7 @@ fn run_jobs(
 }
 
 /// How the generator thread runs sequences.
-struct Limits {
+struct Schedule {
     max_active: usize,
     prefix_bytes: usize,
     stop_ids: Vec<u32>,
