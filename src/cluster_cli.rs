@@ -255,7 +255,7 @@ pub fn cmd_serve(
     listen: &str,
     api_key_file: Option<&Path>,
     name: Option<String>,
-    (queue, parallel, prefix_mb): (usize, usize, usize),
+    (queue, parallel, batch_tokens, prefix_mb): (usize, usize, usize, usize),
     act: Activations,
     args: &StoreArgs,
 ) -> Result<()> {
@@ -306,6 +306,7 @@ pub fn cmd_serve(
         api_key,
         queue: queue.max(1),
         max_active: parallel.max(1),
+        batch_tokens: batch_tokens.max(1),
         prefix_cache_bytes: prefix_mb << 20,
         stop_ids: charm_coordinator::gateway::stop_token_ids(model, &spec),
         context,

@@ -290,9 +290,13 @@ enum Cmd {
         /// Requests that may wait beyond the running ones (more get 429).
         #[arg(long, default_value_t = 16)]
         queue: usize,
-        /// Generations running at once, interleaved step by step.
+        /// Generations running at once: one forward step serves them all (continuous batching).
         #[arg(long, default_value_t = 4)]
         parallel: usize,
+        /// Tokens one forward step takes at most: every running generation's next token, then
+        /// chunks of prompts still being read.
+        #[arg(long, default_value_t = 512)]
+        batch_tokens: usize,
         /// MiB of finished conversations' KV kept for requests that continue them (0: none).
         #[arg(long, default_value_t = 256)]
         prefix_cache_mb: usize,
@@ -1040,6 +1044,7 @@ fn run(cli: Cli) -> Result<()> {
             name,
             queue,
             parallel,
+            batch_tokens,
             prefix_cache_mb,
             activations,
             store,
@@ -1048,7 +1053,7 @@ fn run(cli: Cli) -> Result<()> {
             &listen,
             api_key_file.as_deref(),
             name,
-            (queue, parallel, prefix_cache_mb),
+            (queue, parallel, batch_tokens, prefix_cache_mb),
             activations.into(),
             &store,
         ),

@@ -813,7 +813,16 @@ fn charm_chat_talks_to_a_local_model_and_to_a_server_alike() {
 
 #[test]
 fn concurrent_requests_answer_exactly_as_one_at_a_time() {
-    let s = Server::start(&["--parallel", "4"]);
+    // batched as they come, and with prompts read in chunks of 3 tokens between decode tokens
+    for flags in [
+        &["--parallel", "4"][..],
+        &["--parallel", "4", "--batch-tokens", "3"],
+    ] {
+        concurrent_equals_alone(&Server::start(flags));
+    }
+}
+
+fn concurrent_equals_alone(s: &Server) {
     let prompts = ["ROMEO. ", "JULIET.\n", "KING. What", "Enter a"];
     let ask = |p: &str, n: u64| json!({"prompt": p, "max_tokens": n, "temperature": 0.7, "seed": 11, "stream": true});
     let text = |r: Reply| -> String {
@@ -835,6 +844,7 @@ fn concurrent_requests_answer_exactly_as_one_at_a_time() {
         .map(|(p, n)| text(post(&s.addr, "/v1/completions", &ask(p, n))))
         .collect();
     let addr = s.addr.clone();
+    let steps_before = metric(&s.addr, "charm_forward_steps_total");
     let together: Vec<String> = std::thread::scope(|sc| {
         let hs: Vec<_> = prompts
             .iter()
@@ -851,6 +861,13 @@ fn concurrent_requests_answer_exactly_as_one_at_a_time() {
     assert!(
         metric(&s.addr, "charm_batch_size_peak") >= 2.0,
         "the requests never ran together"
+    );
+    // one step serves every running sequence: far fewer steps than tokens generated
+    let steps = metric(&s.addr, "charm_forward_steps_total") - steps_before;
+    let tokens: u64 = lens.iter().sum();
+    assert!(
+        steps < tokens as f64 * 0.75,
+        "{steps} forward steps for {tokens} tokens"
     );
 }
 

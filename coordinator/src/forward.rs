@@ -111,6 +111,41 @@ fn check_finite(v: &[f32], what: impl FnOnce() -> String) -> Result<(), ForwardE
     }
 }
 
+/// One sequence of a batched forward step: its new tokens and its KV cache.
+#[derive(Debug)]
+pub struct Step<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut KvCache,
+}
+
+/// Where each row of a batched step belongs: rows are the sequences' new tokens, one sequence
+/// after another.
+struct Rows {
+    /// Per sequence: its rows.
+    spans: Vec<std::ops::Range<usize>>,
+    /// Per row: its sequence.
+    seq: Vec<usize>,
+    /// Per row: its position in its sequence.
+    pos: Vec<usize>,
+}
+
+impl Rows {
+    /// `lens[s]` new tokens after `cached[s]` cached ones, per sequence.
+    fn new(lens: &[usize], cached: &[usize]) -> Self {
+        let (mut spans, mut seq, mut pos) = (Vec::new(), Vec::new(), Vec::new());
+        for (s, (&n, &p0)) in lens.iter().zip(cached).enumerate() {
+            spans.push(seq.len()..seq.len() + n);
+            seq.extend(std::iter::repeat_n(s, n));
+            pos.extend(p0..p0 + n);
+        }
+        Self { spans, seq, pos }
+    }
+
+    fn n(&self) -> usize {
+        self.seq.len()
+    }
+}
+
 impl Model {
     /// Runs `tokens` through the main model after what `cache` holds, appending to it.
     /// Returns the final-normed hidden states `[n, hidden]` (the input of the head).
@@ -119,31 +154,52 @@ impl Model {
         tokens: &[u32],
         cache: &mut KvCache,
         opts: ForwardOptions,
+        trace: Option<&mut Trace>,
+    ) -> Result<Vec<f32>, ForwardError> {
+        self.forward_batch(&mut [Step { tokens, cache }], opts, trace)
+    }
+
+    /// One forward step of several sequences at once, each after what its own cache holds
+    /// (prefill chunks and single decode tokens alike). Every token-wise part (projections,
+    /// router, routed and shared experts, norms) runs once over all rows, so each routed expert
+    /// a layer needs is read and run once for the whole batch; attention reads each row's own
+    /// cache. A row's values are exactly those it gets alone: every kernel computes a row the
+    /// same way whatever else is in the batch. Returns the final-normed hidden states of all
+    /// rows, `[total new tokens, hidden]`, sequence after sequence.
+    pub fn forward_batch(
+        &self,
+        steps: &mut [Step<'_>],
+        opts: ForwardOptions,
         mut trace: Option<&mut Trace>,
     ) -> Result<Vec<f32>, ForwardError> {
         let spec = &self.spec;
         let h = spec.hidden_size;
-        let n = tokens.len();
-        let pos0 = cache.len();
+        let lens: Vec<usize> = steps.iter().map(|s| s.tokens.len()).collect();
+        let cached: Vec<usize> = steps.iter().map(|s| s.cache.len()).collect();
         if let Some(limit) = self.dense_attention_limit {
-            if pos0 + n > limit {
-                return Err(ForwardError::NoIndexer {
-                    limit,
-                    requested: pos0 + n,
-                });
+            if let Some(requested) = lens.iter().zip(&cached).map(|(n, p)| n + p).max() {
+                if requested > limit {
+                    return Err(ForwardError::NoIndexer { limit, requested });
+                }
             }
         }
-        let mut x = self.embed_tokens(&self.embed, tokens, pos0)?;
+        let rows = Rows::new(&lens, &cached);
+        let n = rows.n();
+        let mut x = Vec::with_capacity(n * h);
+        for (s, p0) in steps.iter().zip(&cached) {
+            x.extend(self.embed_tokens(&self.embed, s.tokens, *p0)?);
+        }
         // cos/sin of the new positions, shared by every layer
-        let rope = self.rope_tables(pos0, n);
+        let rope = self.rope_tables(&rows.pos);
         let mut sel: Option<Selection> = None;
         for (li, layer) in self.layers.iter().enumerate() {
+            let mut caches: Vec<&mut LayerCache> =
+                steps.iter_mut().map(|s| &mut s.cache.layers[li]).collect();
             self.layer_forward(
                 layer,
                 &mut x,
-                n,
-                pos0,
-                &mut cache.layers[li],
+                &rows,
+                &mut caches,
                 &mut sel,
                 &rope,
                 opts,
@@ -162,10 +218,10 @@ impl Model {
         Ok(x)
     }
 
-    /// RoPE tables for positions `pos0 .. pos0 + n`.
-    fn rope_tables(&self, pos0: usize, n: usize) -> Vec<RopeAt> {
-        (0..n)
-            .map(|t| RopeAt::new(&self.spec.rope, pos0 + t))
+    /// RoPE tables for positions `pos`.
+    fn rope_tables(&self, pos: &[usize]) -> Vec<RopeAt> {
+        pos.iter()
+            .map(|&p| RopeAt::new(&self.spec.rope, p))
             .collect()
     }
 
@@ -231,13 +287,13 @@ impl Model {
         }
         let mut x = mtp.eh_proj.matmul(&cat, n); // [n, hidden]
         let mut sel = None;
-        let rope = self.rope_tables(pos0, n);
+        let rows = Rows::new(&[n], &[pos0]);
+        let rope = self.rope_tables(&rows.pos);
         self.layer_forward(
             &mtp.layer,
             &mut x,
-            n,
-            pos0,
-            &mut cache.layers[0],
+            &rows,
+            &mut [&mut cache.layers[0]],
             &mut sel,
             &rope,
             ForwardOptions::default(),
@@ -259,9 +315,8 @@ impl Model {
         &self,
         layer: &LayerWeights,
         x: &mut [f32],
-        n: usize,
-        pos0: usize,
-        cache: &mut LayerCache,
+        rows: &Rows,
+        caches: &mut [&mut LayerCache],
         sel: &mut Option<Selection>,
         rope: &[RopeAt],
         opts: ForwardOptions,
@@ -269,6 +324,7 @@ impl Model {
     ) -> Result<(), ForwardError> {
         let spec = &self.spec;
         let hd = spec.hidden_size;
+        let n = rows.n();
         // Router lookahead: this layer's router on its input (normed as its feed-forward input
         // will be) predicts its experts before attention runs, so a streaming store reads them
         // while attention computes.
@@ -292,10 +348,9 @@ impl Model {
                 m,
                 layer,
                 &a,
-                n,
-                pos0,
+                rows,
                 rope,
-                cache,
+                caches,
                 sel,
                 opts,
                 trace.as_deref_mut(),
@@ -306,10 +361,9 @@ impl Model {
                 spec.rms_norm_eps,
                 spec.softmax_scale,
                 &a,
-                n,
-                pos0,
+                rows,
                 rope,
-                cache,
+                caches,
             ),
             _ => unreachable!("weights are loaded from the spec"),
         };
@@ -432,15 +486,15 @@ impl Model {
         m: &MlaSpec,
         layer: &LayerWeights,
         a: &[f32],
-        n: usize,
-        pos0: usize,
+        rows: &Rows,
         rope: &[RopeAt],
-        cache: &mut LayerCache,
+        caches: &mut [&mut LayerCache],
         sel: &mut Option<Selection>,
         opts: ForwardOptions,
         trace: Option<&mut Trace>,
     ) -> Vec<f32> {
         let spec = &self.spec;
+        let n = rows.n();
         let (nh, nope, rd, vd, kvr) = (
             m.n_heads,
             m.qk_nope_head_dim,
@@ -472,8 +526,9 @@ impl Model {
             rms_norm(&mut e[..kvr], &w.kv_a_norm, MLA_LATENT_EPS);
             rope[t].apply(&mut e[kvr..], interleaved);
         }
-        cache.kv.extend_from_slice(&ckv);
-        let total = cache.len();
+        for (c, span) in caches.iter_mut().zip(&rows.spans) {
+            c.kv.extend_from_slice(&ckv[span.start * (kvr + rd)..span.end * (kvr + rd)]);
+        }
 
         // DSA: this layer's own selection, or the previous full layer's.
         if let (Some(kind), Some(dsa)) = (layer.indexer_kind, &spec.dsa) {
@@ -481,7 +536,7 @@ impl Model {
             if let (IndexerKind::Full, Some(iw), Some(qr)) =
                 (kind, &layer.indexer, q_resid.as_ref())
             {
-                let s = indexer_select(iw, dsa, a, qr, n, pos0, rope, interleaved, cache);
+                let s = indexer_select(iw, dsa, a, qr, rows, rope, interleaved, caches);
                 if let Some(tr) = trace {
                     tr.dsa.push(s.clone());
                 }
@@ -492,15 +547,22 @@ impl Model {
 
         let scale = spec.softmax_scale;
         let mut out = vec![0.0f32; n * nh * vd];
-        // Naive: expand all cached latents once into per-head keys/values [total, heads*(nope+v)].
-        let expanded = (opts.mla == MlaMode::Naive).then(|| {
-            let lat: Vec<f32> = (0..total)
-                .flat_map(|j| cache.entry(j)[..kvr].to_vec())
-                .collect();
-            w.kv_b.matmul(&lat, total)
-        });
+        let caches: Vec<&LayerCache> = caches.iter().map(|c| &**c).collect();
+        // Naive: expand each sequence's cached latents once into per-head keys/values
+        // [cached, heads*(nope+v)].
+        let expanded: Vec<Option<Vec<f32>>> = caches
+            .iter()
+            .map(|cache| {
+                (opts.mla == MlaMode::Naive).then(|| {
+                    let total = cache.len();
+                    let lat: Vec<f32> = (0..total)
+                        .flat_map(|j| cache.entry(j)[..kvr].to_vec())
+                        .collect();
+                    w.kv_b.matmul(&lat, total)
+                })
+            })
+            .collect();
         let stride = nope + vd;
-        let cache = &*cache;
         // Every (query, head) pair is independent: run them in parallel, each with the same
         // arithmetic as alone.
         // Units of `g` heads of one query: enough units to share among the threads, and each
@@ -513,7 +575,7 @@ impl Model {
         };
         out.par_chunks_mut(vd * g).enumerate().for_each(|(u, og)| {
             let (t, h0) = ((u * g) / nh, (u * g) % nh);
-            let p = pos0 + t;
+            let (p, cache) = (rows.pos[t], caches[rows.seq[t]]);
             let keys: Vec<usize> = match sel {
                 Some(s) => s[t].iter().map(|&j| j as usize).collect(),
                 None => (0..=p).collect(),
@@ -522,7 +584,7 @@ impl Model {
                 let qh = &q[t * nh * qkd + hh * qkd..t * nh * qkd + (hh + 1) * qkd];
                 qh.split_at(nope)
             };
-            match &expanded {
+            match &expanded[rows.seq[t]] {
                 Some(kv) => {
                     for (k, o) in og.chunks_mut(vd).enumerate() {
                         let hh = h0 + k;
@@ -619,12 +681,12 @@ fn indexer_select(
     d: &charm_shared::config::DsaSpec,
     a: &[f32],
     q_resid: &[f32],
-    n: usize,
-    pos0: usize,
+    rows: &Rows,
     rope: &[RopeAt],
     interleaved: bool,
-    cache: &mut LayerCache,
+    caches: &mut [&mut LayerCache],
 ) -> Selection {
+    let n = rows.n();
     let (ih, ihd, rd) = (d.n_heads, d.head_dim, d.rope_dim);
     let mut q = w.wq_b.matmul(q_resid, n); // [n, ih * ihd]
     for t in 0..n {
@@ -638,13 +700,16 @@ fn indexer_select(
     for t in 0..n {
         rope[t].apply(&mut k[t * ihd..t * ihd + rd], interleaved);
     }
-    cache.index_keys.extend_from_slice(&k);
+    for (c, span) in caches.iter_mut().zip(&rows.spans) {
+        c.index_keys
+            .extend_from_slice(&k[span.start * ihd..span.end * ihd]);
+    }
     let hw = w.weights_proj.matmul(a, n); // [n, ih]
     let head_scale = (ih as f32).powf(-0.5);
     let sm = (ihd as f32).powf(-0.5);
     (0..n)
         .map(|t| {
-            let p = pos0 + t;
+            let (p, cache) = (rows.pos[t], &*caches[rows.seq[t]]);
             if p < d.topk {
                 return (0..=p as u32).collect();
             }
@@ -677,11 +742,11 @@ fn gqa(
     eps: f32,
     scale: f32,
     a: &[f32],
-    n: usize,
-    pos0: usize,
+    rows: &Rows,
     rope: &[RopeAt],
-    cache: &mut LayerCache,
+    caches: &mut [&mut LayerCache],
 ) -> Vec<f32> {
+    let n = rows.n();
     let (nh, nkv, hd) = (g.n_heads, g.n_kv_heads, g.head_dim);
     let add = |v: &mut Vec<f32>, b: &Option<Vec<f32>>| {
         if let Some(b) = b {
@@ -711,6 +776,7 @@ fn gqa(
         for hh in 0..nkv {
             rope[t].apply(&mut k[(t * nkv + hh) * hd..(t * nkv + hh + 1) * hd], false);
         }
+        let cache = &mut caches[rows.seq[t]];
         cache
             .kv
             .extend_from_slice(&k[t * nkv * hd..(t + 1) * nkv * hd]);
@@ -722,7 +788,7 @@ fn gqa(
     let mut out = vec![0.0f32; n * nh * hd];
     let mut scores = Vec::new();
     for t in 0..n {
-        let p = pos0 + t;
+        let (p, cache) = (rows.pos[t], &*caches[rows.seq[t]]);
         for hh in 0..nh {
             let kvh = hh / group;
             let qh = &q[(t * nh + hh) * hd..(t * nh + hh + 1) * hd];

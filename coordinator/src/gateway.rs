@@ -48,8 +48,10 @@ pub struct GatewayOptions {
     pub queue: usize,
     /// Tokens of context a request may use (prompt plus completion).
     pub context: usize,
-    /// Generations running at once (interleaved step by step).
+    /// Generations running at once (batched: one forward step serves them all).
     pub max_active: usize,
+    /// Tokens one forward step takes at most (decode tokens, then prompt chunks).
+    pub batch_tokens: usize,
     /// Bytes of finished sequences' KV kept for requests that start with the same tokens.
     pub prefix_cache_bytes: usize,
     /// Tokens that end a generation (the model's end-of-sequence ids and those of its
@@ -92,6 +94,7 @@ impl Default for GatewayOptions {
             queue: 16,
             context: 4096,
             max_active: 4,
+            batch_tokens: 512,
             prefix_cache_bytes: 256 << 20,
             stop_ids: vec![],
         }
@@ -140,9 +143,16 @@ struct Metrics {
     rejected: AtomicU64,
     tokens: AtomicU64,
     queued: AtomicU64,
-    /// Sequences running now, and the most there were at once.
+    /// Sequences in the last forward step, and the most there were in one.
     active: AtomicU64,
     active_peak: AtomicU64,
+    /// Rows (tokens) of the last forward step; steps run and rows they took, in all.
+    batch_rows: AtomicU64,
+    steps: AtomicU64,
+    rows: AtomicU64,
+    /// The expert executor's counters: uses served from memory, and those that waited.
+    expert_hits: AtomicU64,
+    expert_misses: AtomicU64,
     ttft_us: AtomicU64,
     ttft_n: AtomicU64,
     /// Prompt tokens whose KV came from the prefix cache instead of a prefill.
@@ -262,6 +272,7 @@ pub async fn serve(
     }
     let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(opts.queue);
     let max_active = opts.max_active.max(1);
+    let batch_tokens = opts.batch_tokens.max(1);
     let prefix_bytes = opts.prefix_cache_bytes;
     let stop_ids = if opts.stop_ids.is_empty() {
         engine.model.spec.eos_token_ids.clone()
@@ -278,6 +289,7 @@ pub async fn serve(
             .spawn(move || {
                 let lim = Schedule {
                     max_active,
+                    batch_tokens,
                     prefix_bytes,
                     stop_ids,
                 };
@@ -313,11 +325,12 @@ pub async fn serve(
     axum::serve(l, app).await.map_err(|e| e.to_string())
 }
 
-/// Runs queued generations, up to `max_active` of them interleaved: every round admits what
-/// waits (while there is room), then advances each running sequence by one forward step (its
-/// prefill, or one token), so a long answer never holds a short one back. Each sequence keeps
-/// its own KV cache and sampler; the kernels are batch-invariant, so its tokens are the same as
-/// when it runs alone.
+/// Runs queued generations with continuous batching: every step admits what waits (while
+/// there is room), drops the sequences whose client went away (their KV goes with them), then
+/// runs one forward step for all the others together: each decoding sequence's next token and,
+/// within the step's token budget, chunks of the prompts still prefilling. Each sequence keeps its
+/// own KV cache and sampler; the kernels compute a row the same way whatever else is batched
+/// with it, so a sequence's tokens are the ones it gets running alone.
 fn run_jobs(
     e: &Engine,
     tok: &TextTokenizer,
@@ -350,37 +363,157 @@ fn run_jobs(
             }
             active.push(seq);
         }
-        metrics.active.store(active.len() as u64, Ordering::Relaxed);
-        metrics
-            .active_peak
-            .fetch_max(active.len() as u64, Ordering::Relaxed);
-        active.retain_mut(|seq| match seq.step(e, tok, metrics, &lim.stop_ids) {
-            Ok(true) => true,
-            Ok(false) => {
-                if seq.finished {
-                    // what the cache holds: the prompt, then the tokens fed back
-                    let mut tokens = seq.job.prompt.clone();
-                    tokens.extend_from_slice(&seq.ids);
-                    tokens.truncate(seq.cache.len());
-                    prefixes.put(
-                        tokens,
-                        std::mem::replace(&mut seq.cache, KvCache::new(&e.model.spec)),
-                    );
+        active.retain(|s| !s.job.tx.is_closed());
+        if active.is_empty() {
+            continue;
+        }
+        let take = step_rows(&active, lim.batch_tokens);
+        let done = batched_step(e, tok, &lim.stop_ids, &mut active, &take, metrics);
+        let mut i = 0;
+        active.retain_mut(|seq| {
+            let r = &done[i];
+            i += 1;
+            match r {
+                Ok(true) => true,
+                Ok(false) => {
+                    if seq.finished {
+                        // what the cache holds: the prompt, then the tokens fed back
+                        let mut tokens = seq.job.prompt.clone();
+                        tokens.extend_from_slice(&seq.ids);
+                        tokens.truncate(seq.cache.len());
+                        prefixes.put(
+                            tokens,
+                            std::mem::replace(&mut seq.cache, KvCache::new(&e.model.spec)),
+                        );
+                    }
+                    false
                 }
-                false
-            }
-            Err(m) => {
-                let _ = seq.job.tx.send(Event::Failed(m));
-                false
+                Err(m) => {
+                    let _ = seq.job.tx.send(Event::Failed(m.clone()));
+                    false
+                }
             }
         });
-        e.model.experts.step_end();
+        if let Some(st) = e.stats() {
+            metrics.expert_hits.store(st.hits, Ordering::Relaxed);
+            metrics.expert_misses.store(st.misses, Ordering::Relaxed);
+        }
     }
 }
 
+/// How many tokens each sequence feeds this step: one for each decoding sequence, then, in
+/// arrival order, as much of each unfinished prompt as the step's budget of `batch_tokens`
+/// rows leaves (a long prompt is prefilled in chunks, between other sequences' tokens).
+fn step_rows(active: &[Sequence], batch_tokens: usize) -> Vec<usize> {
+    let mut budget = batch_tokens.max(1);
+    let mut take = vec![0; active.len()];
+    for (t, s) in take.iter_mut().zip(active) {
+        if s.next.is_some() {
+            *t = 1;
+            budget = budget.saturating_sub(1);
+        }
+    }
+    for (t, s) in take.iter_mut().zip(active) {
+        if s.next.is_none() {
+            *t = (s.job.prompt.len() - s.cache.len()).min(budget);
+            budget -= *t;
+        }
+    }
+    take
+}
+
+/// One forward step of every sequence with rows this step (`take`), then the head on the rows
+/// that end a sequence's input and each of those sequences' next token. Per sequence: whether it
+/// goes on (see [`Sequence::advance`]). A failed step fails the sequences that were in it (their
+/// caches may hold part of it).
+fn batched_step(
+    e: &Engine,
+    tok: &TextTokenizer,
+    stop_ids: &[u32],
+    active: &mut [Sequence],
+    take: &[usize],
+    metrics: &Metrics,
+) -> Vec<Result<bool, String>> {
+    let m = &e.model;
+    let h = m.spec.hidden_size;
+    let mut steps = Vec::new();
+    for (s, &k) in active.iter_mut().zip(take) {
+        if k == 0 {
+            continue;
+        }
+        let tokens: &[u32] = match &s.next {
+            Some(t) => std::slice::from_ref(t),
+            None => &s.job.prompt[s.cache.len()..s.cache.len() + k],
+        };
+        steps.push(crate::forward::Step {
+            tokens,
+            cache: &mut s.cache,
+        });
+    }
+    let rows: usize = take.iter().sum();
+    metrics.active.store(steps.len() as u64, Ordering::Relaxed);
+    metrics
+        .active_peak
+        .fetch_max(steps.len() as u64, Ordering::Relaxed);
+    metrics.batch_rows.store(rows as u64, Ordering::Relaxed);
+    metrics.steps.fetch_add(1, Ordering::Relaxed);
+    metrics.rows.fetch_add(rows as u64, Ordering::Relaxed);
+    let normed = m.forward_batch(&mut steps, ForwardOptions::default(), None);
+    drop(steps);
+    let normed = match normed {
+        Ok(x) => x,
+        Err(err) => {
+            let msg = err.to_string();
+            return take
+                .iter()
+                .map(|&k| if k > 0 { Err(msg.clone()) } else { Ok(true) })
+                .collect();
+        }
+    };
+    // the last row of each sequence whose input is all in: its next token comes from it
+    let (mut last, mut at) = (Vec::new(), 0);
+    let mut wants = vec![false; active.len()];
+    for (i, (s, &k)) in active.iter().zip(take).enumerate() {
+        at += k;
+        if k > 0 && s.cache.len() >= s.job.prompt.len() {
+            last.extend_from_slice(&normed[(at - 1) * h..at * h]);
+            wants[i] = true;
+        }
+    }
+    let n_last = last.len() / h;
+    let logits = match m.logits(&last, n_last) {
+        Ok(l) => l,
+        Err(err) => {
+            let msg = err.to_string();
+            return take
+                .iter()
+                .map(|&k| if k > 0 { Err(msg.clone()) } else { Ok(true) })
+                .collect();
+        }
+    };
+    let v = m.spec.vocab_size;
+    let mut rows_of = logits.chunks_exact(v);
+    active
+        .iter_mut()
+        .zip(wants)
+        .map(|(s, want)| match want {
+            true => {
+                let l = rows_of
+                    .next()
+                    .expect("one logits row per sequence")
+                    .to_vec();
+                s.advance(l, tok, metrics, stop_ids)
+            }
+            false => Ok(!s.job.tx.is_closed()),
+        })
+        .collect()
+}
 /// How the generator thread runs sequences.
 struct Schedule {
     max_active: usize,
+    /// Rows (tokens) one forward step takes at most: every decoding sequence's next token, then
+    /// prompt chunks.
+    batch_tokens: usize,
     prefix_bytes: usize,
     stop_ids: Vec<u32>,
 }
@@ -441,44 +574,25 @@ impl<'t> Sequence<'t> {
         t
     }
 
-    /// One forward step; sends text as it becomes final (whole UTF-8 characters, held back
-    /// while it could still start a stop string). `Ok(false)` when the sequence is done or its
-    /// client went away (its KV cache goes with it).
-    fn step(
+    /// Takes the logits after the sequence's last input (its whole prompt, or the token it fed
+    /// back): picks the next token and sends text as it becomes final (whole UTF-8 characters,
+    /// held back while it could still start a stop string). `Ok(false)` when the sequence is
+    /// done or its client went away (its KV cache goes with it).
+    fn advance(
         &mut self,
-        e: &Engine,
+        logits: Vec<f32>,
         tok: &TextTokenizer,
         metrics: &Metrics,
         stop_ids: &[u32],
     ) -> Result<bool, String> {
-        let m = &e.model;
-        let opts = ForwardOptions::default();
-        let logits = match self.next {
-            None => {
-                // the part of the prompt the (possibly reused) cache does not hold yet
-                let rest = &self.job.prompt[self.cache.len()..];
-                let n = rest.len();
-                let normed = m
-                    .forward(rest, &mut self.cache, opts, None)
-                    .map_err(|e| e.to_string())?;
-                let l = m
-                    .logits(&normed[(n - 1) * m.spec.hidden_size..], 1)
-                    .map_err(|e| e.to_string())?;
-                metrics.ttft_us.fetch_add(
-                    self.job.queued.elapsed().as_micros() as u64,
-                    Ordering::Relaxed,
-                );
-                metrics.ttft_n.fetch_add(1, Ordering::Relaxed);
-                self.started = Some(Instant::now());
-                l
-            }
-            Some(t) => {
-                let normed = m
-                    .forward(&[t], &mut self.cache, opts, None)
-                    .map_err(|e| e.to_string())?;
-                m.logits(&normed, 1).map_err(|e| e.to_string())?
-            }
-        };
+        if self.next.is_none() {
+            metrics.ttft_us.fetch_add(
+                self.job.queued.elapsed().as_micros() as u64,
+                Ordering::Relaxed,
+            );
+            metrics.ttft_n.fetch_add(1, Ordering::Relaxed);
+            self.started = Some(Instant::now());
+        }
         let next = self.pick(logits);
         self.next = Some(next);
         if stop_ids.contains(&next) {
@@ -755,7 +869,9 @@ async fn metrics_text(State(s): State<Arc<Shared>>, h: HeaderMap) -> Result<Resp
         t += &format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n");
     };
     let secs = |x: &AtomicU64| format!("{:.6}", l(x) as f64 / 1e6);
-    let rows: [(&str, &str, &str, String); 10] = [
+    let hits = l(&m.expert_hits) as f64;
+    let uses = hits + l(&m.expert_misses) as f64;
+    let rows: [(&str, &str, &str, String); 14] = [
         (
             "charm_prefix_tokens_reused_total",
             "counter",
@@ -789,14 +905,38 @@ async fn metrics_text(State(s): State<Arc<Shared>>, h: HeaderMap) -> Result<Resp
         (
             "charm_batch_size",
             "gauge",
-            "Sequences advanced per round.",
+            "Sequences in the last forward step.",
             l(&m.active).to_string(),
         ),
         (
             "charm_batch_size_peak",
             "gauge",
-            "The most sequences advanced in one round so far.",
+            "The most sequences in one forward step so far.",
             l(&m.active_peak).to_string(),
+        ),
+        (
+            "charm_batch_tokens",
+            "gauge",
+            "Tokens (rows) of the last forward step.",
+            l(&m.batch_rows).to_string(),
+        ),
+        (
+            "charm_forward_steps_total",
+            "counter",
+            "Forward steps run.",
+            l(&m.steps).to_string(),
+        ),
+        (
+            "charm_forward_tokens_total",
+            "counter",
+            "Tokens (rows) the forward steps took, prompt chunks included.",
+            l(&m.rows).to_string(),
+        ),
+        (
+            "charm_expert_hit_rate",
+            "gauge",
+            "Routed-expert uses served from memory without waiting, since start (1 when none ran).",
+            format!("{:.6}", if uses > 0.0 { hits / uses } else { 1.0 }),
         ),
         (
             "charm_time_to_first_token_seconds_sum",

@@ -46,5 +46,5 @@ pub mod tools;
 
 pub use cache::KvCache;
 pub use engine::{Engine, EngineOptions, HistoryPolicy};
-pub use forward::{ForwardError, ForwardOptions, MlaMode, Trace};
+pub use forward::{ForwardError, ForwardOptions, MlaMode, Step, Trace};
 pub use model::Model;

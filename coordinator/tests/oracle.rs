@@ -286,3 +286,103 @@ fn main_model_ignores_mtp_tensors() {
     assert_eq!(m.layers.len(), 4);
     assert_eq!(m.mtp.as_ref().unwrap().layer.index, 4);
 }
+
+/// Several sequences in one batched step (a prefill joining two running decodes, at different
+/// depths) give each sequence exactly the logits it gets alone, and the reference's.
+#[test]
+fn batched_sequences_equal_each_alone_and_the_reference() {
+    use charm_coordinator::forward::Step;
+    for f in FIXTURES {
+        let m = Model::load(&dir(f)).unwrap();
+        let o = Oracle::open(f);
+        let ids = o.ids("tf_input_ids");
+        let (s, v) = (ids.len(), m.spec.vocab_size);
+        let h = m.spec.hidden_size;
+        let other: Vec<u32> = (0..s as u32).map(|i| (i * 7 + 3) % v as u32).collect();
+        let opts = ForwardOptions::default();
+        // alone: each sequence prefilled in two chunks then decoded one token at a time
+        let alone = |toks: &[u32], split: usize| {
+            let mut c = KvCache::new(&m.spec);
+            let mut l = m
+                .logits(
+                    &m.forward(&toks[..split], &mut c, opts, None).unwrap(),
+                    split,
+                )
+                .unwrap();
+            for t in split..toks.len() {
+                let n = m.forward(&toks[t..t + 1], &mut c, opts, None).unwrap();
+                l.extend(m.logits(&n, 1).unwrap());
+            }
+            l
+        };
+        let (want_a, want_b) = (alone(&ids, 3), alone(&other, 5));
+        let mut one_pass = KvCache::new(&m.spec);
+        let want_c = m
+            .logits(&m.forward(&ids, &mut one_pass, opts, None).unwrap(), s)
+            .unwrap();
+        // batched: A and B prefill together, then decode together; C (the whole prompt) joins
+        // at A's fifth token
+        let (mut ca, mut cb, mut cc) = (
+            KvCache::new(&m.spec),
+            KvCache::new(&m.spec),
+            KvCache::new(&m.spec),
+        );
+        let (mut la, mut lb, mut lc) = (Vec::new(), Vec::new(), Vec::new());
+        let mut steps = vec![
+            Step {
+                tokens: &ids[..3],
+                cache: &mut ca,
+            },
+            Step {
+                tokens: &other[..5],
+                cache: &mut cb,
+            },
+        ];
+        let x = m.forward_batch(&mut steps, opts, None).unwrap();
+        la.extend(m.logits(&x[..3 * h], 3).unwrap());
+        lb.extend(m.logits(&x[3 * h..], 5).unwrap());
+        for t in 3..s {
+            let b = t + 2;
+            let mut steps = vec![Step {
+                tokens: &ids[t..t + 1],
+                cache: &mut ca,
+            }];
+            if b < s {
+                steps.push(Step {
+                    tokens: &other[b..b + 1],
+                    cache: &mut cb,
+                });
+            }
+            let join = t == 4;
+            if join {
+                steps.push(Step {
+                    tokens: &ids,
+                    cache: &mut cc,
+                });
+            }
+            let n_rows: usize = steps.iter().map(|st| st.tokens.len()).sum();
+            let x = m.forward_batch(&mut steps, opts, None).unwrap();
+            let l = m.logits(&x, n_rows).unwrap();
+            la.extend_from_slice(&l[..v]);
+            let mut at = v;
+            if b < s {
+                lb.extend_from_slice(&l[at..at + v]);
+                at += v;
+            }
+            if join {
+                lc.extend_from_slice(&l[at..]);
+            }
+        }
+        assert_eq!(la, want_a, "{f}: sequence A batched vs alone");
+        assert_eq!(lb, want_b, "{f}: sequence B batched vs alone");
+        assert_eq!(lc, want_c, "{f}: sequence C batched vs alone");
+        let d = max_abs_diff(&lc, &o.f32("tf_logits"));
+        assert!(
+            d < LOGIT_TOL,
+            "{f}: batched logits differ from the reference by {d}"
+        );
+        assert_eq!(ca.len(), s);
+        assert_eq!(cb.len(), s);
+        assert_eq!(cc.len(), s);
+    }
+}
