@@ -4,7 +4,10 @@
 //!
 //! ```sh
 //! cargo bench --bench gateway -- [--model DIR] [--tokens 64] [--streams 1,4,8,16] [--parallel 16]
+//!     [--activations f32|int8] [--ram GB]
 //! ```
+//!
+//! `--ram` below the model's size streams its routed experts from disk through the cache.
 //!
 //! Each stream is a real HTTP connection asking for `--tokens` tokens (sampled, seeded: every
 //! run decodes the same tokens), all sent at once.
@@ -68,6 +71,11 @@ fn main() {
         .map(|s| s.parse().unwrap())
         .collect();
     let parallel = arg("--parallel").unwrap_or_else(|| "16".into());
+    let activations = arg("--activations").unwrap_or_else(|| "f32".into());
+    let mut extra = vec![];
+    if let Some(r) = arg("--ram") {
+        extra = vec!["--ram".to_string(), r];
+    }
     let mut child = Command::new(env!("CARGO_BIN_EXE_charm"))
         .args(["serve", "--model"])
         .arg(&model)
@@ -78,7 +86,10 @@ fn main() {
             &parallel,
             "--queue",
             "64",
+            "--activations",
+            &activations,
         ])
+        .args(&extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -93,8 +104,9 @@ fn main() {
         .unwrap()
         .to_string();
     println!(
-        "model {}, {tokens} tokens per stream, --parallel {parallel}, ISA {:?}, {} cores",
+        "model {}, {tokens} tokens per stream, --parallel {parallel}, activations {activations}{}, ISA {:?}, {} cores",
         model.display(),
+        extra.join(" ").replace("--ram", ", --ram"),
         charm_shared::quant::active_isa(),
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );

@@ -215,7 +215,8 @@ enum Cmd {
     Synth {
         #[arg(long)]
         out: PathBuf,
-        /// glm-5.2 (hidden 6144, 256 experts of width 2048, top-8) or tiny (test-sized).
+        /// glm-5.2 (hidden 6144, 256 experts of width 2048, top-8), yardstick (the shapes of
+        /// ../shared/bench/make_bench_model.py with --layers 6 --dense-layers 2) or tiny (test-sized).
         #[arg(long, default_value = "glm-5.2")]
         preset: String,
         /// MoE layers.

@@ -125,7 +125,34 @@ pub fn config(o: &SynthOptions) -> Result<Value, String> {
             c["eos_token_id"] = json!([1]);
             c["pad_token_id"] = json!(0);
         }
-        p => return Err(format!("unknown preset `{p}` (glm-5.2 or tiny)")),
+        "yardstick" => {
+            // the shapes of ../shared/bench/make_bench_model.py (with --layers 6 --dense-layers 2)
+            for (k, v) in [
+                ("vocab_size", 8192),
+                ("hidden_size", 1024),
+                ("intermediate_size", 4096),
+                ("moe_intermediate_size", 512),
+                ("num_attention_heads", 16),
+                ("num_key_value_heads", 16),
+                ("q_lora_rank", 256),
+                ("kv_lora_rank", 128),
+                ("qk_nope_head_dim", 64),
+                ("qk_rope_head_dim", 32),
+                ("qk_head_dim", 96),
+                ("v_head_dim", 64),
+                ("n_routed_experts", 64),
+                ("num_experts_per_tok", 8),
+                ("index_n_heads", 8),
+                ("index_head_dim", 64),
+                ("index_topk", 2048),
+                ("max_position_embeddings", 4096),
+            ] {
+                c[k] = json!(v);
+            }
+            c["eos_token_id"] = json!([1]);
+            c["pad_token_id"] = json!(0);
+        }
+        p => return Err(format!("unknown preset `{p}` (glm-5.2, yardstick or tiny)")),
     }
     if let Some(v) = o.vocab {
         c["vocab_size"] = json!(v);
@@ -158,13 +185,17 @@ pub fn config(o: &SynthOptions) -> Result<Value, String> {
             "sparse"
         })
         .collect::<Vec<_>>());
-    // the real indexer pattern: full every 4th layer after the first 3
+    // the real indexer pattern: full every 4th layer after the first 3 (the yardstick's:
+    // every other layer)
+    let yardstick = o.preset == "yardstick";
     c["indexer_types"] = json!((0..n)
-        .map(|i| if i < 3 || (i - 3) % 4 == 3 {
-            "full"
-        } else {
-            "shared"
-        })
+        .map(
+            |i| if (yardstick && i % 2 == 0) || (!yardstick && (i < 3 || (i - 3) % 4 == 3)) {
+                "full"
+            } else {
+                "shared"
+            }
+        )
         .collect::<Vec<_>>());
     c["num_nextn_predict_layers"] = json!(0);
     Ok(c)

@@ -298,29 +298,38 @@ pub(super) fn rows_dot<const R: usize>(
     std::array::from_fn(|r| hsum_tree(acc[r]) + offs[r])
 }
 
-/// [`row_dot`] over a row's decoded codes for `T` tokens, their accumulator chains interleaved
-/// (each token's arithmetic is exactly `row_dot`'s).
+/// [`row_dot`] over a row's codes (packed, decoded as they are read, or decoded before) for `T`
+/// tokens, their accumulator chains interleaved (each token's arithmetic is exactly
+/// `row_dot`'s).
 #[target_feature(enable = "avx2,fma")]
 pub(super) fn codes_dot<const T: usize>(
     kind: QuantKind,
     group: usize,
-    codes: &[f32],
+    codes: Codes<'_>,
     sc: &[f32],
     mn: &[f32],
     x: [&[f32]; T],
     xs: [&[f32]; T],
 ) -> [f32; T] {
-    let ng = codes.len() / group;
+    let cols = x[0].len();
+    let ng = cols / group;
     for xt in x {
-        assert_eq!(xt.len(), codes.len());
+        assert_eq!(xt.len(), cols);
+    }
+    match codes {
+        Codes::Decoded(d) => assert_eq!(d.len(), cols),
+        Codes::Packed(p) => assert!(8 * p.len() >= cols * kind.bits()),
     }
     let mut acc = [_mm256_setzero_ps(); T];
     let mut offs = [0.0f32; T];
     for g in 0..ng {
         let mut l = [_mm256_setzero_ps(); T];
         for i in (g * group..(g + 1) * group).step_by(8) {
-            // SAFETY: `i + 8 <= codes.len()`, the length of every `x[t]` too (asserted).
-            let c = unsafe { _mm256_loadu_ps(codes.as_ptr().add(i)) };
+            let c = match codes {
+                Codes::Packed(row) => codes8(kind, row, i),
+                // SAFETY: `i + 8 <= cols`, the length of `d` (asserted).
+                Codes::Decoded(d) => unsafe { _mm256_loadu_ps(d.as_ptr().add(i)) },
+            };
             for t in 0..T {
                 // SAFETY: as above.
                 let xv = unsafe { _mm256_loadu_ps(x[t].as_ptr().add(i)) };

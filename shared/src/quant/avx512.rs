@@ -259,8 +259,35 @@ fn token_pairs(
     }
 }
 
+/// Runs `f` over the tokens four at a time (`f(t, k)`: tokens `t .. t + k`, `k` = 4 but at
+/// the end) and stores the first `nr` lanes of each of the `k` results in `out` (`[rows, n]`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+fn token_quads(
+    n: usize,
+    nr: usize,
+    out: &mut [f32],
+    mut f: impl FnMut(usize, usize) -> [__m512; 4],
+) {
+    let mut t = 0;
+    while t < n {
+        let k = (n - t).min(4);
+        let res = f(t, k);
+        for (i, v) in res.iter().enumerate().take(k) {
+            let mut lanes = [0.0f32; 16];
+            // SAFETY: `lanes` has room for 16 floats.
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *v) };
+            for (r, l) in lanes.iter().enumerate().take(nr) {
+                out[r * n + t + i] = *l;
+            }
+        }
+        t += k;
+    }
+}
+
 /// 16 rows stored in [`super::Layout::Lanes16`] (`blk`, `sc`: one block's weights and
-/// scales) against every token in `acts`, one row per lane, tokens in pairs: the arithmetic
+/// scales) against every token in `acts`, one row per lane, up to four tokens sharing each
+/// weight load (a batch of decoding sequences reads the weights once per four): the arithmetic
 /// of [`rows16_dot_i8`] (and so of [`super::scalar::row_dot_i8`]) without its transpose.
 /// `out` is `[16, tokens]`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
@@ -279,12 +306,23 @@ pub(super) fn lanes16_dot_i8(
     for x in acts {
         assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.gsum.len() >= ng);
     }
-    token_pairs(n, 16, out, |t, pair| {
-        if pair {
-            packed_dot::<2>(kind, group, ng, blk, sc, [&acts[t], &acts[t + 1]])
-        } else {
-            let [a] = packed_dot::<1>(kind, group, ng, blk, sc, [&acts[t]]);
-            [a, _mm512_setzero_ps()]
+    let z = _mm512_setzero_ps();
+    token_quads(n, 16, out, |t, k| {
+        let x = |i: usize| &acts[t + i];
+        match k {
+            4 => packed_dot::<4>(kind, group, ng, blk, sc, [x(0), x(1), x(2), x(3)]),
+            3 => {
+                let [a, b, c] = packed_dot::<3>(kind, group, ng, blk, sc, [x(0), x(1), x(2)]);
+                [a, b, c, z]
+            }
+            2 => {
+                let [a, b] = packed_dot::<2>(kind, group, ng, blk, sc, [x(0), x(1)]);
+                [a, b, z, z]
+            }
+            _ => {
+                let [a] = packed_dot::<1>(kind, group, ng, blk, sc, [x(0)]);
+                [a, z, z, z]
+            }
         }
     });
 }

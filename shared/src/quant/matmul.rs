@@ -103,43 +103,59 @@ impl QMatrix {
                     isa,
                 );
             } else {
-                decode_row(self.kind, row, codes, isa);
+                // Up to 8 tokens: the packed codes, decoded as each tile reads them (a batch's
+                // few tokens per expert); more: decoded once for all of them.
+                let few = cfg!(target_arch = "x86_64")
+                    && n <= 8
+                    && matches!(isa, Isa::Avx2 | Isa::Avx512Vnni);
+                if !few {
+                    decode_row(self.kind, row, codes, isa);
+                }
+                let tile_codes = if few {
+                    Codes::Packed(row)
+                } else {
+                    Codes::Decoded(codes)
+                };
                 // the tokens left to the one-token kernel
                 #[allow(unused_mut)]
                 let mut start = 0;
                 #[cfg(target_arch = "x86_64")]
                 if matches!(isa, Isa::Avx2 | Isa::Avx512Vnni) {
-                    // 4 tokens at a time over the decoded codes, chains interleaved; per token
-                    // the one-token arithmetic
-                    start = n - n % 4;
-                    for t0 in (0..start).step_by(4) {
-                        // SAFETY: `Isa::Avx2` is only constructed after checking avx2 and fma.
-                        let v = unsafe {
-                            avx2::codes_dot::<4>(
-                                self.kind,
-                                self.group,
-                                codes,
-                                sc,
-                                mn,
-                                std::array::from_fn(|i| &x[(t0 + i) * cols..(t0 + i + 1) * cols]),
-                                std::array::from_fn(|i| xs_of(t0 + i)),
-                            )
+                    // 8 tokens at a time over the decoded codes (enough independent chains to
+                    // hide the multiply-add latency), then 4, then the last 2 or 3 together;
+                    // per token the one-token arithmetic
+                    macro_rules! tiles {
+                        ($t:literal) => {
+                            while n - start >= $t {
+                                let t0 = start;
+                                // SAFETY: `Isa::Avx2` is only constructed after checking avx2
+                                // and fma.
+                                let v = unsafe {
+                                    avx2::codes_dot::<$t>(
+                                        self.kind,
+                                        self.group,
+                                        tile_codes,
+                                        sc,
+                                        mn,
+                                        std::array::from_fn(|i| {
+                                            &x[(t0 + i) * cols..(t0 + i + 1) * cols]
+                                        }),
+                                        std::array::from_fn(|i| xs_of(t0 + i)),
+                                    )
+                                };
+                                out[t0..t0 + $t].copy_from_slice(&v);
+                                start += $t;
+                            }
                         };
-                        out[t0..t0 + 4].copy_from_slice(&v);
                     }
+                    tiles!(8);
+                    tiles!(4);
+                    tiles!(3);
+                    tiles!(2);
                 }
                 for (t, v) in out.iter_mut().enumerate().skip(start) {
                     let xt = &x[t * cols..(t + 1) * cols];
-                    *v = row_dot(
-                        self.kind,
-                        self.group,
-                        Codes::Decoded(codes),
-                        sc,
-                        mn,
-                        xt,
-                        xs_of(t),
-                        isa,
-                    );
+                    *v = row_dot(self.kind, self.group, tile_codes, sc, mn, xt, xs_of(t), isa);
                 }
             }
         })

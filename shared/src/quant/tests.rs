@@ -83,23 +83,25 @@ fn batch_and_thread_invariant_bitwise() {
     for kind in KINDS {
         let (r, c, g) = (67, 256, 64);
         let q = QMatrix::quantize(&Matrix::new(r, c, data(11, r * c)), kind, g).unwrap();
-        let n = 9;
-        let x = data(12, n * c);
-        for isa in Isa::available() {
-            let all = q.matmul(&x, n, isa);
-            let one_thread = rayon::ThreadPoolBuilder::new()
-                .num_threads(1)
-                .build()
-                .unwrap();
-            let serial = one_thread.install(|| q.matmul(&x, n, isa));
-            assert_eq!(all, serial, "{kind:?} {isa:?}: thread count changed bits");
-            for t in 0..n {
-                let one = q.matmul(&x[t * c..(t + 1) * c], 1, isa);
-                assert_eq!(
-                    one,
-                    all[t * r..(t + 1) * r].to_vec(),
-                    "{kind:?} {isa:?} token {t}"
-                );
+        // every tiling of the multi-token kernels: 8, 4, 3 and 2 tokens together, and a lone one
+        for n in [2, 3, 7, 9, 14, 15] {
+            let x = data(12, n * c);
+            for isa in Isa::available() {
+                let all = q.matmul(&x, n, isa);
+                let one_thread = rayon::ThreadPoolBuilder::new()
+                    .num_threads(1)
+                    .build()
+                    .unwrap();
+                let serial = one_thread.install(|| q.matmul(&x, n, isa));
+                assert_eq!(all, serial, "{kind:?} {isa:?}: thread count changed bits");
+                for t in 0..n {
+                    let one = q.matmul(&x[t * c..(t + 1) * c], 1, isa);
+                    assert_eq!(
+                        one,
+                        all[t * r..(t + 1) * r].to_vec(),
+                        "{kind:?} {isa:?} token {t}"
+                    );
+                }
             }
         }
     }
@@ -169,7 +171,7 @@ fn lane_layout_is_a_lossless_permutation_with_bit_identical_products() {
                 assert_eq!(l.dequantize_row(row), q.dequantize_row(row));
             }
             assert_eq!(l.dequantize(), q.dequantize());
-            // 1 to 9 tokens (pairs and a lone token), on 1 and 2 threads, against the scalar
+            // 1 to 9 tokens (fours, then three, two or one), on 1 and 2 threads, against the scalar
             // twin on the row-major matrix, bit for bit; every other path converts back
             let x = data(9, 9 * c);
             for threads in [1, 2] {
@@ -177,7 +179,7 @@ fn lane_layout_is_a_lossless_permutation_with_bit_identical_products() {
                     .num_threads(threads)
                     .build()
                     .unwrap();
-                for n in [1, 2, 3, 4, 9] {
+                for n in [1, 2, 3, 4, 5, 6, 7, 9] {
                     let x = &x[..n * c];
                     let want = q.matmul_with(x, n, Isa::Scalar, Activations::Int8);
                     for isa in Isa::available() {
