@@ -1,7 +1,7 @@
 //! The cluster on the command line: `charm worker`, `charm cluster init`, `charm cluster status`.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
@@ -256,6 +256,7 @@ pub fn cmd_serve(
     api_key_file: Option<&Path>,
     name: Option<String>,
     (queue, parallel, batch_tokens, prefix_mb): (usize, usize, usize, usize),
+    kv: Option<(PathBuf, u64)>,
     act: Activations,
     args: &StoreArgs,
 ) -> Result<()> {
@@ -310,6 +311,19 @@ pub fn cmd_serve(
         prefix_cache_bytes: prefix_mb << 20,
         stop_ids: charm_coordinator::gateway::stop_token_ids(model, &spec),
         context,
+        kv_log: match kv {
+            Some((dir, budget)) => Some(charm_coordinator::gateway::KvLogOptions {
+                dir,
+                budget,
+                fingerprint: format!(
+                    "{} activations={}",
+                    charm_coordinator::cluster::model_fingerprint(model)
+                        .map_err(anyhow::Error::msg)?,
+                    act_name(act)
+                ),
+            }),
+            None => None,
+        },
         ..Default::default()
     };
     let rt = tokio::runtime::Runtime::new()?;

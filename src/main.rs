@@ -301,6 +301,14 @@ enum Cmd {
         /// MiB of finished conversations' KV kept for requests that continue them (0: none).
         #[arg(long, default_value_t = 256)]
         prefix_cache_mb: usize,
+        /// Persist finished conversations' KV in this directory (an append-only log with
+        /// checksums, safe across crashes): a restarted server continues them without prefilling
+        /// them again.
+        #[arg(long)]
+        kv_dir: Option<PathBuf>,
+        /// MiB the KV directory may hold before it keeps only the most recent conversations.
+        #[arg(long, default_value_t = 4096)]
+        kv_disk_mb: u64,
         #[arg(long, value_enum, default_value = "f32")]
         activations: Act,
         #[command(flatten)]
@@ -849,6 +857,14 @@ fn main() -> ExitCode {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
     }
     let cli = Cli::parse();
+    // structured logs on stderr (`RUST_LOG` filters; default: charm's own at info)
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("charm_coordinator=info")),
+        )
+        .try_init();
     if let Cmd::Worker {
         threads: Some(n), ..
     } = &cli.cmd
@@ -1047,6 +1063,8 @@ fn run(cli: Cli) -> Result<()> {
             parallel,
             batch_tokens,
             prefix_cache_mb,
+            kv_dir,
+            kv_disk_mb,
             activations,
             store,
         } => cluster_cli::cmd_serve(
@@ -1055,6 +1073,7 @@ fn run(cli: Cli) -> Result<()> {
             api_key_file.as_deref(),
             name,
             (queue, parallel, batch_tokens, prefix_cache_mb),
+            kv_dir.map(|d| (d, kv_disk_mb << 20)),
             activations.into(),
             &store,
         ),

@@ -1026,3 +1026,83 @@ fn tools_reach_a_template_that_defines_tool_calls() {
     drop(s);
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+#[test]
+fn a_server_killed_mid_conversation_resumes_it_from_its_kv_log() {
+    let d = common::scratch("gw-kvlog");
+    let _ = std::fs::remove_dir_all(&d);
+    let kv = d.to_str().unwrap();
+    let cold = Server::start(&["--prefix-cache-mb", "0"]);
+    let ask = |addr: &str, msgs: &Value| {
+        post(
+            addr,
+            "/v1/chat/completions",
+            &json!({"messages": msgs, "max_tokens": 24, "temperature": 0}),
+        )
+        .json()["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let system = "You are a player in a company of actors, and you answer in verse. ".repeat(3);
+    let mut msgs = json!([{"role": "system", "content": system}, {"role": "user", "content": "Speak, Romeo."}]);
+    let first = {
+        let a = Server::start(&["--kv-dir", kv]);
+        let before = metric(&a.addr, "charm_kv_log_bytes");
+        let first = ask(&a.addr, &msgs);
+        // the finished conversation goes to the log just after its answer
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while metric(&a.addr, "charm_kv_log_bytes") <= before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the conversation never reached the log"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        first
+        // dropped: killed with SIGKILL
+    };
+    // and a write the crash cut short: half a record at the end of the log
+    let log = d.join("kv.log");
+    let whole = std::fs::metadata(&log).unwrap().len();
+    let mut f = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+    f.write_all(&[0x43, 0x4b, 0x56, 0x52, 0x00, 0x10, 0, 0, 0, 0, 0, 0, 7, 7])
+        .unwrap();
+    drop(f);
+    let b = Server::start(&["--kv-dir", kv]);
+    assert_eq!(
+        std::fs::metadata(&log).unwrap().len(),
+        whole,
+        "the torn tail was not cut"
+    );
+    msgs.as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": first}),
+        json!({"role": "user", "content": "And then?"}),
+    ]);
+    let second = ask(&b.addr, &msgs);
+    let reused = metric(&b.addr, "charm_prefix_tokens_reused_total");
+    assert!(
+        reused >= 16.0,
+        "the restarted server reused nothing ({reused})"
+    );
+    assert_eq!(second, ask(&cold.addr, &msgs));
+    // a log of other activations (other KV) is refused, not misread
+    let out = Command::new(env!("CARGO_BIN_EXE_charm"))
+        .args(["serve", "--model"])
+        .arg(demo())
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--activations",
+            "int8",
+            "--kv-dir",
+            kv,
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("another model"), "{err}");
+    drop(b);
+    let _ = std::fs::remove_dir_all(&d);
+}

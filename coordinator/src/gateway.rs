@@ -8,11 +8,13 @@
 //!   without one is refused. Bodies are limited in size; a prompt that does not fit the context
 //!   is a 400 naming both numbers; fields charm does not support are a 400 naming them; errors
 //!   come in OpenAI's error shape.
-//! - Up to `max_active` generations run interleaved, one forward step each per round, joining
-//!   and leaving at every round; more wait in a bounded queue (full: 429 with `Retry-After`). A
-//!   client that goes away cancels its generation and frees its KV cache. (Their steps are not
-//!   yet one batched forward pass with each layer's experts run once for all: that is continuous
-//!   batching proper, not built yet.)
+//! - Continuous batching: up to `max_active` generations run together, one forward step serving
+//!   them all (decode tokens and prompt chunks, each layer's routed experts run once for the
+//!   batch), joining and leaving at every step; more wait in a bounded queue (full: 429 with
+//!   `Retry-After`). A client that goes away cancels its generation and frees its KV cache.
+//! - Finished sequences' KV is kept for requests that start with the same tokens: in RAM within a
+//!   byte budget, and, with a KV directory, in a crash-safe log on disk ([`crate::kvlog`]) that a
+//!   restarted server reads back.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,6 +34,7 @@ use crate::cache::KvCache;
 use crate::chat::{drop_null_keys, tool_arguments, ChatInput, ChatTemplate};
 use crate::engine::Engine;
 use crate::forward::ForwardOptions;
+use crate::kvlog::KvLog;
 use crate::sampling::{logprobs, Penalties, Sampler, SamplingParams};
 use crate::tokenizer::{TextStream, TextTokenizer};
 
@@ -57,6 +60,19 @@ pub struct GatewayOptions {
     /// Tokens that end a generation (the model's end-of-sequence ids and those of its
     /// `generation_config.json`; see [`stop_token_ids`]); empty: the model config's.
     pub stop_ids: Vec<u32>,
+    /// Conversation KV persisted on disk, if wanted.
+    pub kv_log: Option<KvLogOptions>,
+}
+
+/// Where and how much conversation KV is persisted.
+#[derive(Debug, Clone)]
+pub struct KvLogOptions {
+    pub dir: std::path::PathBuf,
+    /// Bytes the log may hold before it is compacted to the most recent sequences.
+    pub budget: u64,
+    /// What the KV was computed by (model files and activation mode): a log of anything else is
+    /// refused.
+    pub fingerprint: String,
 }
 
 /// The ids that end a generation for the model in `dir`: `config.json`'s end-of-sequence ids
@@ -97,6 +113,7 @@ impl Default for GatewayOptions {
             batch_tokens: 512,
             prefix_cache_bytes: 256 << 20,
             stop_ids: vec![],
+            kv_log: None,
         }
     }
 }
@@ -150,6 +167,8 @@ struct Metrics {
     batch_rows: AtomicU64,
     steps: AtomicU64,
     rows: AtomicU64,
+    /// Bytes of the conversation KV log on disk.
+    kv_log_bytes: AtomicU64,
     /// The expert executor's counters: uses served from memory, and those that waited.
     expert_hits: AtomicU64,
     expert_misses: AtomicU64,
@@ -190,6 +209,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        tracing::info!(status = self.status.as_u16(), kind = self.kind, message = %self.message, "request refused");
         let body = if self.anthropic {
             let kind = if self.kind == "server_error" {
                 "api_error"
@@ -280,6 +300,27 @@ pub async fn serve(
         opts.stop_ids.clone()
     };
     let metrics = Arc::new(Metrics::default());
+    let kv_log = match &opts.kv_log {
+        Some(o) => {
+            let (log, found) = KvLog::open(&o.dir, &engine.model.spec, &o.fingerprint, o.budget)?;
+            tracing::info!(
+                dir = %o.dir.display(),
+                sequences = found.records,
+                bytes = log.bytes(),
+                cut_bytes = found.cut_bytes,
+                "conversation KV log opened"
+            );
+            if found.cut_bytes > 0 {
+                tracing::warn!(
+                    cut_bytes = found.cut_bytes,
+                    "the KV log ended in a torn or damaged record (a crash mid-write): cut it off"
+                );
+            }
+            metrics.kv_log_bytes.store(log.bytes(), Ordering::Relaxed);
+            Some(log)
+        }
+        None => None,
+    };
     let tok = Arc::new(tok);
     let remote = engine.remote.clone();
     {
@@ -293,7 +334,7 @@ pub async fn serve(
                     prefix_bytes,
                     stop_ids,
                 };
-                rayon::scope(|_| run_jobs(&engine, &tok, rx, &metrics, &lim))
+                rayon::scope(|_| run_jobs(&engine, &tok, rx, &metrics, &lim, kv_log))
             })
             .map_err(|e| e.to_string())?;
     }
@@ -337,6 +378,7 @@ fn run_jobs(
     rx: std::sync::mpsc::Receiver<Job>,
     metrics: &Metrics,
     lim: &Schedule,
+    mut kv_log: Option<KvLog>,
 ) {
     let max_active = lim.max_active;
     let mut active: Vec<Sequence> = Vec::new();
@@ -357,13 +399,24 @@ fn run_jobs(
             };
             metrics.queued.fetch_sub(1, Ordering::Relaxed);
             let mut seq = Sequence::new(e, tok, job);
-            if let Some(c) = prefixes.take(&seq.job.prompt) {
+            if let Some((c, origin)) = prefixes.take(&seq.job.prompt, kv_log.as_ref()) {
                 metrics.reused.fetch_add(c.len() as u64, Ordering::Relaxed);
+                seq.reused = c.len();
                 seq.cache = c;
+                seq.origin = origin;
             }
             active.push(seq);
         }
-        active.retain(|s| !s.job.tx.is_closed());
+        active.retain(|s| {
+            let gone = s.job.tx.is_closed();
+            if gone {
+                tracing::info!(
+                    completion_tokens = s.ids.len(),
+                    "client went away: generation cancelled"
+                );
+            }
+            !gone
+        });
         if active.is_empty() {
             continue;
         }
@@ -381,9 +434,23 @@ fn run_jobs(
                         let mut tokens = seq.job.prompt.clone();
                         tokens.extend_from_slice(&seq.ids);
                         tokens.truncate(seq.cache.len());
+                        let disk = kv_log
+                            .as_mut()
+                            .filter(|_| tokens.len() >= MIN_PREFIX)
+                            .and_then(|log| match log.append(seq.origin, &tokens, &seq.cache) {
+                                Ok(s) => {
+                                    metrics.kv_log_bytes.store(log.bytes(), Ordering::Relaxed);
+                                    Some(s)
+                                }
+                                Err(err) => {
+                                    tracing::warn!(%err, "conversation KV not persisted");
+                                    None
+                                }
+                            });
                         prefixes.put(
                             tokens,
                             std::mem::replace(&mut seq.cache, KvCache::new(&e.model.spec)),
+                            disk,
                         );
                     }
                     false
@@ -464,6 +531,7 @@ fn batched_step(
         Ok(x) => x,
         Err(err) => {
             let msg = err.to_string();
+            tracing::warn!(error = %msg, sequences = take.iter().filter(|&&k| k > 0).count(), "forward step failed");
             return take
                 .iter()
                 .map(|&k| if k > 0 { Err(msg.clone()) } else { Ok(true) })
@@ -536,6 +604,10 @@ struct Sequence<'t> {
     finished: bool,
     /// Entries of `lps` already sent with a piece of text.
     lp_sent: usize,
+    /// The persisted sequence its cache started from, and how many of its tokens.
+    origin: Option<(u64, usize)>,
+    /// Prompt tokens whose KV was reused instead of computed.
+    reused: usize,
 }
 
 impl<'t> Sequence<'t> {
@@ -556,6 +628,8 @@ impl<'t> Sequence<'t> {
             started: None,
             finished: false,
             lp_sent: 0,
+            origin: None,
+            reused: 0,
         }
     }
 
@@ -653,9 +727,19 @@ impl<'t> Sequence<'t> {
         metrics: &Metrics,
     ) -> Result<bool, String> {
         if let Some(t) = self.started {
+            let secs = t.elapsed().as_secs_f64();
             metrics
                 .decode_us
-                .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+                .fetch_add((secs * 1e6) as u64, Ordering::Relaxed);
+            tracing::info!(
+                prompt_tokens = self.job.prompt.len(),
+                reused_tokens = self.reused,
+                completion_tokens = self.ids.len(),
+                finish,
+                ttft_ms = (t - self.job.queued).as_secs_f64() * 1e3,
+                decode_tok_s = self.ids.len().saturating_sub(1) as f64 / secs.max(1e-9),
+                "generation done"
+            );
         }
         if matched.is_none() {
             let text = tok.decode(&self.ids).map_err(|e| e.to_string())?;
@@ -775,14 +859,18 @@ impl Reasoning {
     }
 }
 
+/// Shortest shared prefix worth reusing (tokens).
+const MIN_PREFIX: usize = 16;
+
 /// The KV caches of finished sequences, kept within a byte budget (least recently used go
 /// first), for requests whose prompt starts with the same tokens: a conversation's next turn, a
 /// shared system prompt. A reused prefix computes nothing again and gives the same result, since
-/// every kernel gives a token's values whatever else it is batched with.
+/// every kernel gives a token's values whatever else it is batched with. Behind it, the KV log
+/// on disk when there is one.
 struct PrefixCache {
     budget: usize,
-    /// (tokens the cache holds, the cache), most recently used last.
-    entries: Vec<(Vec<u32>, KvCache)>,
+    /// (tokens the cache holds, the cache, its record in the KV log), most recently used last.
+    entries: Vec<(Vec<u32>, KvCache, Option<u64>)>,
 }
 
 impl PrefixCache {
@@ -793,37 +881,65 @@ impl PrefixCache {
         }
     }
 
-    /// The cache of the longest stored prefix `prompt` shares (at least 16 tokens, at most all
-    /// but its last token, which must be computed for its logits), cut to that prefix.
-    fn take(&mut self, prompt: &[u32]) -> Option<KvCache> {
+    /// The cache of the longest stored prefix `prompt` shares (at least [`MIN_PREFIX`] tokens,
+    /// at most all but its last token, which must be computed for its logits), cut to that
+    /// prefix, from RAM or else from the log; with the logged sequence it came from.
+    fn take(
+        &mut self,
+        prompt: &[u32],
+        log: Option<&KvLog>,
+    ) -> Option<(KvCache, Option<(u64, usize)>)> {
+        let most = prompt.len().saturating_sub(1);
         let common = |t: &[u32]| t.iter().zip(prompt).take_while(|(a, b)| a == b).count();
-        let (i, n) = self
+        let ram = self
             .entries
             .iter()
             .enumerate()
-            .map(|(i, (t, _))| (i, common(t).min(prompt.len().saturating_sub(1))))
-            .max_by_key(|&(i, n)| (n, i))?;
-        if n < 16 {
+            .map(|(i, (t, _, _))| (i, common(t).min(most)))
+            .max_by_key(|&(i, n)| (n, i));
+        let disk = log
+            .and_then(|l| l.best(prompt))
+            .map(|(s, n)| (s, n.min(most)));
+        let ram_n = ram.map_or(0, |r| r.1);
+        if let Some((seq, n)) = disk.filter(|&(_, n)| n > ram_n && n >= MIN_PREFIX) {
+            match log.map(|l| l.load(seq)) {
+                Some(Ok(mut c)) => {
+                    c.truncate(n);
+                    return Some((c, Some((seq, n))));
+                }
+                Some(Err(err)) => tracing::warn!(%err, "stored conversation KV not read"),
+                None => {}
+            }
+        }
+        let (i, n) = ram?;
+        if n < MIN_PREFIX {
             return None;
         }
-        let (tokens, cache) = self.entries.remove(i);
+        let (tokens, cache, disk) = self.entries.remove(i);
         let mut reused = cache.clone();
         reused.truncate(n);
         // the entry stays for others, now the most recently used
-        self.entries.push((tokens, cache));
-        Some(reused)
+        self.entries.push((tokens, cache, disk));
+        Some((reused, disk.map(|s| (s, n))))
     }
 
-    /// Keeps `cache` (holding `tokens`), dropping the least recently used past the budget.
-    fn put(&mut self, tokens: Vec<u32>, cache: KvCache) {
-        if cache.bytes() > self.budget || tokens.len() < 16 {
+    /// Keeps `cache` (holding `tokens`, logged as `disk`), dropping the least recently used past
+    /// the budget.
+    fn put(&mut self, tokens: Vec<u32>, cache: KvCache, disk: Option<u64>) {
+        if cache.bytes() > self.budget || tokens.len() < MIN_PREFIX {
             return;
         }
         // a stored sequence this one extends is redundant
         self.entries
-            .retain(|(t, _)| !(t.len() <= tokens.len() && tokens[..t.len()] == t[..]));
-        self.entries.push((tokens, cache));
-        while self.entries.iter().map(|(_, c)| c.bytes()).sum::<usize>() > self.budget {
+            .retain(|(t, _, _)| !(t.len() <= tokens.len() && tokens[..t.len()] == t[..]));
+        self.entries.push((tokens, cache, disk));
+        while self
+            .entries
+            .iter()
+            .map(|(_, c, _)| c.bytes())
+            .sum::<usize>()
+            > self.budget
+        {
             self.entries.remove(0);
         }
     }
@@ -871,12 +987,18 @@ async fn metrics_text(State(s): State<Arc<Shared>>, h: HeaderMap) -> Result<Resp
     let secs = |x: &AtomicU64| format!("{:.6}", l(x) as f64 / 1e6);
     let hits = l(&m.expert_hits) as f64;
     let uses = hits + l(&m.expert_misses) as f64;
-    let rows: [(&str, &str, &str, String); 14] = [
+    let rows: [(&str, &str, &str, String); 15] = [
         (
             "charm_prefix_tokens_reused_total",
             "counter",
             "Prompt tokens whose KV came from the prefix cache.",
             l(&m.reused).to_string(),
+        ),
+        (
+            "charm_kv_log_bytes",
+            "gauge",
+            "Bytes of conversation KV persisted on disk.",
+            l(&m.kv_log_bytes).to_string(),
         ),
         (
             "charm_requests_total",

@@ -34,6 +34,7 @@ pub mod forward;
 pub mod gateway;
 pub mod generate;
 pub mod info;
+pub mod kvlog;
 pub mod model;
 pub mod plan;
 pub mod quality;
