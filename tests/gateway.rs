@@ -1106,3 +1106,51 @@ fn a_server_killed_mid_conversation_resumes_it_from_its_kv_log() {
     drop(b);
     let _ = std::fs::remove_dir_all(&d);
 }
+
+#[test]
+fn ignore_eos_generates_past_the_end_of_sequence_tokens() {
+    // a demo copy whose generation_config ends generations at the first token greedy picks
+    let s = Server::start(&[]);
+    let ask = |addr: &str, extra: Value| {
+        let mut b = json!({"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        post(addr, "/v1/completions", &b).json()
+    };
+    let lp = ask(&s.addr, json!({"logprobs": 1}));
+    let first = TextTokenizer::load(&demo())
+        .unwrap()
+        .encode(lp["choices"][0]["logprobs"]["tokens"][0].as_str().unwrap())
+        .unwrap();
+    let d = common::scratch("gw-ignore-eos");
+    std::fs::create_dir_all(&d).unwrap();
+    for f in std::fs::read_dir(demo()).unwrap() {
+        let f = f.unwrap().path();
+        let name = f.file_name().unwrap().to_owned();
+        if name != "generation_config.json" {
+            std::os::unix::fs::symlink(&f, d.join(name)).unwrap();
+        }
+    }
+    std::fs::write(
+        d.join("generation_config.json"),
+        json!({"eos_token_id": [first[0]]}).to_string(),
+    )
+    .unwrap();
+    let s = Server::start_model(&d, &[]);
+    let stopped = ask(&s.addr, json!({}));
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop", "{stopped}");
+    assert_eq!(stopped["usage"]["completion_tokens"], 0);
+    let on = ask(&s.addr, json!({"ignore_eos": true}));
+    assert_eq!(on["choices"][0]["finish_reason"], "length", "{on}");
+    assert_eq!(on["usage"]["completion_tokens"], 12);
+    assert_eq!(on["choices"][0]["text"], lp["choices"][0]["text"]);
+    let bad = post(
+        &s.addr,
+        "/v1/completions",
+        &json!({"prompt": "a", "ignore_eos": 1}),
+    );
+    assert_eq!(bad.status, 400);
+    drop(s);
+    std::fs::remove_dir_all(&d).unwrap();
+}

@@ -150,6 +150,8 @@ struct Job {
     /// Log probabilities to report: of the chosen token and this many alternatives.
     logprobs: Option<usize>,
     stop: Vec<String>,
+    /// Go on past the end-of-sequence tokens.
+    ignore_eos: bool,
     tx: mpsc::UnboundedSender<Event>,
     queued: Instant,
 }
@@ -669,7 +671,7 @@ impl<'t> Sequence<'t> {
         }
         let next = self.pick(logits);
         self.next = Some(next);
-        if stop_ids.contains(&next) {
+        if !self.job.ignore_eos && stop_ids.contains(&next) {
             return self.finish(tok, "stop", None, metrics);
         }
         self.ids.push(next);
@@ -1113,6 +1115,8 @@ struct Settings {
     max_tokens: Option<usize>,
     stop: Vec<String>,
     stream: bool,
+    /// Generate past the end-of-sequence tokens (vLLM's and llama.cpp's `ignore_eos`).
+    ignore_eos: bool,
 }
 
 /// Checks `body` against the `known` fields and reads the shared settings.
@@ -1223,11 +1227,12 @@ fn settings(body: &Json, known: &[&str]) -> Result<Settings, ApiError> {
     if stop.iter().any(|s| s.is_empty()) || stop.len() > 16 {
         return Err(bad("`stop`: up to 16 non-empty strings"));
     }
-    let stream = match obj.get("stream") {
-        None | Some(Json::Null) => false,
-        Some(Json::Bool(b)) => *b,
-        Some(_) => return Err(bad("`stream` must be true or false")),
+    let flag = |k: &str| match obj.get(k) {
+        None | Some(Json::Null) => Ok(false),
+        Some(Json::Bool(b)) => Ok(*b),
+        Some(_) => Err(bad(format!("`{k}` must be true or false"))),
     };
+    let (stream, ignore_eos) = (flag("stream")?, flag("ignore_eos")?);
     Ok(Settings {
         params: SamplingParams {
             temperature: temperature as f32,
@@ -1241,6 +1246,7 @@ fn settings(body: &Json, known: &[&str]) -> Result<Settings, ApiError> {
         max_tokens: max_tokens.map(|n| n as usize),
         stop,
         stream,
+        ignore_eos,
     })
 }
 
@@ -1254,6 +1260,7 @@ const COMMON: &[&str] = &[
     "stop",
     "stream",
     "stream_options",
+    "ignore_eos",
     "n",
     "user",
     "presence_penalty",
@@ -1459,6 +1466,7 @@ fn submit(
         penalties: set.penalties,
         logprobs: set.logprobs,
         stop: set.stop.clone(),
+        ignore_eos: set.ignore_eos,
         tx,
         queued: Instant::now(),
     };
