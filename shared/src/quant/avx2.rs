@@ -1,6 +1,6 @@
 use std::arch::x86_64::*;
 
-use super::{Codes, QuantKind};
+use super::{Codes, QuantKind, QuantizedActs};
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -381,4 +381,134 @@ pub(super) fn row_dot(
         }
     }
     hsum_tree(acc) + offs
+}
+
+/// 16 rows stored in [`super::Layout::Lanes16`] (`blk`, `sc`: one block's weights and scales)
+/// against every token in `acts`, one row per 32-bit lane as on the VNNI path: each 64-byte
+/// line of the block is read as two 256-bit halves (rows 0-7, then rows 8-15), so a group's
+/// integer sums need no horizontal reduction; up to four tokens share each weight load.
+/// `vpmaddubsw` cannot overflow here: int4 codes are unsigned nibbles (at most 15 x 127 x 2 per
+/// pair), int8 codes go in as magnitudes with their signs moved onto the activations (at most
+/// 128 x 127 x 2). The integer sums are exact, then per group `acc = fma(scale_w * scale_x,
+/// isum, acc)` per lane: the arithmetic (and the bits) of [`super::scalar::row_dot_i8`].
+/// `out` is `[16, tokens]`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn lanes16_dot_i8(
+    kind: QuantKind,
+    group: usize,
+    blk: &[u8],
+    sc: &[f32],
+    acts: &[QuantizedActs],
+    out: &mut [f32],
+) {
+    let n = acts.len();
+    let ng = acts[0].q.len() / group;
+    assert!(blk.len() == 16 * ng * group * kind.bits() / 8 && sc.len() == 16 * ng);
+    assert!(out.len() == 16 * n && group.is_multiple_of(64));
+    assert!(matches!(kind, QuantKind::Int8 | QuantKind::Int4));
+    for x in acts {
+        assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.gsum.len() >= ng);
+    }
+    let z = _mm256_setzero_ps();
+    for half in 0..2 {
+        let mut t = 0;
+        while t < n {
+            let k = (n - t).min(4);
+            let x = |i: usize| &acts[t + i];
+            let res: [__m256; 4] = match k {
+                4 => lanes8_dot::<4>(kind, group, ng, blk, sc, half, [x(0), x(1), x(2), x(3)]),
+                3 => {
+                    let [a, b, c] =
+                        lanes8_dot::<3>(kind, group, ng, blk, sc, half, [x(0), x(1), x(2)]);
+                    [a, b, c, z]
+                }
+                2 => {
+                    let [a, b] = lanes8_dot::<2>(kind, group, ng, blk, sc, half, [x(0), x(1)]);
+                    [a, b, z, z]
+                }
+                _ => {
+                    let [a] = lanes8_dot::<1>(kind, group, ng, blk, sc, half, [x(0)]);
+                    [a, z, z, z]
+                }
+            };
+            for (i, v) in res.iter().enumerate().take(k) {
+                let mut lanes = [0.0f32; 8];
+                // SAFETY: `lanes` has room for 8 floats.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *v) };
+                for (r, l) in lanes.iter().enumerate() {
+                    out[(8 * half + r) * n + t + i] = *l;
+                }
+            }
+            t += k;
+        }
+    }
+}
+
+/// Rows `8 * half .. 8 * half + 8` of a [`lanes16_dot_i8`] block for `P` tokens (the caller
+/// checks the lengths).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn lanes8_dot<const P: usize>(
+    kind: QuantKind,
+    group: usize,
+    ng: usize,
+    blk: &[u8],
+    sc: &[f32],
+    half: usize,
+    acts: [&QuantizedActs; P],
+) -> [__m256; P] {
+    let gb = group * kind.bits() / 8;
+    let bias = super::unsigned_offset(kind);
+    let qp = acts.map(|x| x.q.as_ptr());
+    let (m, ones) = (_mm256_set1_epi8(15), _mm256_set1_epi16(1));
+    let mut acc = [_mm256_setzero_ps(); P];
+    for g in 0..ng {
+        // SAFETY (loads below): line `d < gb / 4` of group `g` lies at `16 * (g * gb + 4 * d)`
+        // in `blk`, which holds `16 * ng * gb` bytes, and this half is its bytes 32 * half ..
+        // 32 * half + 32; activation offsets stay below `(g + 1) * group <= ng * group`.
+        let w = unsafe { blk.as_ptr().add(16 * g * gb + 32 * half) };
+        let ld = |d: usize| unsafe { _mm256_loadu_si256(w.add(64 * d) as *const __m256i) };
+        let bc = |t: usize, i: usize| unsafe {
+            _mm256_set1_epi32((qp[t].add(g * group + i) as *const i32).read_unaligned())
+        };
+        let mut s = [_mm256_setzero_si256(); P];
+        if kind == QuantKind::Int8 {
+            for d in 0..gb / 4 {
+                let wv = ld(d);
+                let aw = _mm256_abs_epi8(wv);
+                for t in 0..P {
+                    let a = _mm256_sign_epi8(bc(t, 4 * d), wv);
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, a), ones);
+                    s[t] = _mm256_add_epi32(s[t], p);
+                }
+            }
+        } else {
+            // int4: line j of a 64-weight block holds elements 4j.. (low nibbles) and 32 + 4j..
+            // (high nibbles) of each row, as the activations are ordered
+            for c in 0..group / 64 {
+                for j in 0..8 {
+                    let p = ld(8 * c + j);
+                    let lo = _mm256_and_si256(p, m);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m);
+                    for t in 0..P {
+                        let x = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, bc(t, 64 * c + 4 * j)),
+                            _mm256_maddubs_epi16(hi, bc(t, 64 * c + 32 + 4 * j)),
+                        );
+                        s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(x, ones));
+                    }
+                }
+            }
+            for (t, st) in s.iter_mut().enumerate() {
+                *st = _mm256_sub_epi32(*st, _mm256_set1_epi32(bias * acts[t].gsum[g]));
+            }
+        }
+        // SAFETY: `sc` holds `16 * ng` floats.
+        let sw = unsafe { _mm256_loadu_ps(sc.as_ptr().add(16 * g + 8 * half)) };
+        for t in 0..P {
+            let scale = _mm256_mul_ps(sw, _mm256_set1_ps(acts[t].scale[g]));
+            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s[t]), acc[t]);
+        }
+    }
+    acc
 }

@@ -65,8 +65,8 @@ pub(super) fn lanes_index(r: usize, g: usize, d: usize, ng: usize, dpg: usize) -
 }
 
 /// Whether weights multiplied with activations `act` should take
-/// [`Layout::Lanes16`]: int8 activations on the VNNI path, the one kernel that reads
-/// that layout directly.
+/// [`Layout::Lanes16`]: int8 activations on the VNNI or the AVX2 integer path, whose kernels
+/// read that layout directly.
 pub fn lanes_wanted(act: Activations) -> bool {
-    active_isa() == Isa::Avx512Vnni && act == Activations::Int8
+    matches!(active_isa(), Isa::Avx512Vnni | Isa::Avx2) && act == Activations::Int8
 }

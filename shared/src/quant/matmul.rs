@@ -12,9 +12,10 @@ impl QMatrix {
     /// [`QMatrix::matmul`] with an explicit activation mode.
     pub fn matmul_with(&self, x: &[f32], n: usize, isa: Isa, act: Activations) -> Vec<f32> {
         assert_eq!(x.len(), n * self.cols, "matmul input is not [n, cols]");
-        if self.layout != Layout::RowMajor && !(act == Activations::Int8 && isa == Isa::Avx512Vnni)
+        if self.layout != Layout::RowMajor
+            && !(act == Activations::Int8 && matches!(isa, Isa::Avx2 | Isa::Avx512Vnni))
         {
-            // the lane layout has kernels on the VNNI integer path only
+            // the lane layout has kernels on the integer path of AVX2 and VNNI only
             return self.to_row_major().matmul_with(x, n, isa, act);
         }
         if act == Activations::Int8 && self.integer_path() {
@@ -181,17 +182,16 @@ impl QMatrix {
             return par_row_blocks(self.rows, n, 16, rb, |r0, out| {
                 for (i, o) in out.chunks_exact_mut(16 * n).enumerate() {
                     let r = r0 + 16 * i;
-                    // SAFETY: a `Lanes16` matrix reaches here only with `Isa::Avx512Vnni`, which
-                    // is only constructed after checking avx512f/bw/vnni and avx2.
+                    let (blk, sc) = (&data[r * rb..(r + 16) * rb], &scales[r * ng..(r + 16) * ng]);
+                    // SAFETY: a `Lanes16` matrix reaches here only with `Isa::Avx512Vnni` or
+                    // `Isa::Avx2`, constructed only after checking avx512f/bw/vnni and avx2, or
+                    // avx2 and fma.
                     unsafe {
-                        avx512::lanes16_dot_i8(
-                            self.kind,
-                            group,
-                            &data[r * rb..(r + 16) * rb],
-                            &scales[r * ng..(r + 16) * ng],
-                            &qx,
-                            o,
-                        )
+                        if isa == Isa::Avx512Vnni {
+                            avx512::lanes16_dot_i8(self.kind, group, blk, sc, &qx, o)
+                        } else {
+                            avx2::lanes16_dot_i8(self.kind, group, blk, sc, &qx, o)
+                        }
                     };
                 }
             });
