@@ -17,6 +17,12 @@ use charm_coordinator::{Engine, EngineOptions, ForwardOptions, KvCache, Step, Tr
 use charm_shared::quant::Activations;
 
 fn main() {
+    // on a rayon worker, as `charm serve` and `charm generate` run: kernels then split their work
+    // without a hand-off from an outside thread per call
+    rayon::scope(|_| run());
+}
+
+fn run() {
     let v: Vec<String> = std::env::args().skip(1).collect();
     let arg = |k: &str| {
         v.iter()
@@ -75,12 +81,13 @@ fn main() {
         }
         // decode: every sequence feeds a token each step (the tokens need not be the argmax
         // for a speed figure; they vary with the step)
-        let t = Instant::now();
-        let mut distinct = 0usize;
-        for k in 0..steps {
-            let toks: Vec<u32> = (0..b)
+        let step_tokens = |k: usize| -> Vec<u32> {
+            (0..b)
                 .map(|s| (s as u32 * 13 + k as u32 * 5 + 3) % vocab)
-                .collect();
+                .collect()
+        };
+        let run = |caches: &mut [KvCache], k: usize, tr: Option<&mut Trace>| {
+            let toks = step_tokens(k);
             let mut st: Vec<Step> = caches
                 .iter_mut()
                 .zip(&toks)
@@ -89,17 +96,28 @@ fn main() {
                     cache: c,
                 })
                 .collect();
+            let x = m.forward_batch(&mut st, opts, tr).unwrap();
+            let l = m.logits(&x, b).unwrap();
+            assert_eq!(l.len(), b * vocab as usize);
+            assert_eq!(x.len(), b * h);
+        };
+        // the distinct experts of each step, from the same steps on a copy (untimed)
+        let mut copy = caches.clone();
+        let mut distinct = 0usize;
+        for k in 0..steps {
             let mut tr = Trace::default();
-            let x = m.forward_batch(&mut st, opts, Some(&mut tr)).unwrap();
+            run(&mut copy, k, Some(&mut tr));
             for layer in &tr.router {
                 let mut ids: Vec<u32> = layer.iter().flat_map(|r| r.0.iter().copied()).collect();
                 ids.sort_unstable();
                 ids.dedup();
                 distinct += ids.len();
             }
-            let l = m.logits(&x, b).unwrap();
-            assert_eq!(l.len(), b * vocab as usize);
-            assert_eq!(x.len(), b * h);
+        }
+        drop(copy);
+        let t = Instant::now();
+        for k in 0..steps {
+            run(&mut caches, k, None);
         }
         let rate = (b * steps) as f64 / t.elapsed().as_secs_f64();
         // weight bytes per token of this batch size

@@ -153,7 +153,10 @@ fn summary(quick: bool) {
                             continue;
                         }
                         let mut layouts = vec![("rows", &copies)];
-                        if act == Activations::Int8 && isa == Isa::Avx512Vnni && !lanes.is_empty() {
+                        if act == Activations::Int8
+                            && matches!(isa, Isa::Avx2 | Isa::Avx512Vnni)
+                            && !lanes.is_empty()
+                        {
                             layouts.push(("lanes", &lanes));
                         }
                         for (layout, mats) in layouts {
@@ -212,11 +215,13 @@ fn compute_summary() {
             .expect("512 rows in groups of 64 have a lane form");
         let isas = Isa::available().into_iter().filter(|i| *i != Isa::Scalar);
         let mut runs: Vec<(Isa, &str, &QMatrix)> = isas.map(|i| (i, "rows", &rows)).collect();
-        if Isa::available().contains(&Isa::Avx512Vnni) {
-            runs.push((Isa::Avx512Vnni, "lanes", &lanes));
+        for isa in [Isa::Avx2, Isa::Avx512Vnni] {
+            if Isa::available().contains(&isa) {
+                runs.push((isa, "lanes", &lanes));
+            }
         }
         for (isa, layout, q) in runs {
-            for n in [1usize, 16, 64] {
+            for n in [1usize, 4, 16, 64] {
                 let x = data(n * c, 3);
                 let reps = (4000 / n).max(20);
                 let s = pool.install(|| {

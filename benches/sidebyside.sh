@@ -2,7 +2,7 @@
 # charm and llama.cpp on the yardstick model, side by side on this machine: alternating runs,
 # 2 threads, 128-token prompt, 64 tokens decoded after it (llama-bench: pp128 and tg64 at depth 128).
 #
-# usage: benches/sidebyside.sh HF_DIR LLAMA_CPP_DIR [WORK_DIR] [ROUNDS]
+# usage: benches/sidebyside.sh HF_DIR LLAMA_CPP_DIR [WORK_DIR] [ROUNDS] [LLAMA_BUILD]
 #   HF_DIR:        made by `python ../shared/bench/make_bench_model.py HF_DIR`
 #   LLAMA_CPP_DIR: a llama.cpp source tree built with `cmake -B build -DGGML_NATIVE=ON` and
 #                  `cmake --build build --target llama-bench llama-quantize` (the PyPI sdist of
@@ -15,10 +15,11 @@ hf=${1:?usage: benches/sidebyside.sh HF_DIR LLAMA_CPP_DIR [WORK_DIR] [ROUNDS]}
 llama=${2:?usage: benches/sidebyside.sh HF_DIR LLAMA_CPP_DIR [WORK_DIR] [ROUNDS]}
 work=${3:-$(dirname "$hf")/charm-yardstick}
 rounds=${4:-3}
+build=${5:-build}   # the llama.cpp build directory (e.g. one configured without AVX-512)
 cd "$(dirname "$0")/.."
 cargo build --release -q
 bin=target/release/charm
-lb=$llama/build/bin/llama-bench
+lb=$llama/$build/bin/llama-bench
 mkdir -p "$work"
 for m in "int4-all int4 int4 int4" "int4-default int4 int8 int8" "int8-all int8 int8 int8"; do
   set -- $m
@@ -29,6 +30,10 @@ for q in Q4_0 Q8_0; do
   [ -f "$work/bench-$q.gguf" ] || "$llama/build/bin/llama-quantize" "$work/bench-bf16.gguf" "$work/bench-$q.gguf" "$q" 2 >/dev/null
 done
 ids=$(python3 -c "print(','.join(str((i * 37 + 11) % 8190 + 2) for i in range(128)))")
+# what this CPU offers and which kernels charm runs (CHARM_ISA=avx2 picks the AVX2 path on an
+# AVX-512 machine; llama.cpp then needs a build without AVX-512 for a like-for-like run)
+echo "CPU: $(grep -o -w 'avx2\|avx512f\|avx512_vnni\|avx_vnni' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+echo "charm kernels: $(RAYON_NUM_THREADS=2 "$bin" generate --model "$work/int4-all" --ids 1,2 --max-tokens 1 --json 2>/dev/null | python3 -c "import json,sys; print(json.load(sys.stdin)['isa'])")"
 for _ in $(seq "$rounds"); do
   for q in Q4_0 Q8_0; do
     "$lb" -m "$work/bench-$q.gguf" -t 2 -p 128 -n 0 -r 1 -o csv 2>/dev/null |

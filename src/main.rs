@@ -487,6 +487,7 @@ fn cmd_generate(
             "prefill_tok_s": g.prefill_tok_s(),
             "decode_seconds": g.decode_seconds,
             "decode_tok_s": g.decode_tok_s(),
+            "isa": format!("{:?}", charm_shared::quant::active_isa()),
         });
         if let Some(tok) = &tok {
             v["text"] = tok.decode(&g.ids)?.into();
