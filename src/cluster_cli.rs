@@ -287,7 +287,8 @@ pub fn cmd_serve(
     let context = args
         .ctx
         .unwrap_or_else(|| spec.max_position_embeddings.clamp(1, 4096));
-    let e = crate::single_box::load(model, args, context, act)?;
+    // the memory plan holds the KV of every generation that may run at once
+    let e = crate::single_box::load(model, args, context * parallel.max(1), act)?;
     let tok = charm_coordinator::tokenizer::TextTokenizer::load(model)?;
     let template = charm_coordinator::chat::ChatTemplate::from_dir(model)?;
     if template.is_none() {

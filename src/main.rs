@@ -292,6 +292,7 @@ enum Cmd {
         #[arg(long, default_value_t = 16)]
         queue: usize,
         /// Generations running at once: one forward step serves them all (continuous batching).
+        /// The memory plan reserves a context's KV for each.
         #[arg(long, default_value_t = 4)]
         parallel: usize,
         /// Tokens one forward step takes at most: every running generation's next token, then
