@@ -7,7 +7,7 @@ use charm_shared::config::{AttentionSpec, GqaSpec, IndexerKind, MlaSpec};
 use charm_shared::expert::{ExpertBatch, ExpertError, LookaheadPolicy};
 use charm_shared::kernels::{axpy, dot, dots, layer_norm, rms_norm, softmax, weighted_rows};
 use charm_shared::linear::Linear;
-use charm_shared::routing::{route, top_k};
+use charm_shared::routing::{route, top_k_set};
 use rayon::prelude::*;
 
 use crate::cache::{KvCache, LayerCache};
@@ -713,23 +713,31 @@ fn indexer_select(
             if p < d.topk {
                 return (0..=p as u32).collect();
             }
-            let scores: Vec<f32> = (0..=p)
-                .map(|j| {
-                    let kj = &cache.index_keys[j * ihd..(j + 1) * ihd];
-                    (0..ih)
-                        .map(|hh| {
-                            let s = dot(&q[(t * ih + hh) * ihd..(t * ih + hh + 1) * ihd], kj) * sm;
-                            hw[t * ih + hh] * head_scale * s.max(0.0)
-                        })
-                        .sum()
-                })
-                .collect();
-            let mut chosen: Vec<u32> = top_k(&scores, d.topk)
+            let qh = |hh: usize| &q[(t * ih + hh) * ihd..(t * ih + hh + 1) * ihd];
+            let term = |hh: usize, d: f32| hw[t * ih + hh] * head_scale * (d * sm).max(0.0);
+            let key = |j: usize| &cache.index_keys[j * ihd..(j + 1) * ihd];
+            // four keys at a time against each head (the same dot products), each key's head
+            // terms summed in head order as one at a time
+            let mut scores: Vec<f32> = Vec::with_capacity(p + 1);
+            let mut terms = vec![[0.0f32; 4]; ih];
+            let full = (p + 1) / 4 * 4;
+            for j0 in (0..full).step_by(4) {
+                let ks: [&[f32]; 4] = std::array::from_fn(|i| key(j0 + i));
+                for (hh, th) in terms.iter_mut().enumerate() {
+                    let d = dots(ks, qh(hh));
+                    *th = std::array::from_fn(|i| term(hh, d[i]));
+                }
+                for i in 0..4 {
+                    scores.push(terms.iter().map(|th| th[i]).sum());
+                }
+            }
+            for j in full..=p {
+                scores.push((0..ih).map(|hh| term(hh, dot(qh(hh), key(j)))).sum());
+            }
+            top_k_set(&scores, d.topk)
                 .into_iter()
                 .map(|j| j as u32)
-                .collect();
-            chosen.sort_unstable();
-            chosen
+                .collect()
         })
         .collect()
 }

@@ -16,15 +16,42 @@ pub struct Route {
 
 /// Indices of the `k` largest values (ties to the lower index), in descending order of value.
 pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..values.len()).collect();
-    idx.sort_by(|&a, &b| {
-        values[b]
-            .partial_cmp(&values[a])
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(a.cmp(&b))
-    });
-    idx.truncate(k);
+    let mut idx = top_k_set(values, k);
+    idx.sort_by(rank_order(values));
     idx
+}
+
+/// The indices [`top_k`] returns, in ascending index order (no ranking among them needed).
+pub fn top_k_set(values: &[f32], k: usize) -> Vec<usize> {
+    if k == 0 {
+        return Vec::new();
+    }
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    if k < idx.len() {
+        // a total order, so the first `k` selected are the first `k` of a full sort
+        idx.select_nth_unstable_by(k - 1, rank_order(values));
+        idx.truncate(k);
+    }
+    idx.sort_unstable();
+    idx
+}
+
+/// Largest first, ties to the lower index, NaN below everything.
+fn rank_order(values: &[f32]) -> impl Fn(&usize, &usize) -> std::cmp::Ordering + '_ {
+    let key = |i: usize| {
+        let v = values[i];
+        if v.is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            v
+        }
+    };
+    move |a, b| {
+        key(*b)
+            .partial_cmp(&key(*a))
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(b))
+    }
 }
 
 /// Routes one token given its router logits `[n_experts]` (computed in f32) and, for sigmoid
@@ -97,6 +124,29 @@ pub fn route(logits: &[f32], bias: Option<&[f32]>, spec: &RouterSpec) -> Route {
 
 #[cfg(test)]
 mod tests {
+
+    proptest::proptest! {
+        /// Selecting then sorting gives what sorting everything gives: largest first, ties
+        /// (including -0.0 against 0.0) to the lower index.
+        #[test]
+        fn top_k_equals_the_full_sort(
+            raw in proptest::collection::vec(-4i8..4, 0..300),
+            zeros in proptest::collection::vec(proptest::bool::ANY, 300),
+            k in 0usize..320,
+        ) {
+            let values: Vec<f32> = raw
+                .iter()
+                .zip(&zeros)
+                .map(|(&v, &neg)| if v == 0 && neg { -0.0 } else { v as f32 / 2.0 })
+                .collect();
+            let mut want: Vec<usize> = (0..values.len()).collect();
+            want.sort_by(|&a, &b| values[b].partial_cmp(&values[a]).unwrap().then(a.cmp(&b)));
+            want.truncate(k);
+            proptest::prop_assert_eq!(top_k(&values, k), want.clone());
+            want.sort_unstable();
+            proptest::prop_assert_eq!(top_k_set(&values, k), want);
+        }
+    }
     use super::*;
 
     fn spec(n_group: usize, topk_group: usize) -> RouterSpec {
