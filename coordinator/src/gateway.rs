@@ -336,7 +336,8 @@ pub async fn serve(
                     prefix_bytes,
                     stop_ids,
                 };
-                rayon::scope(|_| run_jobs(&engine, &tok, rx, &metrics, &lim, kv_log))
+                let store = kv_log.map(|log| KvStore::start(log, metrics.clone()));
+                rayon::scope(|_| run_jobs(&engine, &tok, rx, &metrics, &lim, store))
             })
             .map_err(|e| e.to_string())?;
     }
@@ -380,7 +381,7 @@ fn run_jobs(
     rx: std::sync::mpsc::Receiver<Job>,
     metrics: &Metrics,
     lim: &Schedule,
-    mut kv_log: Option<KvLog>,
+    store: Option<KvStore>,
 ) {
     let max_active = lim.max_active;
     let mut active: Vec<Sequence> = Vec::new();
@@ -400,8 +401,15 @@ fn run_jobs(
                 }
             };
             metrics.queued.fetch_sub(1, Ordering::Relaxed);
+            if let Some(st) = &store {
+                // sequences the writer has made durable: their RAM entries now name their
+                // records, so a conversation's next turn is logged as an extension of them
+                while let Ok((tokens, seq)) = st.done.try_recv() {
+                    prefixes.logged(&tokens, seq);
+                }
+            }
             let mut seq = Sequence::new(e, tok, job);
-            if let Some((c, origin)) = prefixes.take(&seq.job.prompt, kv_log.as_ref()) {
+            if let Some((c, origin)) = prefixes.take(&seq.job.prompt, store.as_ref()) {
                 metrics.reused.fetch_add(c.len() as u64, Ordering::Relaxed);
                 seq.reused = c.len();
                 seq.cache = c;
@@ -436,23 +444,13 @@ fn run_jobs(
                         let mut tokens = seq.job.prompt.clone();
                         tokens.extend_from_slice(&seq.ids);
                         tokens.truncate(seq.cache.len());
-                        let disk = kv_log
-                            .as_mut()
-                            .filter(|_| tokens.len() >= MIN_PREFIX)
-                            .and_then(|log| match log.append(seq.origin, &tokens, &seq.cache) {
-                                Ok(s) => {
-                                    metrics.kv_log_bytes.store(log.bytes(), Ordering::Relaxed);
-                                    Some(s)
-                                }
-                                Err(err) => {
-                                    tracing::warn!(%err, "conversation KV not persisted");
-                                    None
-                                }
-                            });
+                        if let Some(st) = store.as_ref().filter(|_| tokens.len() >= MIN_PREFIX) {
+                            st.write(seq.origin, tokens.clone(), seq.cache.clone());
+                        }
                         prefixes.put(
                             tokens,
                             std::mem::replace(&mut seq.cache, KvCache::new(&e.model.spec)),
-                            disk,
+                            None,
                         );
                     }
                     false
@@ -861,6 +859,51 @@ impl Reasoning {
     }
 }
 
+/// A finished sequence for the KV log: the logged sequence it extends, its tokens, its KV.
+type ToLog = (Option<(u64, usize)>, Vec<u32>, KvCache);
+
+/// The conversation KV log behind a writer thread: finished sequences are appended (and made
+/// durable) off the generation loop, so a long conversation's write holds no other generation
+/// back; the loop hears back which record each became.
+struct KvStore {
+    log: Arc<std::sync::Mutex<KvLog>>,
+    tx: std::sync::mpsc::Sender<ToLog>,
+    /// (tokens, record) of each sequence written.
+    done: std::sync::mpsc::Receiver<(Vec<u32>, u64)>,
+}
+
+impl KvStore {
+    fn start(log: KvLog, metrics: Arc<Metrics>) -> Self {
+        let log = Arc::new(std::sync::Mutex::new(log));
+        let (tx, rx) = std::sync::mpsc::channel::<ToLog>();
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let writer = log.clone();
+        let spawned = std::thread::Builder::new()
+            .name("charm-kv-log".into())
+            .spawn(move || {
+                for (origin, tokens, cache) in rx {
+                    let mut log = writer.lock().unwrap_or_else(|p| p.into_inner());
+                    match log.append(origin, &tokens, &cache) {
+                        Ok(seq) => {
+                            metrics.kv_log_bytes.store(log.bytes(), Ordering::Relaxed);
+                            drop(log);
+                            let _ = done_tx.send((tokens, seq));
+                        }
+                        Err(err) => tracing::warn!(%err, "conversation KV not persisted"),
+                    }
+                }
+            });
+        if let Err(err) = spawned {
+            tracing::warn!(%err, "no KV log writer: conversations are not persisted");
+        }
+        Self { log, tx, done }
+    }
+
+    fn write(&self, origin: Option<(u64, usize)>, tokens: Vec<u32>, cache: KvCache) {
+        let _ = self.tx.send((origin, tokens, cache));
+    }
+}
+
 /// Shortest shared prefix worth reusing (tokens).
 const MIN_PREFIX: usize = 16;
 
@@ -889,8 +932,11 @@ impl PrefixCache {
     fn take(
         &mut self,
         prompt: &[u32],
-        log: Option<&KvLog>,
+        store: Option<&KvStore>,
     ) -> Option<(KvCache, Option<(u64, usize)>)> {
+        // the log while the writer is not appending to it (the newest sequences are in RAM)
+        let guard = store.and_then(|s| s.log.try_lock().ok());
+        let log = guard.as_deref();
         let most = prompt.len().saturating_sub(1);
         let common = |t: &[u32]| t.iter().zip(prompt).take_while(|(a, b)| a == b).count();
         let ram = self
@@ -923,6 +969,13 @@ impl PrefixCache {
         // the entry stays for others, now the most recently used
         self.entries.push((tokens, cache, disk));
         Some((reused, disk.map(|s| (s, n))))
+    }
+
+    /// Notes that the entry holding exactly `tokens` is now record `seq` of the log.
+    fn logged(&mut self, tokens: &[u32], seq: u64) {
+        for e in self.entries.iter_mut().filter(|e| e.0 == tokens) {
+            e.2 = Some(seq);
+        }
     }
 
     /// Keeps `cache` (holding `tokens`, logged as `disk`), dropping the least recently used past
