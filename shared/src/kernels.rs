@@ -93,7 +93,7 @@ pub fn par_rows<S>(
 
 /// Below this many weight bytes times tokens a matmul runs on the calling thread: waking another
 /// thread costs more than the work.
-const PAR_MIN_WORK: usize = 1 << 17;
+const PAR_MIN_WORK: usize = 1 << 15;
 
 /// [`par_rows`] for kernels that take several rows at once: `block(r0, out)` computes rows
 /// `r0..r0 + out.len() / n` into `out` (`[rows, n]`), and every block but the last starts at a
