@@ -10,7 +10,7 @@
 //! cargo bench --bench batch -- [--model DIR] [--batches 1,4,8,16] [--steps 16] [--activations f32|int8]
 //! ```
 
-use std::path::PathBuf;
+mod common;
 use std::time::Instant;
 
 use charm_coordinator::{Engine, EngineOptions, ForwardOptions, KvCache, Step, Trace};
@@ -23,21 +23,10 @@ fn main() {
 }
 
 fn run() {
-    let v: Vec<String> = std::env::args().skip(1).collect();
-    let arg = |k: &str| {
-        v.iter()
-            .position(|a| a == k)
-            .and_then(|i| v.get(i + 1))
-            .cloned()
-    };
-    let model = arg("--model")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe"));
-    let batches: Vec<usize> = arg("--batches")
-        .unwrap_or_else(|| "1,4,8,16".into())
-        .split(',')
-        .map(|s| s.parse().unwrap())
-        .collect();
+    let args = common::Args::from_env();
+    let arg = |k: &str| args.get(k);
+    let model = args.model();
+    let batches = args.counts("--batches", "1,4,8,16");
     let steps: usize = arg("--steps").map_or(16, |s| s.parse().unwrap());
     let activations = match arg("--activations").as_deref() {
         Some("int8") => Activations::Int8,

@@ -16,9 +16,9 @@
 //! Each stream is a real HTTP connection asking for `--tokens` tokens (sampled, seeded: every
 //! run decodes the same tokens), all sent at once.
 
+mod common;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
@@ -61,22 +61,11 @@ fn stream(addr: &str, body: &str) -> (f64, f64, u64) {
 }
 
 fn main() {
-    let v: Vec<String> = std::env::args().skip(1).collect();
-    let arg = |k: &str| {
-        v.iter()
-            .position(|a| a == k)
-            .and_then(|i| v.get(i + 1))
-            .cloned()
-    };
-    let model = arg("--model")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe"));
+    let args = common::Args::from_env();
+    let arg = |k: &str| args.get(k);
+    let model = args.model();
     let tokens: usize = arg("--tokens").map_or(64, |t| t.parse().unwrap());
-    let streams: Vec<usize> = arg("--streams")
-        .unwrap_or_else(|| "1,4,8,16".into())
-        .split(',')
-        .map(|s| s.parse().unwrap())
-        .collect();
+    let streams = args.counts("--streams", "1,4,8,16");
     let parallel = arg("--parallel").unwrap_or_else(|| "16".into());
     let activations = arg("--activations").unwrap_or_else(|| "f32".into());
     // prompts of token ids, greedy, past end-of-sequence tokens: the same work on any server

@@ -873,21 +873,24 @@ fn concurrent_equals_alone(s: &Server) {
     );
 }
 
+/// The content of a greedy 24-token chat answer to `msgs`.
+fn chat_answer(addr: &str, msgs: &Value) -> String {
+    post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": msgs, "max_tokens": 24, "temperature": 0}),
+    )
+    .json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
 #[test]
 fn a_conversation_reuses_its_earlier_turns_and_answers_as_from_a_cold_prefill() {
     let warm = Server::start(&[]);
     let cold = Server::start(&["--prefix-cache-mb", "0"]);
-    let ask = |addr: &str, msgs: &Value| {
-        post(
-            addr,
-            "/v1/chat/completions",
-            &json!({"messages": msgs, "max_tokens": 24, "temperature": 0}),
-        )
-        .json()["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .to_string()
-    };
+    let ask = chat_answer;
     let system =
         "You are a player in a company of actors, and you answer in verse, as the ".repeat(3);
     let mut msgs = json!([{"role": "system", "content": system}, {"role": "user", "content": "Speak, Romeo."}]);
@@ -1035,17 +1038,7 @@ fn a_server_killed_mid_conversation_resumes_it_from_its_kv_log() {
     let _ = std::fs::remove_dir_all(&d);
     let kv = d.to_str().unwrap();
     let cold = Server::start(&["--prefix-cache-mb", "0"]);
-    let ask = |addr: &str, msgs: &Value| {
-        post(
-            addr,
-            "/v1/chat/completions",
-            &json!({"messages": msgs, "max_tokens": 24, "temperature": 0}),
-        )
-        .json()["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .to_string()
-    };
+    let ask = chat_answer;
     let system = "You are a player in a company of actors, and you answer in verse. ".repeat(3);
     let mut msgs = json!([{"role": "system", "content": system}, {"role": "user", "content": "Speak, Romeo."}]);
     let first = {

@@ -707,6 +707,8 @@ fn indexer_select(
     let hw = w.weights_proj.matmul(a, n); // [n, ih]
     let head_scale = (ih as f32).powf(-0.5);
     let sm = (ihd as f32).powf(-0.5);
+    // per head, the terms of four keys (reused by every query)
+    let mut terms = vec![[0.0f32; 4]; ih];
     (0..n)
         .map(|t| {
             let (p, cache) = (rows.pos[t], &*caches[rows.seq[t]]);
@@ -719,7 +721,6 @@ fn indexer_select(
             // four keys at a time against each head (the same dot products), each key's head
             // terms summed in head order as one at a time
             let mut scores: Vec<f32> = Vec::with_capacity(p + 1);
-            let mut terms = vec![[0.0f32; 4]; ih];
             let full = (p + 1) / 4 * 4;
             for j0 in (0..full).step_by(4) {
                 let ks: [&[f32]; 4] = std::array::from_fn(|i| key(j0 + i));

@@ -527,16 +527,17 @@ fn batched_step(
     metrics.rows.fetch_add(rows as u64, Ordering::Relaxed);
     let normed = m.forward_batch(&mut steps, ForwardOptions::default(), None);
     drop(steps);
+    // a failure fails every sequence that was in the step; the others go on
+    let failed = |err: crate::forward::ForwardError| -> Vec<Result<bool, String>> {
+        let msg = err.to_string();
+        tracing::warn!(error = %msg, sequences = take.iter().filter(|&&k| k > 0).count(), "forward step failed");
+        take.iter()
+            .map(|&k| if k > 0 { Err(msg.clone()) } else { Ok(true) })
+            .collect()
+    };
     let normed = match normed {
         Ok(x) => x,
-        Err(err) => {
-            let msg = err.to_string();
-            tracing::warn!(error = %msg, sequences = take.iter().filter(|&&k| k > 0).count(), "forward step failed");
-            return take
-                .iter()
-                .map(|&k| if k > 0 { Err(msg.clone()) } else { Ok(true) })
-                .collect();
-        }
+        Err(err) => return failed(err),
     };
     // the last row of each sequence whose input is all in: its next token comes from it
     let (mut last, mut at) = (Vec::new(), 0);
@@ -551,13 +552,7 @@ fn batched_step(
     let n_last = last.len() / h;
     let logits = match m.logits(&last, n_last) {
         Ok(l) => l,
-        Err(err) => {
-            let msg = err.to_string();
-            return take
-                .iter()
-                .map(|&k| if k > 0 { Err(msg.clone()) } else { Ok(true) })
-                .collect();
-        }
+        Err(err) => return failed(err),
     };
     let v = m.spec.vocab_size;
     let mut rows_of = logits.chunks_exact(v);

@@ -223,8 +223,8 @@ pub(super) fn rows16_dot_i8(
     }
     let bias = super::unsigned_offset(kind);
     // tokens in pairs: each weight vector loaded from the scratch serves two tokens
-    token_pairs(n, nr, out, |t, pair| {
-        if pair {
+    token_tiles::<2>(n, nr, out, |t, k| {
+        if k == 2 {
             lanes_dot::<2>(group, ng, bias, scratch, sct, [&acts[t], &acts[t + 1]])
         } else {
             let [a] = lanes_dot::<1>(group, ng, bias, scratch, sct, [&acts[t]]);
@@ -233,45 +233,19 @@ pub(super) fn rows16_dot_i8(
     });
 }
 
-/// Runs `f` over the tokens in pairs (`f(t, true)`: tokens `t` and `t + 1`; `f(t, false)`:
-/// the last, lone token) and stores the first `nr` lanes of each result in `out`
-/// (`[rows, n]`).
+/// Runs `f` over the tokens `T` at a time (`f(t, k)`: tokens `t .. t + k`, `k` = `T` but at the
+/// end) and stores the first `nr` lanes of each of the `k` results in `out` (`[rows, n]`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-fn token_pairs(
+fn token_tiles<const T: usize>(
     n: usize,
     nr: usize,
     out: &mut [f32],
-    mut f: impl FnMut(usize, bool) -> [__m512; 2],
+    mut f: impl FnMut(usize, usize) -> [__m512; T],
 ) {
     let mut t = 0;
     while t < n {
-        let res = f(t, t + 1 < n);
-        for (i, v) in res.iter().enumerate().take((n - t).min(2)) {
-            let mut lanes = [0.0f32; 16];
-            // SAFETY: `lanes` has room for 16 floats.
-            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *v) };
-            for (r, l) in lanes.iter().enumerate().take(nr) {
-                out[r * n + t + i] = *l;
-            }
-        }
-        t += 2;
-    }
-}
-
-/// Runs `f` over the tokens four at a time (`f(t, k)`: tokens `t .. t + k`, `k` = 4 but at
-/// the end) and stores the first `nr` lanes of each of the `k` results in `out` (`[rows, n]`).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-fn token_quads(
-    n: usize,
-    nr: usize,
-    out: &mut [f32],
-    mut f: impl FnMut(usize, usize) -> [__m512; 4],
-) {
-    let mut t = 0;
-    while t < n {
-        let k = (n - t).min(4);
+        let k = (n - t).min(T);
         let res = f(t, k);
         for (i, v) in res.iter().enumerate().take(k) {
             let mut lanes = [0.0f32; 16];
@@ -307,7 +281,7 @@ pub(super) fn lanes16_dot_i8(
         assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.gsum.len() >= ng);
     }
     let z = _mm512_setzero_ps();
-    token_quads(n, 16, out, |t, k| {
+    token_tiles::<4>(n, 16, out, |t, k| {
         let x = |i: usize| &acts[t + i];
         match k {
             4 => packed_dot::<4>(kind, group, ng, blk, sc, [x(0), x(1), x(2), x(3)]),
