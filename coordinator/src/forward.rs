@@ -8,7 +8,6 @@ use charm_shared::expert::{ExpertBatch, ExpertError, LookaheadPolicy};
 use charm_shared::kernels::{axpy, dot, dots, layer_norm, rms_norm, softmax, weighted_rows};
 use charm_shared::linear::Linear;
 use charm_shared::routing::{route, top_k_set};
-use rayon::prelude::*;
 
 use crate::cache::{KvCache, LayerCache};
 use crate::model::{
@@ -573,7 +572,7 @@ impl Model {
         } else {
             (1..=4).rev().find(|d| nh % d == 0).unwrap_or(1)
         };
-        out.par_chunks_mut(vd * g).enumerate().for_each(|(u, og)| {
+        charm_shared::par::for_each_chunk_mut(&mut out, vd * g, |u, og| {
             let (t, h0) = ((u * g) / nh, (u * g) % nh);
             let (p, cache) = (rows.pos[t], caches[rows.seq[t]]);
             let keys: Vec<usize> = match sel {

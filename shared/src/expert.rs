@@ -10,7 +10,6 @@
 //! [`plan_runs`], [`gather`] and [`combine`] are public so an executor that fans a batch out over
 //! several holders can keep that order.
 
-use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::linear::SwiGlu;
@@ -376,11 +375,10 @@ pub fn run_grouped<'e>(
         .iter()
         .map(|(id, _)| expert(*id))
         .collect::<Result<_, _>>()?;
-    let ys: Vec<Vec<f32>> = runs
-        .par_iter()
-        .zip(experts.par_iter())
-        .map(|((_, slots), e)| e.forward(&gather(&batch, slots, hidden), slots.len()))
-        .collect();
+    let ys: Vec<Vec<f32>> = crate::par::map(runs.len(), |i| {
+        let slots = &runs[i].1;
+        experts[i].forward(&gather(&batch, slots, hidden), slots.len())
+    });
     Ok(combine(&batch, hidden, &runs, &ys))
 }
 

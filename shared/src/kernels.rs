@@ -4,8 +4,6 @@
 //! fixed tree), independent of how many tokens are in the batch and of the thread count, so one
 //! row's result is bit-identical whether it is computed alone or in a batch.
 
-use rayon::prelude::*;
-
 /// A row-major `[rows, cols]` f32 weight (PyTorch `nn.Linear.weight` layout: `[out, in]`).
 #[derive(Clone, PartialEq)]
 pub struct Matrix {
@@ -112,12 +110,10 @@ pub fn par_row_blocks(
         block(0, &mut yt);
     } else {
         let per = rows
-            .div_ceil(8 * rayon::current_num_threads())
+            .div_ceil(8 * crate::par::threads())
             .max(16)
             .next_multiple_of(align.max(1));
-        yt.par_chunks_mut(n * per)
-            .enumerate()
-            .for_each(|(b, out)| block(b * per, out));
+        crate::par::for_each_chunk_mut(&mut yt, n * per, |b, out| block(b * per, out));
     }
     if n == 1 {
         return yt;

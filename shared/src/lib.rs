@@ -11,6 +11,7 @@
 //! - [`dtype`]: storage dtypes and exact conversion to f32.
 //! - [`kernels`]: f32 matmul, norms, activations.
 //! - [`linear`]: a linear layer (f32 or quantized weight) and the SwiGLU block.
+//! - [`par`]: the forward pass's fork-join pool (helpers spin between loops).
 //! - [`quant`]: int8 / int4 / int2 / bf16 weight formats, the lane layout, and their kernels (one
 //!   module per ISA, chosen at run time, each bit-identical to the scalar twin).
 //! - [`routing`]: pure MoE routing maths.
@@ -29,6 +30,7 @@ pub mod error;
 pub mod expert;
 pub mod kernels;
 pub mod linear;
+pub mod par;
 pub mod quant;
 pub mod routing;
 pub mod safetensors;

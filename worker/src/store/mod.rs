@@ -35,7 +35,6 @@ use charm_shared::container::{
 use charm_shared::linear::{Linear, SwiGlu};
 use charm_shared::quant::lanes_wanted;
 use charm_shared::quant::{Activations, SharedBytes};
-use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::history::History;
@@ -428,6 +427,18 @@ impl Inner {
     }
 }
 
+impl State {
+    /// Whether a reader has anything to take: only then is waking the readers worth a futex
+    /// call (every expert cached leaves the queues empty, and a wake per layer costs a few
+    /// percent of a decoded token).
+    fn readers_have_work(&self) -> bool {
+        !(self.demand.is_empty()
+            && self.lookahead.is_empty()
+            && self.warm.is_empty()
+            && self.early.is_empty())
+    }
+}
+
 impl StreamingExperts {
     fn layer(&self, layer: usize) -> Result<&LayerSrc, ExpertError> {
         self.inner
@@ -449,16 +460,14 @@ impl StreamingExperts {
     ) -> f64 {
         let inner = &*self.inner;
         let t0 = Instant::now();
-        let ys: Vec<(usize, Vec<f32>)> = items
-            .par_iter()
-            .map(|(i, w)| {
-                let slots = &runs[*i].1;
-                (
-                    *i,
-                    w.forward(&gather(batch, slots, inner.hidden), slots.len()),
-                )
-            })
-            .collect();
+        let ys: Vec<(usize, Vec<f32>)> = charm_shared::par::map(items.len(), |k| {
+            let (i, w) = &items[k];
+            let slots = &runs[*i].1;
+            (
+                *i,
+                w.forward(&gather(batch, slots, inner.hidden), slots.len()),
+            )
+        });
         let secs = t0.elapsed().as_secs_f64();
         drop(items);
         let mut st = lock(&inner.state);
@@ -466,8 +475,12 @@ impl StreamingExperts {
             inner.release(&mut st, (batch.layer, runs[i].0));
             outs[i] = Some(y);
         }
+        // the released experts may make room for a queued read
+        let wake = st.readers_have_work();
         drop(st);
-        inner.cv.notify_all();
+        if wake {
+            inner.cv.notify_all();
+        }
         secs
     }
 }
@@ -496,7 +509,7 @@ impl ExpertExecutor for StreamingExperts {
         // Classify under the lock: reserve resident experts, queue the missing ones.
         let mut hits = Vec::new();
         let mut missing: Vec<usize> = Vec::new();
-        {
+        let wake = {
             let mut st = lock(&inner.state);
             if let Some(pred) = st.predicted.remove(&layer) {
                 st.stats.lookahead_used += runs.len() as u64;
@@ -568,8 +581,11 @@ impl ExpertExecutor for StreamingExperts {
             }
             Inner::drop_early(&mut st, |k| k.0 <= layer);
             st.early_read.retain(|k| k.0 > layer);
+            st.readers_have_work()
+        };
+        if wake {
+            inner.cv.notify_all();
         }
-        inner.cv.notify_all();
 
         let mut outs: Vec<Option<Vec<f32>>> = vec![None; runs.len()];
         let mut compute_s = self.compute(&batch, &runs, hits, &mut outs);

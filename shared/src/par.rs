@@ -1,0 +1,330 @@
+//! The forward pass's fork-join pool: one short parallel loop per matmul, attention or expert
+//! step, dozens per token.
+//!
+//! A decoded token runs a hundred or more such loops of a few to a few hundred microseconds
+//! each. Rayon puts an idle worker to sleep within tens of microseconds and wakes it with a futex
+//! per loop, which on a 2-core VM costs about as much as the loop's work. Here the helper threads
+//! spin on a counter between loops and park only after about [`SPIN_ROUNDS`] rounds without one
+//! (llama.cpp's thread pool does the same within a graph), so a helper is running when the next
+//! loop of the same step starts.
+//!
+//! - Items are claimed one at a time from a shared counter by the calling thread and the helpers.
+//!   Which thread runs an item never changes what the item computes: callers pass items whose
+//!   results do not depend on the split.
+//! - A loop started from inside an item (nested), from a thread while another thread's loop runs,
+//!   or under a one-thread rayon pool (`ThreadPool::install`, how tests pin one thread) runs its
+//!   items in order on the calling thread.
+//! - A panicking item is finished as a panic of the call, after every other item has run.
+//!
+//! Threads: `RAYON_NUM_THREADS` if set, else one per core, or [`set_threads`] before first use.
+
+use std::cell::Cell;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Condvar, Mutex, OnceLock};
+
+/// Rounds a helper spins (each a `spin_loop` hint and a look at the loop counter) after a loop
+/// before it parks: some 100-300 microseconds, longer than the gaps between the loops of one
+/// forward step, short against the gaps between steps of an idle server.
+const SPIN_ROUNDS: u32 = 1 << 13;
+
+/// One loop: items `0..count` of `f`, claimed through `next`.
+struct Job {
+    f: *const (dyn Fn(usize) + Sync),
+    count: usize,
+    next: AtomicUsize,
+    done: AtomicUsize,
+    panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
+}
+
+// SAFETY: `f` is `Sync` and outlives every access (the caller waits for all items and for every
+// helper to leave the job before returning).
+unsafe impl Sync for Job {}
+
+impl Job {
+    /// Claims and runs items until none are left.
+    fn work(&self) {
+        loop {
+            let i = self.next.fetch_add(1, SeqCst);
+            if i >= self.count {
+                return;
+            }
+            // SAFETY: see `Job`'s `Sync`.
+            let f = unsafe { &*self.f };
+            let r = in_item(|| catch_unwind(AssertUnwindSafe(|| f(i))));
+            if let Err(p) = r {
+                let mut slot = self.panic.lock().unwrap_or_else(|e| e.into_inner());
+                slot.get_or_insert(p);
+            }
+            self.done.fetch_add(1, SeqCst);
+        }
+    }
+}
+
+struct Pool {
+    /// Helper threads (the caller makes one more).
+    helpers: usize,
+    /// Bumped when a loop is published.
+    epoch: AtomicUsize,
+    /// The running loop (null between loops).
+    job: AtomicPtr<Job>,
+    /// Helpers between looking at `job` and leaving it.
+    inside: AtomicUsize,
+    /// A loop is running (one caller at a time).
+    busy: AtomicBool,
+    sleepers: AtomicUsize,
+    park: Mutex<()>,
+    wake: Condvar,
+}
+
+static THREADS: OnceLock<usize> = OnceLock::new();
+static POOL: OnceLock<&'static Pool> = OnceLock::new();
+
+thread_local! {
+    static IN_ITEM: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` marked as inside an item (loops it starts run inline), unmarking also on unwind.
+fn in_item<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            IN_ITEM.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(IN_ITEM.with(|c| c.replace(true)));
+    f()
+}
+
+/// Sets the pool's thread count (the caller included) before its first use; `false` if it was
+/// already set.
+pub fn set_threads(n: usize) -> bool {
+    THREADS.set(n.max(1)).is_ok()
+}
+
+/// The pool's thread count, the caller included.
+pub fn threads() -> usize {
+    *THREADS.get_or_init(|| {
+        std::env::var("RAYON_NUM_THREADS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    })
+}
+
+fn pool() -> &'static Pool {
+    POOL.get_or_init(|| {
+        let p: &'static Pool = Box::leak(Box::new(Pool {
+            helpers: threads() - 1,
+            epoch: AtomicUsize::new(0),
+            job: AtomicPtr::new(std::ptr::null_mut()),
+            inside: AtomicUsize::new(0),
+            busy: AtomicBool::new(false),
+            sleepers: AtomicUsize::new(0),
+            park: Mutex::new(()),
+            wake: Condvar::new(),
+        }));
+        let mut started = 0;
+        for i in 0..p.helpers {
+            let spawned = std::thread::Builder::new()
+                .name(format!("charm-par-{i}"))
+                .spawn(move || p.helper());
+            started += usize::from(spawned.is_ok());
+        }
+        if started < p.helpers {
+            // fewer threads than asked: the loops still finish (the caller claims every item
+            // nobody else takes), only slower
+            eprintln!(
+                "warning: started {started} of {} compute threads",
+                p.helpers
+            );
+        }
+        p
+    })
+}
+
+impl Pool {
+    fn helper(&self) {
+        let mut seen = self.epoch.load(SeqCst);
+        loop {
+            let mut spins = 0;
+            while self.epoch.load(SeqCst) == seen {
+                spins += 1;
+                if spins < SPIN_ROUNDS {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                let mut g = self.park.lock().unwrap_or_else(|e| e.into_inner());
+                self.sleepers.fetch_add(1, SeqCst);
+                while self.epoch.load(SeqCst) == seen {
+                    g = self.wake.wait(g).unwrap_or_else(|e| e.into_inner());
+                }
+                self.sleepers.fetch_sub(1, SeqCst);
+                break;
+            }
+            seen = self.epoch.load(SeqCst);
+            self.inside.fetch_add(1, SeqCst);
+            let j = self.job.load(SeqCst);
+            if !j.is_null() {
+                // SAFETY: a non-null `job` seen after entering `inside` stays alive until this
+                // helper leaves `inside` (the caller nulls `job`, then waits for `inside` to be 0).
+                unsafe { &*j }.work();
+            }
+            self.inside.fetch_sub(1, SeqCst);
+        }
+    }
+}
+
+/// Runs `f(i)` for every `i < count`, spread over the pool (see the module docs); returns when
+/// all have run.
+pub fn for_each(count: usize, f: impl Fn(usize) + Sync) {
+    let serial = count <= 1
+        || IN_ITEM.with(|c| c.get())
+        || threads() == 1
+        || rayon::current_num_threads() == 1;
+    let p = if serial { None } else { Some(pool()) };
+    let Some(p) =
+        p.filter(|p| p.helpers > 0 && p.busy.compare_exchange(false, true, SeqCst, SeqCst).is_ok())
+    else {
+        in_item(|| (0..count).for_each(&f));
+        return;
+    };
+    let f: &(dyn Fn(usize) + Sync) = &f;
+    let job = Job {
+        // SAFETY: only the lifetime is erased; `job` is unpublished and every helper has left
+        // it before this function returns.
+        f: unsafe {
+            std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), *const (dyn Fn(usize) + Sync)>(
+                f,
+            )
+        },
+        count,
+        next: AtomicUsize::new(0),
+        done: AtomicUsize::new(0),
+        panic: Mutex::new(None),
+    };
+    p.job.store(&job as *const Job as *mut Job, SeqCst);
+    p.epoch.fetch_add(1, SeqCst);
+    if p.sleepers.load(SeqCst) > 0 {
+        let _g = p.park.lock().unwrap_or_else(|e| e.into_inner());
+        p.wake.notify_all();
+    }
+    job.work();
+    wait_until(|| job.done.load(SeqCst) == count);
+    p.job.store(std::ptr::null_mut(), SeqCst);
+    wait_until(|| p.inside.load(SeqCst) == 0);
+    p.busy.store(false, SeqCst);
+    let panic = job.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Some(payload) = panic {
+        resume_unwind(payload);
+    }
+}
+
+/// Spins until `done()`, yielding the core now and then (a helper holding an item may have been
+/// descheduled).
+fn wait_until(done: impl Fn() -> bool) {
+    let mut spins = 0u32;
+    while !done() {
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(1024) {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// A raw pointer the items of one loop share (each touches a disjoint part).
+struct Shared<T>(*mut T);
+// SAFETY: used only for disjoint chunks of one slice within one `for_each`.
+unsafe impl<T: Send> Sync for Shared<T> {}
+
+/// Runs `f(i, chunk)` for every `chunk_len`-long chunk of `data` (the last may be shorter), in
+/// parallel as [`for_each`].
+pub fn for_each_chunk_mut<T: Send>(
+    data: &mut [T],
+    chunk_len: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
+    assert!(chunk_len > 0, "chunks of zero elements");
+    let len = data.len();
+    let base = Shared(data.as_mut_ptr());
+    let base = &base;
+    for_each(len.div_ceil(chunk_len), |i| {
+        let start = i * chunk_len;
+        let end = (start + chunk_len).min(len);
+        // SAFETY: chunk `i` is `start..end` of `data`, disjoint from every other item's chunk,
+        // and `data` is borrowed mutably for the whole loop.
+        let chunk = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), end - start) };
+        f(i, chunk);
+    });
+}
+
+/// `(0..count).map(f)` computed in parallel as [`for_each`], in order.
+pub fn map<R: Send>(count: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    let mut out: Vec<Option<R>> = (0..count).map(|_| None).collect();
+    for_each_chunk_mut(&mut out, 1, |i, slot| slot[0] = Some(f(i)));
+    out.into_iter()
+        .map(|r| r.expect("every item ran"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_item_runs_once_also_nested_and_from_many_threads() {
+        let hits: Vec<AtomicUsize> = (0..1000).map(|_| AtomicUsize::new(0)).collect();
+        std::thread::scope(|s| {
+            for t in 0..3 {
+                let hits = &hits;
+                s.spawn(move || {
+                    for _ in 0..200 {
+                        for_each(5, |i| {
+                            // nested loops run inline and still cover their items
+                            for_each(2, |k| {
+                                hits[t * 10 + i * 2 + k].fetch_add(1, SeqCst);
+                            });
+                        });
+                    }
+                });
+            }
+        });
+        for t in 0..3 {
+            for i in 0..10 {
+                assert_eq!(hits[i + t * 10].load(SeqCst), 200, "thread {t} item {i}");
+            }
+        }
+        assert!(hits[30..].iter().all(|h| h.load(SeqCst) == 0));
+    }
+
+    #[test]
+    fn chunks_and_map_cover_the_input_in_order() {
+        let mut v = vec![0usize; 1003];
+        for_each_chunk_mut(&mut v, 10, |c, chunk| {
+            for (k, x) in chunk.iter_mut().enumerate() {
+                *x = c * 10 + k;
+            }
+        });
+        assert!(v.iter().enumerate().all(|(i, &x)| i == x));
+        assert_eq!(map(7, |i| i * i), vec![0, 1, 4, 9, 16, 25, 36]);
+        assert!(map(0, |i| i).is_empty());
+    }
+
+    #[test]
+    fn a_panicking_item_panics_the_call_after_the_others_ran() {
+        let ran = AtomicUsize::new(0);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            for_each(64, |i| {
+                ran.fetch_add(1, SeqCst);
+                assert!(i != 17, "item 17 fails");
+            })
+        }));
+        assert!(r.is_err());
+        assert_eq!(ran.load(SeqCst), 64);
+        // the pool still works afterwards
+        assert_eq!(map(4, |i| i + 1), vec![1, 2, 3, 4]);
+    }
+}
