@@ -387,8 +387,8 @@ pub(super) fn row_dot(
 /// against every token in `acts`, one row per 32-bit lane as on the VNNI path: each 64-byte
 /// line of the block is read as two 256-bit halves (rows 0-7, then rows 8-15), so a group's
 /// integer sums need no horizontal reduction; up to four tokens share each weight load.
-/// `vpmaddubsw` cannot overflow here: int4 codes are unsigned nibbles (at most 15 x 127 x 2 per
-/// pair), int8 codes go in as magnitudes with their signs moved onto the activations (at most
+/// `vpmaddubsw` cannot overflow here: int4 codes are unsigned nibbles (at most 15 x 128 x 2 per
+/// pair, and eight such sums stay below 2^15 in 16 bits), int8 codes go in as magnitudes with their signs moved onto the activations (at most
 /// 128 x 127 x 2). The integer sums are exact, then per group `acc = fma(scale_w * scale_x,
 /// isum, acc)` per lane: the arithmetic (and the bits) of [`super::scalar::row_dot_i8`].
 /// `out` is `[16, tokens]`.
@@ -484,18 +484,26 @@ fn lanes8_dot<const P: usize>(
             }
         } else {
             // int4: line j of a 64-weight block holds elements 4j.. (low nibbles) and 32 + 4j..
-            // (high nibbles) of each row, as the activations are ordered
+            // (high nibbles) of each row, as the activations are ordered. The 16-bit pair sums
+            // of four lines (8 products of pairs, each at most 15 x 128 x 2) add up exactly
+            // below 2^15 before one widening `vpmaddwd`.
             for c in 0..group / 64 {
-                for j in 0..8 {
-                    let p = ld(8 * c + j);
-                    let lo = _mm256_and_si256(p, m);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m);
+                for j4 in [0, 4] {
+                    let mut x = [_mm256_setzero_si256(); P];
+                    for j in j4..j4 + 4 {
+                        let p = ld(8 * c + j);
+                        let lo = _mm256_and_si256(p, m);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m);
+                        for t in 0..P {
+                            let pair = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo, bc(t, 64 * c + 4 * j)),
+                                _mm256_maddubs_epi16(hi, bc(t, 64 * c + 32 + 4 * j)),
+                            );
+                            x[t] = _mm256_add_epi16(x[t], pair);
+                        }
+                    }
                     for t in 0..P {
-                        let x = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(lo, bc(t, 64 * c + 4 * j)),
-                            _mm256_maddubs_epi16(hi, bc(t, 64 * c + 32 + 4 * j)),
-                        );
-                        s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(x, ones));
+                        s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(x[t], ones));
                     }
                 }
             }

@@ -200,6 +200,30 @@ fn lane_layout_is_a_lossless_permutation_with_bit_identical_products() {
             }
         }
     }
+    // the largest integer sums: every code at its extreme and every activation at +-127 (the
+    // AVX2 int4 kernel adds eight pair products in 16 bits before widening)
+    for kind in [QuantKind::Int8, QuantKind::Int4] {
+        let (r, c) = (32, 128);
+        let w: Vec<f32> = (0..r * c)
+            .map(|i| if i / c % 2 == 0 { 1.0 } else { -1.0 })
+            .collect();
+        let q = QMatrix::quantize(&Matrix::new(r, c, w), kind, 64).unwrap();
+        let l = q.to_lanes().unwrap();
+        for sign in [1.0f32, -1.0] {
+            let x = vec![sign; 4 * c];
+            for n in [1, 4] {
+                let want = q.matmul_with(&x[..n * c], n, Isa::Scalar, Activations::Int8);
+                for isa in Isa::available() {
+                    let got = l.matmul_with(&x[..n * c], n, isa, Activations::Int8);
+                    assert_eq!(got, want, "{kind:?} {isa:?} n={n} extreme sums");
+                }
+                // exact: each output is +-c times the row's value
+                assert!(want
+                    .iter()
+                    .all(|v| (v.abs() - c as f32).abs() < 1e-3 * c as f32));
+            }
+        }
+    }
     // what does not tile into 16-row blocks of 64-wide groups stays row-major
     let m = Matrix::new(17, 64, data(3, 17 * 64));
     assert!(QMatrix::quantize(&m, QuantKind::Int8, 64)
