@@ -872,6 +872,8 @@ fn main() -> ExitCode {
         threads: Some(n), ..
     } = &cli.cmd
     {
+        // the forward pass's own pool (charm_shared::par) follows the same count
+        charm_shared::par::set_threads(*n);
         let built = rayon::ThreadPoolBuilder::new()
             .num_threads((*n).max(1))
             .build_global();

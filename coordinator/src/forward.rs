@@ -687,13 +687,6 @@ fn indexer_select(
 ) -> Selection {
     let n = rows.n();
     let (ih, ihd, rd) = (d.n_heads, d.head_dim, d.rope_dim);
-    let mut q = w.wq_b.matmul(q_resid, n); // [n, ih * ihd]
-    for t in 0..n {
-        for hh in 0..ih {
-            let o = (t * ih + hh) * ihd;
-            rope[t].apply(&mut q[o..o + rd], interleaved);
-        }
-    }
     let mut k = w.wk.matmul(a, n); // [n, ihd]
     layer_norm(&mut k, &w.k_norm_w, &w.k_norm_b, INDEXER_KEY_EPS);
     for t in 0..n {
@@ -702,6 +695,18 @@ fn indexer_select(
     for (c, span) in caches.iter_mut().zip(&rows.spans) {
         c.index_keys
             .extend_from_slice(&k[span.start * ihd..span.end * ihd]);
+    }
+    // Queries and head weights only score: a step whose every query sees no more than `topk`
+    // keys keeps them all.
+    if rows.pos.iter().all(|&p| p < d.topk) {
+        return rows.pos.iter().map(|&p| (0..=p as u32).collect()).collect();
+    }
+    let mut q = w.wq_b.matmul(q_resid, n); // [n, ih * ihd]
+    for t in 0..n {
+        for hh in 0..ih {
+            let o = (t * ih + hh) * ihd;
+            rope[t].apply(&mut q[o..o + rd], interleaved);
+        }
     }
     let hw = w.weights_proj.matmul(a, n); // [n, ih]
     let head_scale = (ih as f32).powf(-0.5);

@@ -428,11 +428,13 @@ impl Inner {
 }
 
 impl State {
-    /// Whether a reader has anything to take: only then is waking the readers worth a futex
-    /// call (every expert cached leaves the queues empty, and a wake per layer costs a few
-    /// percent of a decoded token).
+    /// Whether a reader may be waiting for what the caller changed: a queued key to take, or a
+    /// read (still `pending` until admitted) waiting for room. Only then is waking the readers
+    /// worth a futex call: with every expert cached nothing is pending, and a wake per layer
+    /// costs a few percent of a decoded token.
     fn readers_have_work(&self) -> bool {
-        !(self.demand.is_empty()
+        !(self.pending.is_empty()
+            && self.demand.is_empty()
             && self.lookahead.is_empty()
             && self.warm.is_empty()
             && self.early.is_empty())
