@@ -444,6 +444,9 @@ pub(super) fn lanes16_dot_i8(
     }
 }
 
+/// How many groups ahead [`lanes8_dot`] prefetches a block's weights.
+const PREFETCH_GROUPS: usize = 8;
+
 /// Rows `8 * half .. 8 * half + 8` of a [`lanes16_dot_i8`] block for `P` tokens (the caller
 /// checks the lengths).
 #[inline]
@@ -463,6 +466,14 @@ fn lanes8_dot<const P: usize>(
     let (m, ones) = (_mm256_set1_epi8(15), _mm256_set1_epi16(1));
     let mut acc = [_mm256_setzero_ps(); P];
     for g in 0..ng {
+        if half == 0 {
+            // the lines of the group PREFETCH_GROUPS ahead (past the block's end: the next
+            // block's, which the caller computes next); a prefetch never faults
+            let ahead = blk.as_ptr().wrapping_add(16 * (g + PREFETCH_GROUPS) * gb);
+            for l in 0..gb / 4 {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l) as *const i8);
+            }
+        }
         // SAFETY (loads below): line `d < gb / 4` of group `g` lies at `16 * (g * gb + 4 * d)`
         // in `blk`, which holds `16 * ng * gb` bytes, and this half is its bytes 32 * half ..
         // 32 * half + 32; activation offsets stay below `(g + 1) * group <= ng * group`.
