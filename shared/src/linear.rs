@@ -99,8 +99,13 @@ pub struct SwiGlu {
 impl SwiGlu {
     /// `x`: `[n, hidden]` -> `[n, hidden]`.
     pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
-        let g = self.gate.matmul(x, n); // [n, inter]
-        let u = self.up.matmul(x, n); // [n, inter]
+        let (g, u) = match (&self.gate, &self.up) {
+            // one quantization of `x` and one parallel loop for both where the kernels allow
+            (Linear::Quant(gq), Linear::Quant(uq)) => {
+                QMatrix::matmul_pair(gq, uq, x, n, crate::quant::active_isa())
+            }
+            _ => (self.gate.matmul(x, n), self.up.matmul(x, n)),
+        }; // [n, inter] each
         let h: Vec<f32> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
         self.down.matmul(&h, n)
     }

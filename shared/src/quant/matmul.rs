@@ -180,20 +180,7 @@ impl QMatrix {
         if self.layout == Layout::Lanes16 {
             // 16 rows at a time straight from the lane layout, any number of tokens
             return par_row_blocks(self.rows, n, 16, rb, |r0, out| {
-                for (i, o) in out.chunks_exact_mut(16 * n).enumerate() {
-                    let r = r0 + 16 * i;
-                    let (blk, sc) = (&data[r * rb..(r + 16) * rb], &scales[r * ng..(r + 16) * ng]);
-                    // SAFETY: a `Lanes16` matrix reaches here only with `Isa::Avx512Vnni` or
-                    // `Isa::Avx2`, constructed only after checking avx512f/bw/vnni and avx2, or
-                    // avx2 and fma.
-                    unsafe {
-                        if isa == Isa::Avx512Vnni {
-                            avx512::lanes16_dot_i8(self.kind, group, blk, sc, &qx, o)
-                        } else {
-                            avx2::lanes16_dot_i8(self.kind, group, blk, sc, &qx, o)
-                        }
-                    };
-                }
+                self.lanes_rows(r0, out, &qx, isa)
             });
         }
         #[cfg(target_arch = "x86_64")]
@@ -283,6 +270,90 @@ pub(super) fn nibble_block(group: usize) -> usize {
         64
     } else {
         32
+    }
+}
+
+impl QMatrix {
+    /// Rows `r0..r0 + out.len() / n` of a [`Layout::Lanes16`] matrix against the quantized
+    /// tokens `qx` into `out` (`[rows, n]`), 16 rows at a time; `r0` and the row count are
+    /// multiples of 16.
+    #[cfg(target_arch = "x86_64")]
+    fn lanes_rows(&self, r0: usize, out: &mut [f32], qx: &[QuantizedActs], isa: Isa) {
+        let (n, ng, rb) = (qx.len(), self.groups(), self.row_bytes());
+        let (data, scales): (&[u8], &[f32]) = (&self.data, &self.scales);
+        for (i, o) in out.chunks_exact_mut(16 * n).enumerate() {
+            let r = r0 + 16 * i;
+            let (blk, sc) = (&data[r * rb..(r + 16) * rb], &scales[r * ng..(r + 16) * ng]);
+            // SAFETY: a `Lanes16` matrix reaches here only with `Isa::Avx512Vnni` or
+            // `Isa::Avx2`, constructed only after checking avx512f/bw/vnni and avx2, or avx2
+            // and fma.
+            unsafe {
+                if isa == Isa::Avx512Vnni {
+                    avx512::lanes16_dot_i8(self.kind, self.group, blk, sc, qx, o)
+                } else {
+                    avx2::lanes16_dot_i8(self.kind, self.group, blk, sc, qx, o)
+                }
+            };
+        }
+    }
+
+    /// `(a x, b x)` for two matrices that read the same input (a SwiGLU block's gate and up),
+    /// each exactly as [`QMatrix::matmul_with`] computes it. When both take the lane kernels with
+    /// int8 activations in the same groups, `x` is quantized once and both run as one parallel
+    /// loop over their rows; otherwise one after the other.
+    pub fn matmul_pair(a: &Self, b: &Self, x: &[f32], n: usize, isa: Isa) -> (Vec<f32>, Vec<f32>) {
+        #[cfg(target_arch = "x86_64")]
+        if a.fuses_with(b, isa) {
+            assert_eq!(x.len(), n * a.cols, "matmul input is not [n, cols]");
+            let int4 = a.kind == QuantKind::Int4;
+            let qx: Vec<QuantizedActs> = (0..n)
+                .map(|t| QuantizedActs::new(&x[t * a.cols..(t + 1) * a.cols], a.group, int4, isa))
+                .collect();
+            // rows of `a` then rows of `b`, in 16-row blocks (both row counts are multiples of
+            // 16, so no block straddles the two)
+            let rb = a.row_bytes().max(b.row_bytes());
+            let y = par_row_blocks(a.rows + b.rows, n, 16, rb, |r0, out| {
+                let k = out.len() / n;
+                let split = a.rows.clamp(r0, r0 + k) - r0;
+                let (oa, ob) = out.split_at_mut(split * n);
+                if !oa.is_empty() {
+                    a.lanes_rows(r0, oa, &qx, isa);
+                }
+                if !ob.is_empty() {
+                    b.lanes_rows(r0 + split - a.rows, ob, &qx, isa);
+                }
+            }); // [n, a.rows + b.rows]
+            let w = a.rows + b.rows;
+            let ya = y
+                .chunks_exact(w)
+                .flat_map(|t| &t[..a.rows])
+                .copied()
+                .collect();
+            let yb = y
+                .chunks_exact(w)
+                .flat_map(|t| &t[a.rows..])
+                .copied()
+                .collect();
+            return (ya, yb);
+        }
+        (
+            a.matmul_with(x, n, isa, a.act),
+            b.matmul_with(x, n, isa, b.act),
+        )
+    }
+
+    /// Whether [`QMatrix::matmul_pair`] runs `self` and `other` as one loop on `isa`.
+    fn fuses_with(&self, other: &Self, isa: Isa) -> bool {
+        let lanes = |m: &Self| {
+            m.layout == Layout::Lanes16 && m.act == Activations::Int8 && m.integer_path()
+        };
+        cfg!(target_arch = "x86_64")
+            && matches!(isa, Isa::Avx2 | Isa::Avx512Vnni)
+            && lanes(self)
+            && lanes(other)
+            && self.kind == other.kind
+            && self.cols == other.cols
+            && self.group == other.group
     }
 }
 

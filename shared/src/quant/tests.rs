@@ -335,3 +335,50 @@ fn refuses_bad_groups_and_non_finite() {
         .iter()
         .all(|v| *v == 0.0));
 }
+
+#[test]
+fn paired_matmuls_equal_each_alone_bitwise() {
+    // gate/up shapes of different heights (the split falls inside and between row blocks), lane
+    // and row-major layouts, int8 and f32 activations, 1-9 tokens, every ISA, 1 and 2 threads
+    for kind in [QuantKind::Int4, QuantKind::Int8] {
+        let (ra, rb, c) = (48, 80, 128);
+        let qa = QMatrix::quantize(&Matrix::new(ra, c, data(1, ra * c)), kind, 64).unwrap();
+        let qb = QMatrix::quantize(&Matrix::new(rb, c, data(2, rb * c)), kind, 64).unwrap();
+        let x = data(3, 9 * c);
+        for act in [Activations::Int8, Activations::F32] {
+            for lanes in [true, false] {
+                let prep = |q: &QMatrix| {
+                    let q = QMatrix { act, ..q.clone() };
+                    if lanes {
+                        q.to_lanes().unwrap()
+                    } else {
+                        q
+                    }
+                };
+                let (a, b) = (prep(&qa), prep(&qb));
+                for threads in [1, 2] {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    for n in [1, 2, 4, 5, 9] {
+                        let x = &x[..n * c];
+                        for isa in Isa::available() {
+                            let (ya, yb) = pool.install(|| QMatrix::matmul_pair(&a, &b, x, n, isa));
+                            assert_eq!(
+                                ya,
+                                a.matmul_with(x, n, isa, act),
+                                "{kind:?} {act:?} {isa:?} n={n} lanes={lanes}"
+                            );
+                            assert_eq!(
+                                yb,
+                                b.matmul_with(x, n, isa, act),
+                                "{kind:?} {act:?} {isa:?} n={n} lanes={lanes}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
