@@ -498,10 +498,13 @@ fn lanes8_dot<const P: usize>(
             // (high nibbles) of each row, as the activations are ordered. The 16-bit pair sums
             // of four lines (8 products of pairs, each at most 15 x 128 x 2) add up exactly
             // below 2^15 before one widening `vpmaddwd`.
+            // With three or four tokens the deferred sums would not fit the 16 vector registers
+            // beside the accumulators: those widen every line.
+            let lines = if P <= 2 { 4 } else { 1 };
             for c in 0..group / 64 {
-                for j4 in [0, 4] {
+                for j4 in (0..8).step_by(lines) {
                     let mut x = [_mm256_setzero_si256(); P];
-                    for j in j4..j4 + 4 {
+                    for j in j4..j4 + lines {
                         let p = ld(8 * c + j);
                         let lo = _mm256_and_si256(p, m);
                         let hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m);
