@@ -773,17 +773,7 @@ fn chat(args: &[&str], input: &str) -> String {
 #[test]
 fn charm_chat_talks_to_a_local_model_and_to_a_server_alike() {
     let s = Server::start(&[]);
-    let answer = |msgs: Value| {
-        post(
-            &s.addr,
-            "/v1/chat/completions",
-            &json!({"messages": msgs, "max_tokens": 16, "temperature": 0}),
-        )
-        .json()["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .to_string()
-    };
+    let answer = |msgs: Value| chat_answer(&s.addr, &msgs, 16);
     let first = answer(json!([{"role": "user", "content": "Speak, Romeo."}]));
     let second_alone = answer(json!([{"role": "user", "content": "Who art thou?"}]));
     let second_after = answer(json!([
@@ -873,12 +863,12 @@ fn concurrent_equals_alone(s: &Server) {
     );
 }
 
-/// The content of a greedy 24-token chat answer to `msgs`.
-fn chat_answer(addr: &str, msgs: &Value) -> String {
+/// The content of a greedy chat answer of at most `max_tokens` tokens to `msgs`.
+fn chat_answer(addr: &str, msgs: &Value, max_tokens: usize) -> String {
     post(
         addr,
         "/v1/chat/completions",
-        &json!({"messages": msgs, "max_tokens": 24, "temperature": 0}),
+        &json!({"messages": msgs, "max_tokens": max_tokens, "temperature": 0}),
     )
     .json()["choices"][0]["message"]["content"]
         .as_str()
@@ -890,7 +880,7 @@ fn chat_answer(addr: &str, msgs: &Value) -> String {
 fn a_conversation_reuses_its_earlier_turns_and_answers_as_from_a_cold_prefill() {
     let warm = Server::start(&[]);
     let cold = Server::start(&["--prefix-cache-mb", "0"]);
-    let ask = chat_answer;
+    let ask = |addr: &str, msgs: &Value| chat_answer(addr, msgs, 24);
     let system =
         "You are a player in a company of actors, and you answer in verse, as the ".repeat(3);
     let mut msgs = json!([{"role": "system", "content": system}, {"role": "user", "content": "Speak, Romeo."}]);
@@ -1038,7 +1028,7 @@ fn a_server_killed_mid_conversation_resumes_it_from_its_kv_log() {
     let _ = std::fs::remove_dir_all(&d);
     let kv = d.to_str().unwrap();
     let cold = Server::start(&["--prefix-cache-mb", "0"]);
-    let ask = chat_answer;
+    let ask = |addr: &str, msgs: &Value| chat_answer(addr, msgs, 24);
     let system = "You are a player in a company of actors, and you answer in verse. ".repeat(3);
     let mut msgs = json!([{"role": "system", "content": system}, {"role": "user", "content": "Speak, Romeo."}]);
     let first = {

@@ -102,7 +102,7 @@ impl SwiGlu {
         let (g, u) = match (&self.gate, &self.up) {
             // one quantization of `x` and one parallel loop for both where the kernels allow
             (Linear::Quant(gq), Linear::Quant(uq)) => {
-                QMatrix::matmul_pair(gq, uq, x, n, crate::quant::active_isa())
+                QMatrix::matmul_pair(gq, uq, x, n, active_isa())
             }
             _ => (self.gate.matmul(x, n), self.up.matmul(x, n)),
         }; // [n, inter] each

@@ -388,8 +388,8 @@ pub(super) fn row_dot(
 /// line of the block is read as two 256-bit halves (rows 0-7, then rows 8-15), so a group's
 /// integer sums need no horizontal reduction; up to four tokens share each weight load.
 /// `vpmaddubsw` cannot overflow here: int4 codes are unsigned nibbles (at most 15 x 128 x 2 per
-/// pair, and eight such sums stay below 2^15 in 16 bits), int8 codes go in as magnitudes with their signs moved onto the activations (at most
-/// 128 x 127 x 2). The integer sums are exact, then per group `acc = fma(scale_w * scale_x,
+/// pair, and eight such sums stay below 2^15 in 16 bits), int8 codes go in as magnitudes with
+/// their signs moved onto the activations (at most 128 x 127 x 2). The integer sums are exact, then per group `acc = fma(scale_w * scale_x,
 /// isum, acc)` per lane: the arithmetic (and the bits) of [`super::scalar::row_dot_i8`].
 /// `out` is `[16, tokens]`.
 #[target_feature(enable = "avx2,fma")]
@@ -495,11 +495,11 @@ fn lanes8_dot<const P: usize>(
             }
         } else {
             // int4: line j of a 64-weight block holds elements 4j.. (low nibbles) and 32 + 4j..
-            // (high nibbles) of each row, as the activations are ordered. The 16-bit pair sums
-            // of four lines (8 products of pairs, each at most 15 x 128 x 2) add up exactly
-            // below 2^15 before one widening `vpmaddwd`.
-            // With three or four tokens the deferred sums would not fit the 16 vector registers
-            // beside the accumulators: those widen every line.
+            // (high nibbles) of each row, as the activations are ordered. For one or two tokens
+            // the 16-bit pair sums of four lines (8 products of pairs, each at most 15 x 128 x
+            // 2) add up exactly below 2^15 before one widening `vpmaddwd`; for three or four the
+            // deferred sums would not fit the 16 vector registers beside the accumulators, so
+            // every line widens.
             let lines = if P <= 2 { 4 } else { 1 };
             for c in 0..group / 64 {
                 for j4 in (0..8).step_by(lines) {

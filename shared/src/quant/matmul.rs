@@ -168,11 +168,8 @@ impl QMatrix {
     /// `acc = fma(scale_w[g] * scale_x[g], isum[g], acc)` in group order, one accumulator per row
     /// and token (the same on every ISA, for any number of rows and tokens computed together).
     fn matmul_int8(&self, x: &[f32], n: usize, isa: Isa) -> Vec<f32> {
-        let (cols, group, ng) = (self.cols, self.group, self.groups());
-        let int4 = self.kind == QuantKind::Int4;
-        let qx: Vec<QuantizedActs> = (0..n)
-            .map(|t| QuantizedActs::new(&x[t * cols..(t + 1) * cols], group, int4, isa))
-            .collect();
+        let (group, ng) = (self.group, self.groups());
+        let qx = self.quantize_acts(x, n, isa);
         let rb = self.row_bytes();
         // plain slices once (the weights may live in a shared I/O buffer behind a handle)
         let (data, scales): (&[u8], &[f32]) = (&self.data, &self.scales);
@@ -277,6 +274,15 @@ impl QMatrix {
     /// Rows `r0..r0 + out.len() / n` of a [`Layout::Lanes16`] matrix against the quantized
     /// tokens `qx` into `out` (`[rows, n]`), 16 rows at a time; `r0` and the row count are
     /// multiples of 16.
+    /// `x` (`[n, cols]`) quantized per token in this matrix's groups, in the nibble order of
+    /// int4 weights (see [`QuantizedActs`]).
+    fn quantize_acts(&self, x: &[f32], n: usize, isa: Isa) -> Vec<QuantizedActs> {
+        let (cols, int4) = (self.cols, self.kind == QuantKind::Int4);
+        (0..n)
+            .map(|t| QuantizedActs::new(&x[t * cols..(t + 1) * cols], self.group, int4, isa))
+            .collect()
+    }
+
     #[cfg(target_arch = "x86_64")]
     fn lanes_rows(&self, r0: usize, out: &mut [f32], qx: &[QuantizedActs], isa: Isa) {
         let (n, ng, rb) = (qx.len(), self.groups(), self.row_bytes());
@@ -305,14 +311,10 @@ impl QMatrix {
         #[cfg(target_arch = "x86_64")]
         if a.fuses_with(b, isa) {
             assert_eq!(x.len(), n * a.cols, "matmul input is not [n, cols]");
-            let int4 = a.kind == QuantKind::Int4;
-            let qx: Vec<QuantizedActs> = (0..n)
-                .map(|t| QuantizedActs::new(&x[t * a.cols..(t + 1) * a.cols], a.group, int4, isa))
-                .collect();
-            // rows of `a` then rows of `b`, in 16-row blocks (both row counts are multiples of
-            // 16, so no block straddles the two)
-            let rb = a.row_bytes().max(b.row_bytes());
-            let y = par_row_blocks(a.rows + b.rows, n, 16, rb, |r0, out| {
+            let qx = a.quantize_acts(x, n, isa);
+            // rows of `a` then rows of `b` (the same row bytes), in 16-row blocks: both row
+            // counts are multiples of 16, so no block straddles the two
+            let y = par_row_blocks(a.rows + b.rows, n, 16, a.row_bytes(), |r0, out| {
                 let k = out.len() / n;
                 let split = a.rows.clamp(r0, r0 + k) - r0;
                 let (oa, ob) = out.split_at_mut(split * n);
@@ -343,12 +345,12 @@ impl QMatrix {
     }
 
     /// Whether [`QMatrix::matmul_pair`] runs `self` and `other` as one loop on `isa`.
+    #[cfg(target_arch = "x86_64")]
     fn fuses_with(&self, other: &Self, isa: Isa) -> bool {
         let lanes = |m: &Self| {
             m.layout == Layout::Lanes16 && m.act == Activations::Int8 && m.integer_path()
         };
-        cfg!(target_arch = "x86_64")
-            && matches!(isa, Isa::Avx2 | Isa::Avx512Vnni)
+        matches!(isa, Isa::Avx2 | Isa::Avx512Vnni)
             && lanes(self)
             && lanes(other)
             && self.kind == other.kind
