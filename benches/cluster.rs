@@ -19,10 +19,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use charm_coordinator::cluster::remote::moe_layers;
 use charm_coordinator::cluster::{Loopback, WorkerAddr};
-use charm_coordinator::generate::generate;
-use charm_coordinator::remote::moe_layers;
-use charm_coordinator::sampling::{Sampler, SamplingParams};
+use charm_coordinator::decode::generate::generate;
+use charm_coordinator::decode::sampling::{Sampler, SamplingParams};
 use charm_coordinator::{Engine, EngineOptions, ForwardOptions, HistoryPolicy};
 use charm_shared::quant::Activations;
 

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use charm_coordinator::cache::KvCache;
+use charm_coordinator::model::cache::KvCache;
 use charm_coordinator::{ForwardError, ForwardOptions, Model};
 use charm_shared::LoadError;
 use serde_json::Value;

@@ -3,10 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
-use charm_coordinator::cache::KvCache;
-use charm_coordinator::evaluate::evaluate;
-use charm_coordinator::generate::generate;
-use charm_coordinator::sampling::{argmax, Sampler, SamplingParams};
+use charm_coordinator::decode::generate::generate;
+use charm_coordinator::decode::sampling::{argmax, Sampler, SamplingParams};
+use charm_coordinator::model::cache::KvCache;
+use charm_coordinator::ops::evaluate::evaluate;
 use charm_coordinator::{ForwardOptions, MlaMode, Model};
 use charm_shared::dtype::to_f32;
 use charm_shared::safetensors::SafetensorsFile;

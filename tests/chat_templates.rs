@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use charm_coordinator::chat::{drop_null_keys, ChatInput, ChatTemplate};
+use charm_coordinator::decode::template::{drop_null_keys, ChatInput, ChatTemplate};
 use minijinja::Value;
 
 fn input(case: &Value, messages: Value) -> ChatInput {
@@ -76,7 +76,7 @@ fn every_template_case_renders_as_transformers_rendered_it() {
             let known = name == "moonshotai-Kimi-K2" && cname == "tool_call_null_content";
             if known {
                 // Jinja2 refuses to loop over the null content; this renderer loops over
-                // nothing (documented in charm_coordinator::chat)
+                // nothing (documented in charm_coordinator::decode::template)
                 assert!(want.is_undefined() && got.is_ok(), "{name} {cname}");
             } else if !agrees(&got, want.as_str()) {
                 failures.push(format!("{name} {cname}: {got:?}"));
@@ -137,7 +137,7 @@ fn a_model_directory_gives_its_template() {
 
 #[test]
 fn tool_arguments_take_the_form_each_template_reads() {
-    use charm_coordinator::chat::tool_arguments;
+    use charm_coordinator::decode::template::tool_arguments;
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/templates");
     // an OpenAI client's history: arguments as JSON text
     let messages: Value = serde_json::from_str(r#"[{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 3}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]"#).unwrap();

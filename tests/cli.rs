@@ -206,8 +206,13 @@ fn sharded_checkpoints_load_like_one_file() {
         std::fs::write(path, out).unwrap();
     };
     let ids = "5,17,3,9,200,41";
+    // outputs go to a scratch directory: never into the committed fixture
+    let outs = scratch("shard-logits");
     let run = |dir: &Path| {
-        let out = dir.join("logits.out");
+        let out = outs.join(format!(
+            "{}.safetensors",
+            dir.file_name().unwrap().to_str().unwrap()
+        ));
         let (ok, _, err) = charm(&[
             "logits",
             "--model",
@@ -220,7 +225,7 @@ fn sharded_checkpoints_load_like_one_file() {
         assert!(ok, "{}: {err}", dir.display());
         tensor(&out, "logits").1
     };
-    let reference = run(&src.clone());
+    let reference = run(&src);
     for with_index in [false, true] {
         let d = scratch(if with_index { "shard-idx" } else { "shard" });
         std::fs::copy(src.join("config.json"), d.join("config.json")).unwrap();
@@ -245,4 +250,5 @@ fn sharded_checkpoints_load_like_one_file() {
         assert_eq!(run(&d), reference, "with_index={with_index}");
         std::fs::remove_dir_all(&d).unwrap();
     }
+    std::fs::remove_dir_all(&outs).unwrap();
 }

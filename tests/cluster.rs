@@ -9,11 +9,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use charm_coordinator::cache::KvCache;
+use charm_coordinator::cluster::remote::moe_layers;
 use charm_coordinator::cluster::{ClusterOptions, WorkerAddr};
-use charm_coordinator::generate::generate;
-use charm_coordinator::remote::moe_layers;
-use charm_coordinator::sampling::{Sampler, SamplingParams};
+use charm_coordinator::decode::generate::generate;
+use charm_coordinator::decode::sampling::{Sampler, SamplingParams};
+use charm_coordinator::model::cache::KvCache;
 use charm_coordinator::{Engine, EngineOptions, ForwardOptions, HistoryPolicy};
 use common::*;
 use serde_json::Value;
@@ -562,14 +562,16 @@ fn plan_and_status_show_the_cluster_without_loading_the_model() {
         Worker::start(&model, &dir, "w1", 0, &[]),
         Worker::start(&model, &dir, "w2", 0, &["--activations", "int8"]),
     );
-    // a dead address beside them, with a short deadline so that its handshake gives up soon
+    // a dead address beside them. No short deadline: the handshake limit is min(deadline,
+    // 10 s), and a deadline short enough to give up on the dead address soon would also cut a
+    // live worker's handshake on a loaded machine; the dead one gives up at the default limit
+    // (or QUIC's idle timeout, if sooner) instead.
     let dead = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let file = dir.join("cluster.json");
     std::fs::write(
         &file,
         serde_json::json!({
             "workers": [w1.addr("w1"), w2.addr("w2"), format!("w3@{}", dead.local_addr().unwrap())],
-            "deadline_ms": 1000,
         })
         .to_string(),
     )
@@ -835,17 +837,19 @@ fn a_coordinator_without_expert_files_runs_on_its_workers_and_names_what_is_miss
     }
 }
 
-/// A worker that completes the handshake as `w1` of `model` and then answers every compute
-/// request with a result of the wrong shape (counted in the returned counter).
+/// A worker that answers the handshake as `w1` of `model` speaking protocol `version` and then
+/// answers every compute request with a result of the wrong shape (counted in the returned
+/// counter).
 fn lying_worker(
     dir: &Path,
     model: &Path,
+    version: u32,
 ) -> (
     std::net::SocketAddr,
     std::sync::Arc<std::sync::atomic::AtomicU64>,
     std::thread::JoinHandle<()>,
 ) {
-    use charm_shared::wire::{ComputeResult, Hello, Message, PROTOCOL_VERSION};
+    use charm_shared::wire::{ComputeResult, Hello, Message};
     use charm_worker::server::{listen, read_frame, write_frame};
     let id = charm_worker::tls::Identity::load(dir, "w1").unwrap();
     let fingerprint = charm_coordinator::cluster::model_fingerprint(model).unwrap();
@@ -875,7 +879,7 @@ fn lying_worker(
                         };
                         let reply = match m {
                             Message::Hello(_) => Message::Hello(Hello {
-                                version: PROTOCOL_VERSION,
+                                version,
                                 node: "w1".into(),
                                 model: fp.clone(),
                                 activations: vec!["f32".into()],
@@ -921,7 +925,7 @@ fn a_worker_answering_malformed_results_is_dropped_and_changes_no_token() {
         ..Default::default()
     };
     let want = decode(&Engine::load(&model, &opts).unwrap(), &prompt, 12, |_| {});
-    let (addr, lies, _t) = lying_worker(&dir, &model);
+    let (addr, lies, _t) = lying_worker(&dir, &model, charm_shared::wire::PROTOCOL_VERSION);
     let honest = Worker::start(&model, &dir, "w2", 0, &[]);
     let c = ClusterOptions::new(
         dir.clone(),
@@ -946,5 +950,59 @@ fn a_worker_answering_malformed_results_is_dropped_and_changes_no_token() {
     assert!(st[0].failures > 0, "{st:?}");
     assert!(st[1].requests > 0 && st[1].failures == 0, "{st:?}");
     drop(honest);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_worker_speaking_another_protocol_version_is_refused_naming_both_versions() {
+    use charm_shared::wire::PROTOCOL_VERSION;
+    let model = fixture("glm5-tiny");
+    let dir = certs("cl-version");
+    let prompt = oracle_ids("glm5-tiny", "tf_input_ids")[..4].to_vec();
+    let opts = EngineOptions {
+        history: HistoryPolicy::Off,
+        ..Default::default()
+    };
+    let want = decode(&Engine::load(&model, &opts).unwrap(), &prompt, 6, |_| {});
+    // a real QUIC + mTLS peer with w1's certificate, for the right model, but another version
+    let other = PROTOCOL_VERSION + 1000;
+    let (addr, asked, _t) = lying_worker(&dir, &model, other);
+    let c = ClusterOptions::new(
+        dir.clone(),
+        "coordinator",
+        vec![WorkerAddr {
+            name: "w1".into(),
+            addr,
+        }],
+    );
+    let e = on_cluster(&model, &opts, c);
+    let r = e.remote.clone().unwrap();
+    assert!(r.connected().is_empty(), "{:?}", r.status());
+    let st = r.status();
+    assert!(!st[0].connected, "{st:?}");
+    let why = st[0].error.clone().expect("a refused worker says why");
+    // both versions named, as numbers of their own
+    let numbers: Vec<&str> = why
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|t| !t.is_empty())
+        .collect();
+    assert!(
+        why.contains("protocol version")
+            && numbers.contains(&other.to_string().as_str())
+            && numbers.contains(&PROTOCOL_VERSION.to_string().as_str()),
+        "{why}"
+    );
+    // the load's warnings name the worker and the same reason
+    assert!(
+        e.warnings
+            .iter()
+            .any(|w| w.contains("worker w1") && w.contains(&why)),
+        "{:?}",
+        e.warnings
+    );
+    // nothing is sent to it: its experts run here, with the same tokens
+    assert_eq!(decode(&e, &prompt, 6, |_| {}), want);
+    assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert!(r.fallbacks() > 0);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -5,8 +5,8 @@
 
 use std::path::Path;
 
-use charm_coordinator::cache::KvCache;
-use charm_coordinator::quality::compare;
+use charm_coordinator::model::cache::KvCache;
+use charm_coordinator::ops::quality::compare;
 use charm_coordinator::{ForwardError, ForwardOptions, Model};
 use charm_shared::checkpoint::Checkpoint;
 use serde_json::{json, Value};

@@ -5,9 +5,9 @@
 use std::path::Path;
 use std::process::Command;
 
-use charm_coordinator::cache::KvCache;
-use charm_coordinator::generate::generate;
-use charm_coordinator::sampling::{Sampler, SamplingParams};
+use charm_coordinator::decode::generate::generate;
+use charm_coordinator::decode::sampling::{Sampler, SamplingParams};
+use charm_coordinator::model::cache::KvCache;
 use charm_coordinator::{ForwardOptions, Model};
 
 mod common;

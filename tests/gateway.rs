@@ -7,9 +7,9 @@ use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use charm_coordinator::generate::generate;
-use charm_coordinator::sampling::{Sampler, SamplingParams};
-use charm_coordinator::tokenizer::TextTokenizer;
+use charm_coordinator::decode::generate::generate;
+use charm_coordinator::decode::sampling::{Sampler, SamplingParams};
+use charm_coordinator::decode::tokenizer::TextTokenizer;
 use charm_coordinator::{Engine, EngineOptions, ForwardOptions};
 use serde_json::{json, Value};
 
@@ -407,69 +407,144 @@ fn metric(addr: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("no {name}"))
 }
 
-#[test]
-fn a_flood_gets_429_and_a_client_that_leaves_stops_its_generation() {
-    let s = Server::start(&["--queue", "1", "--parallel", "1"]);
-    // one running, one waiting, the rest refused
-    let addr = s.addr.clone();
-    let replies: Vec<Reply> = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..5)
-            .map(|_| {
-                let a = addr.clone();
-                sc.spawn(move || {
-                    post(
-                        &a,
-                        "/v1/completions",
-                        &json!({"prompt": "ROMEO. ", "max_tokens": 600}),
-                    )
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let refused: Vec<&Reply> = replies.iter().filter(|r| r.status == 429).collect();
-    assert!(
-        !refused.is_empty(),
-        "{:?}",
-        replies.iter().map(|r| r.status).collect::<Vec<_>>()
-    );
-    assert!(replies.iter().all(|r| r.status == 200 || r.status == 429));
-    assert_eq!(refused[0].header("retry-after"), Some("1"));
-    assert_eq!(refused[0].json()["error"]["type"], "rate_limit_error");
-    assert!(metric(&s.addr, "charm_requests_rejected_total") >= 1.0);
-
-    // a stream of up to 900 tokens whose client leaves after its first event
-    let before = metric(&s.addr, "charm_generated_tokens_total");
-    {
-        let mut c = TcpStream::connect(&s.addr).unwrap();
-        let body = json!({"prompt": "ROMEO. ", "max_tokens": 900, "stream": true}).to_string();
-        write!(
-            c,
-            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        let mut buf = [0u8; 512];
-        let n = c.read(&mut buf).unwrap();
-        assert!(String::from_utf8_lossy(&buf[..n]).contains("200"));
+/// Polls `ok` until it holds, failing with `what` after a minute (a loaded machine may be slow;
+/// nothing here depends on how slow).
+fn wait_until(what: &str, mut ok: impl FnMut() -> bool) {
+    let t = std::time::Instant::now();
+    while !ok() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(60),
+            "gave up waiting: {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    // the next request runs after the abandoned one ended (429 while that one still holds the
-    // queue's place: retried as a client would), so that one must have ended early
-    let mut tries = 0;
-    let v = loop {
+}
+
+/// Sends a streamed completion of `max_tokens` tokens of `prompt` (past any end-of-sequence
+/// token) on a fresh connection, without reading the answer; dropping the connection leaves.
+fn send_stream(addr: &str, prompt: &str, max_tokens: usize) -> TcpStream {
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .unwrap();
+    let body =
+        json!({"prompt": prompt, "max_tokens": max_tokens, "stream": true, "ignore_eos": true})
+            .to_string();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    c
+}
+
+/// [`send_stream`], then reads until the generation's first token arrives: it is running.
+fn running_stream(addr: &str, prompt: &str, max_tokens: usize) -> (TcpStream, Vec<u8>) {
+    let mut c = send_stream(addr, prompt, max_tokens);
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !got.windows(6).any(|w| w == b"data: ") {
+        let n = c.read(&mut buf).expect("no first token within a minute");
+        assert!(
+            n > 0,
+            "the stream ended before its first token: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(
+        got.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+    (c, got)
+}
+
+/// Appends what `c` has received so far to `into`, without waiting.
+fn drain(c: &mut TcpStream, into: &mut Vec<u8>) {
+    c.set_nonblocking(true).unwrap();
+    let mut buf = [0u8; 1 << 16];
+    while let Ok(n) = c.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        into.extend_from_slice(&buf[..n]);
+    }
+    c.set_nonblocking(false).unwrap();
+}
+
+/// A request of two tokens, sent again while the server answers 429 (as a client would) for up
+/// to a minute: it is served once everything queued before it has left the queue.
+fn served_when_free(addr: &str) -> Value {
+    let t = std::time::Instant::now();
+    loop {
         let r = post(
-            &s.addr,
+            addr,
             "/v1/completions",
             &json!({"prompt": "ROMEO. ", "max_tokens": 2}),
         );
         if r.status == 200 {
-            break r.json();
+            return r.json();
         }
         assert_eq!(r.status, 429);
-        tries += 1;
-        assert!(tries < 200, "never served");
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(60),
+            "never served"
+        );
         std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_flood_gets_429_and_a_client_that_leaves_stops_its_generation() {
+    let s = Server::start(&["--queue", "1", "--parallel", "1"]);
+    // one running, one waiting: the next is refused. Each state is waited for, not assumed:
+    // the running generation has produced a token, and the waiting one is seen in the queue.
+    let refused = 'flood: loop {
+        // a generation of 1000 tokens (past EOS) outlives the steps below by far; should it end
+        // first all the same, the round is run again
+        let (mut running, mut seen) = running_stream(&s.addr, "ROMEO. ", 1000);
+        let waiting = send_stream(&s.addr, "JULIET.\n", 1000);
+        let t = std::time::Instant::now();
+        while metric(&s.addr, "charm_queue_depth") < 1.0 {
+            drain(&mut running, &mut seen);
+            if seen.windows(6).any(|w| w == b"[DONE]") {
+                // it ended before the second was queued: the server is free again soon
+                drop((running, waiting));
+                served_when_free(&s.addr);
+                continue 'flood;
+            }
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(60),
+                "the second request never queued"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let r = post(
+            &s.addr,
+            "/v1/completions",
+            &json!({"prompt": "ROMEO. ", "max_tokens": 1}),
+        );
+        if r.status == 429 {
+            break r;
+        }
+        // served: the running generation ended in between (then the queue had room)
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        drop((running, waiting));
+        served_when_free(&s.addr);
     };
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_eq!(refused.json()["error"]["type"], "rate_limit_error");
+    assert!(metric(&s.addr, "charm_requests_rejected_total") >= 1.0);
+    // both clients above left: once a request is served again, nothing of theirs runs
+    served_when_free(&s.addr);
+
+    // a stream of up to 900 tokens (past EOS) whose client leaves after its first event
+    let before = metric(&s.addr, "charm_generated_tokens_total");
+    drop(running_stream(&s.addr, "ROMEO. ", 900));
+    // the next request runs after the abandoned one ended (429 while that one still holds the
+    // queue's place: retried as a client would), so that one must have ended early
+    let v = served_when_free(&s.addr);
     assert_eq!(v["usage"]["completion_tokens"], 2);
     let spent = metric(&s.addr, "charm_generated_tokens_total") - before;
     assert!(
@@ -612,8 +687,12 @@ fn the_demo_serves_and_its_curl_line_works() {
 }
 
 /// The library's greedy decode of `prompt` with `pen` applied before each choice.
-fn penalized_text(prompt: &str, n: usize, pen: charm_coordinator::sampling::Penalties) -> String {
-    use charm_coordinator::cache::KvCache;
+fn penalized_text(
+    prompt: &str,
+    n: usize,
+    pen: charm_coordinator::decode::sampling::Penalties,
+) -> String {
+    use charm_coordinator::model::cache::KvCache;
     let e = Engine::load(&demo(), &EngineOptions::default()).unwrap();
     let tok = TextTokenizer::load(&demo()).unwrap();
     let m = &e.model;
@@ -647,7 +726,7 @@ fn penalized_text(prompt: &str, n: usize, pen: charm_coordinator::sampling::Pena
 #[test]
 fn penalties_min_p_and_logprobs_behave_as_defined() {
     let s = Server::start(&[]);
-    let pen = charm_coordinator::sampling::Penalties {
+    let pen = charm_coordinator::decode::sampling::Penalties {
         presence: 1.5,
         frequency: 0.5,
         repetition: 1.3,
@@ -788,9 +867,10 @@ fn charm_chat_talks_to_a_local_model_and_to_a_server_alike() {
     let common = ["--max-tokens", "16", "--temperature", "0"];
     let model = demo();
     let local = [&["--model", model.to_str().unwrap()][..], &common].concat();
+    let drafted = [&local[..], &["--draft", "3"]].concat();
     let url = format!("http://{}", s.addr);
     let remote = [&["--url", url.as_str()][..], &common].concat();
-    for args in [&local, &remote] {
+    for args in [&local, &drafted, &remote] {
         // two turns: the second sees the first
         let out = chat(args, "Speak, Romeo.\nWho art thou?\n");
         assert!(out.contains(&format!("> {first}\n[")), "{out}");
@@ -805,7 +885,7 @@ fn charm_chat_talks_to_a_local_model_and_to_a_server_alike() {
 
 #[test]
 fn concurrent_requests_answer_exactly_as_one_at_a_time() {
-    // batched as they come, and with prompts read in chunks of 3 tokens between decode tokens
+    // batched, and with prompts read in chunks of 3 tokens between decode tokens
     for flags in [
         &["--parallel", "4"][..],
         &["--parallel", "4", "--batch-tokens", "3"],
@@ -835,9 +915,21 @@ fn concurrent_equals_alone(s: &Server) {
         .zip(lens)
         .map(|(p, n)| text(post(&s.addr, "/v1/completions", &ask(p, n))))
         .collect();
+    // Four long generations (past EOS) fill every slot (`--parallel 4`): the requests queue
+    // behind them, seen waiting all four, and start together when those clients leave, so that
+    // they run together however slowly the machine starts their threads (and, their lengths
+    // differing, still leave while others run). A blocker holds its slot from admission on,
+    // even one whose prompt waits for room in a step (`--batch-tokens 3` with three decoding).
+    let accepted = metric(&s.addr, "charm_requests_total");
+    let blockers: Vec<TcpStream> = (0..4)
+        .map(|_| send_stream(&s.addr, "Exeunt. ", 1000))
+        .collect();
+    wait_until("the four blockers admitted", || {
+        metric(&s.addr, "charm_requests_total") >= accepted + 4.0
+            && metric(&s.addr, "charm_queue_depth") == 0.0
+    });
     let addr = s.addr.clone();
-    let steps_before = metric(&s.addr, "charm_forward_steps_total");
-    let together: Vec<String> = std::thread::scope(|sc| {
+    let (together, steps_before): (Vec<String>, f64) = std::thread::scope(|sc| {
         let hs: Vec<_> = prompts
             .iter()
             .zip(lens)
@@ -846,21 +938,89 @@ fn concurrent_equals_alone(s: &Server) {
                 sc.spawn(move || text(post(&a, "/v1/completions", &b)))
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+        wait_until("all four requests waiting behind the blockers", || {
+            metric(&addr, "charm_queue_depth") >= 4.0
+        });
+        let steps_before = metric(&addr, "charm_forward_steps_total");
+        drop(blockers);
+        (
+            hs.into_iter().map(|h| h.join().unwrap()).collect(),
+            steps_before,
+        )
     });
     assert_eq!(together, alone);
     assert!(alone.iter().all(|t| !t.is_empty()));
-    assert!(
-        metric(&s.addr, "charm_batch_size_peak") >= 2.0,
-        "the requests never ran together"
-    );
-    // one step serves every running sequence: far fewer steps than tokens generated
+    // one step serves every running sequence: far fewer steps than tokens generated (the steps
+    // counted include the blockers' last ones; a step gives a sequence one token at most, so
+    // this also says that the requests ran together)
     let steps = metric(&s.addr, "charm_forward_steps_total") - steps_before;
     let tokens: u64 = lens.iter().sum();
     assert!(
         steps < tokens as f64 * 0.75,
-        "{steps} forward steps for {tokens} tokens"
+        "{steps} forward steps for {tokens} tokens: the requests never ran together"
     );
+}
+
+#[test]
+fn speculative_serving_answers_exactly_as_plain_serving() {
+    let plain = Server::start(&[]);
+    let asks = [
+        json!({"prompt": "ROMEO. ", "max_tokens": 48, "temperature": 0}),
+        json!({"prompt": "KING. What", "max_tokens": 40, "temperature": 0.8, "seed": 5, "logprobs": 2}),
+        json!({"prompt": "JULIET.\n", "max_tokens": 32, "temperature": 0, "presence_penalty": 0.5, "repetition_penalty": 1.2}),
+    ];
+    let answer = |addr: &str, a: &Value| {
+        let r = post(addr, "/v1/completions", a).json();
+        (
+            r["choices"][0]["text"].clone(),
+            r["choices"][0]["logprobs"].clone(),
+            r["usage"].clone(),
+        )
+    };
+    let want: Vec<_> = asks.iter().map(|a| answer(&plain.addr, a)).collect();
+    for flags in [
+        &["--parallel", "4", "--draft", "3"][..],
+        &[
+            "--parallel",
+            "4",
+            "--draft",
+            "4",
+            "--draft-fixed",
+            "--batch-tokens",
+            "5",
+        ],
+        &[
+            "--parallel",
+            "4",
+            "--draft",
+            "2",
+            "--draft-source",
+            "lookup",
+            "--draft-fixed",
+        ],
+    ] {
+        let s = Server::start(flags);
+        for (a, w) in asks.iter().zip(&want) {
+            let (text, lp, usage) = answer(&s.addr, a);
+            assert_eq!((&text, &lp), (&w.0, &w.1), "{flags:?} {a}");
+            assert_eq!(usage["completion_tokens"], w.2["completion_tokens"]);
+        }
+        // four concurrent streams of different lengths, each as alone
+        concurrent_equals_alone(&s);
+        let drafted = metric(&s.addr, "charm_draft_tokens_total");
+        let accepted = metric(&s.addr, "charm_draft_accepted_tokens_total");
+        assert!(
+            drafted > 0.0 && accepted <= drafted,
+            "{flags:?}: {accepted} of {drafted}"
+        );
+        if flags.contains(&"--draft-fixed") {
+            // every request drafted: its usage says how many drafts were kept
+            let (_, _, usage) = answer(&s.addr, &asks[0]);
+            let d = &usage["completion_tokens_details"];
+            assert!(d["accepted_prediction_tokens"].is_u64(), "{usage}");
+            assert!(d["rejected_prediction_tokens"].is_u64(), "{usage}");
+        }
+    }
 }
 
 /// The content of a greedy chat answer of at most `max_tokens` tokens to `msgs`.
@@ -900,7 +1060,7 @@ fn a_conversation_reuses_its_earlier_turns_and_answers_as_from_a_cold_prefill() 
 
 #[test]
 fn generation_config_adds_its_stop_tokens() {
-    use charm_coordinator::gateway::stop_token_ids;
+    use charm_coordinator::serve::stop_token_ids;
     use charm_shared::config::ModelSpec;
     let spec = ModelSpec::from_dir(&demo()).unwrap();
     let ids = stop_token_ids(&demo(), &spec);

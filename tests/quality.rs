@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use charm_coordinator::model::{read_expert, WeightSource};
-use charm_coordinator::quality::compare;
+use charm_coordinator::ops::quality::compare;
 use charm_coordinator::Model;
 use charm_shared::checkpoint::Checkpoint;
 use charm_shared::config::ModelSpec;
@@ -209,6 +209,8 @@ fn guard(mix: &str) -> (f64, f64) {
 #[test]
 fn quantized_containers_compute_their_declared_rounding_and_hold_their_quality() {
     let mut worst: Vec<(String, f64, f64)> = Vec::new();
+    // lowest argmax agreement and highest mean KL against the simulation, over everything
+    let (mut sim_top1, mut sim_kl) = (1.0f64, 0.0f64);
     for mix in MIXES {
         for f in FIXTURES {
             let out = convert_mix(f, mix);
@@ -232,12 +234,16 @@ fn quantized_containers_compute_their_declared_rounding_and_hold_their_quality()
             )
             .unwrap();
             let s = compare(&got, &logits(&sim, &ids), v);
+            (sim_top1, sim_kl) = (sim_top1.min(s.top1), sim_kl.max(s.mean_kl));
             eprintln!(
                 "{f} {}: vs simulation top1 {:.3} mean KL {:.2e}",
                 mix.0, s.top1, s.mean_kl
             );
+            // docs/quality.md: every argmax agrees and the mean KL stays below 1e-9 nats (measured
+            // 4e-14 to 2e-13: only the float summation order differs)
             assert!(
-                std::env::var("CHARM_QUALITY_MEASURE").is_ok() || s.mean_kl < 1e-6,
+                std::env::var("CHARM_QUALITY_MEASURE").is_ok()
+                    || (s.top1 == 1.0 && s.mean_kl < 1e-9),
                 "{f} {}: container departs from its declared rounding: {s:?}",
                 mix.0
             );
@@ -276,5 +282,6 @@ fn quantized_containers_compute_their_declared_rounding_and_hold_their_quality()
             std::fs::remove_dir_all(&out).unwrap();
         }
     }
+    eprintln!("vs simulation, worst of all: top1 {sim_top1:.3} mean KL {sim_kl:.2e}");
     assert_eq!(worst.len(), MIXES.len() * FIXTURES.len());
 }

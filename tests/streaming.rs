@@ -6,9 +6,9 @@ mod common;
 
 use std::path::Path;
 
-use charm_coordinator::generate::generate;
-use charm_coordinator::plan::Plan;
-use charm_coordinator::sampling::{Sampler, SamplingParams};
+use charm_coordinator::decode::generate::generate;
+use charm_coordinator::decode::sampling::{Sampler, SamplingParams};
+use charm_coordinator::ops::plan::Plan;
 use charm_coordinator::{Engine, EngineOptions, ForwardOptions, HistoryPolicy, Model};
 use common::*;
 use serde_json::Value;
@@ -392,6 +392,28 @@ fn one_token_step(m: &Engine, layer: usize, ids: &[u32]) {
     store.step_end();
 }
 
+/// Polls the store's statistics until `ok` holds (a reader thread works at its own pace: on a
+/// loaded machine it may take long), failing after a minute; returns the statistics that held.
+fn wait_for_stats(
+    store: &charm_worker::StreamingExperts,
+    what: &str,
+    ok: impl Fn(&charm_shared::expert::ExpertStats) -> bool,
+) -> charm_shared::expert::ExpertStats {
+    use charm_shared::expert::ExpertExecutor;
+    let t = std::time::Instant::now();
+    loop {
+        let s = store.stats().unwrap();
+        if ok(&s) {
+            return s;
+        }
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(60),
+            "gave up waiting for {what}: {s:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn a_step_needing_experts_only_guessed_early_does_not_wait_forever() {
     // Early guesses are read only while the disk idles; a step that needs one of them before
@@ -443,7 +465,13 @@ fn a_read_ahead_that_could_only_displace_hotter_experts_is_not_read() {
     use charm_shared::expert::ExpertExecutor;
     let before = store.stats().unwrap();
     store.prefetch(layer, &[10, 11, 12, 13], 4);
-    // time for a reader to take every guess it would take
+    // the staging room's read arrives (however loaded the machine)...
+    wait_for_stats(&store, "the read ahead into the staging room", |s| {
+        s.reads > before.reads
+    });
+    // ...and no other guess follows it: the reader has nothing else it would take (this pause
+    // gives a wrong store time to show an extra read; a slow machine can only hide one, never
+    // fail a correct store)
     std::thread::sleep(std::time::Duration::from_millis(300));
     let mid = store.stats().unwrap();
     assert_eq!(
@@ -479,9 +507,8 @@ fn less_sure_lookahead_predictions_wait_for_an_idle_disk() {
     let store = m.store.clone().expect("a container streams");
     use charm_shared::expert::{ExpertBatch, ExpertExecutor};
     store.prefetch(layer, &[7, 3, 0, 5, 1, 6], 3);
-    // nothing else to read: the disk idles, and the rest follows
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    let s = store.stats().unwrap();
+    // nothing else to read: the disk idles, and the rest follows (six experts, each read once)
+    let s = wait_for_stats(&store, "all six predictions read", |s| s.reads >= 6);
     assert_eq!(
         (s.lookahead_reads, s.early_reads, s.reads),
         (3, 3, 6),

@@ -1,51 +1,33 @@
-//! charm's coordinator: the dense forward pass, the KV cache, routing and decoding.
+//! charm's coordinator: the dense forward pass, decoding, the cluster client and the HTTP server.
 //!
 //! # Layout
-//! - [`engine`]: the one loader: model directory + options -> model, expert executor, plan.
-//! - [`model`]: weights of the dense skeleton, loaded from a checkpoint; routed experts are
-//!   handed to an [`charm_shared::expert::ExpertExecutor`].
-//! - [`evaluate`]: held-out perplexity, MTP draft acceptance, routing skew.
-//! - [`forward`]: the forward pass (MLA / GQA attention, DSA selection, MoE), the MTP head, traces.
-//! - [`convert`]: Hugging Face checkpoint -> charm container, resumable.
-//! - [`cache`]: the per-sequence KV cache (compressed latents for MLA).
-//! - [`quality`]: top-1 agreement and KL divergence against reference logits.
-//! - [`rope`]: rotary embeddings.
-//! - [`sampling`]: greedy and seeded stochastic sampling.
-//! - [`tokenizer`]: text <-> ids via `tokenizer.json`.
-//! - [`chat`]: chat templates rendered as transformers renders them.
-//! - [`gateway`]: the OpenAI-compatible HTTP server of `charm serve`.
-//! - [`tools`]: tool calls taken out of generated text.
-//! - [`generate`]: prefill + decode loop with timings.
-//! - [`info`]: parameter and byte accounting for `charm info`.
-//! - [`synth`]: deterministic synthetic containers with GLM-5.2 shapes.
-//! - [`doctor`]: readiness checks with stable ids.
-//! - [`cluster`]: the cluster file and the placement of routed experts on workers.
-//! - [`remote`]: the expert executor that sends routed experts to workers over QUIC.
-//! - [`plan`]: single-box memory planning (budget, expert cache size, expected disk traffic).
+//! - [`model`]: the dense skeleton's weights, the forward pass (MLA / GQA attention, DSA
+//!   selection, MoE, the MTP head), the KV cache, rotary embeddings, and the [`Engine`] that
+//!   loads a model directory with its expert executor.
+//! - [`decode`]: the generation loop, sampling, the tokenizer, chat templates, tool calls and the
+//!   reasoning split.
+//! - [`cluster`]: the cluster file, the placement of routed experts on workers, and the remote
+//!   expert executor that sends expert work to them over QUIC.
+//! - [`serve`]: the OpenAI- and Anthropic-compatible HTTP server of `charm serve`, its batch
+//!   scheduler, the prefix cache and the conversation KV log.
+//! - [`ops`]: convert, synth, doctor, plan, info, evaluate, quality.
+//!
+//! # How a request flows
+//! An HTTP request ([`serve`]) is turned into one internal generation request, queued, and taken
+//! by the scheduler, which runs one batched forward step ([`model::forward`]) for every running
+//! sequence. Each MoE layer hands its routed experts to an
+//! [`charm_shared::expert::ExpertExecutor`]: the local expert store (RAM, or streamed from disk,
+//! in `charm-worker`) or the cluster's workers over QUIC ([`cluster::remote`]), whose kernels live
+//! in `charm-shared`. The logits are sampled ([`decode::sampling`]) and the text goes back to
+//! the client as it comes. `docs/architecture.md` follows the path file by file.
 
-pub mod cache;
-pub mod chat;
 pub mod cluster;
-pub mod convert;
-pub mod doctor;
-pub mod engine;
-pub mod evaluate;
-pub mod forward;
-pub mod gateway;
-pub mod generate;
-pub mod info;
-pub mod kvlog;
+pub mod decode;
 pub mod model;
-pub mod plan;
-pub mod quality;
-pub mod remote;
-pub mod rope;
-pub mod sampling;
-pub mod synth;
-pub mod tokenizer;
-pub mod tools;
+pub mod ops;
+pub mod serve;
 
-pub use cache::KvCache;
-pub use engine::{Engine, EngineOptions, HistoryPolicy};
-pub use forward::{ForwardError, ForwardOptions, MlaMode, Step, Trace};
+pub use model::cache::KvCache;
+pub use model::engine::{Engine, EngineOptions, HistoryPolicy};
+pub use model::forward::{ForwardError, ForwardOptions, MlaMode, Step, Trace};
 pub use model::Model;

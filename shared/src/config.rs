@@ -377,6 +377,17 @@ impl RopeParams {
         max_pos: usize,
         path: &Path,
     ) -> Result<RopeSpec, LoadError> {
+        // (before anything is sized by it: an absurd dimension from a hostile config.json would
+        // otherwise ask for terabytes)
+        if dim > limits::MAX_HEAD_DIM {
+            return Err(LoadError::config(
+                path,
+                format!(
+                    "the rotary dimension {dim} is outside 1..={}",
+                    limits::MAX_HEAD_DIM
+                ),
+            ));
+        }
         let base = self.rope_theta.unwrap_or(10000.0);
         if !(base.is_finite() && base > 1.0) {
             return Err(LoadError::config(

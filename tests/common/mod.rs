@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use charm_coordinator::cache::KvCache;
+use charm_coordinator::model::cache::KvCache;
 use charm_coordinator::{ForwardOptions, Model};
 use charm_shared::dtype::to_f32;
 use charm_shared::safetensors::SafetensorsFile;

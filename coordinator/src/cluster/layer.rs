@@ -1,0 +1,287 @@
+//! One MoE layer's expert work across the cluster: runs assigned to live holders, one request
+//! per worker, a second wave on other holders for what failed, the rest on this machine, and the
+//! answers combined in ascending expert order.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use charm_shared::expert::{combine, gather, ExpertBatch, ExpertError, ExpertExecutor};
+use charm_shared::wire::{ComputeRequest, Run};
+
+use super::link::{request, Answer};
+use super::remote::Inner;
+use crate::cluster::Placement;
+
+/// A layer's batch with owned buffers, for the task that serves it.
+pub(super) struct OwnedBatch {
+    pub(super) step: u64,
+    pub(super) layer: usize,
+    pub(super) x: Vec<f32>,
+    pub(super) n_tokens: usize,
+    pub(super) ids: Vec<u32>,
+    pub(super) weights: Vec<f32>,
+    pub(super) top_k: usize,
+}
+
+impl OwnedBatch {
+    pub(super) fn new(b: &ExpertBatch<'_>) -> Self {
+        Self {
+            step: b.step,
+            layer: b.layer,
+            x: b.x.to_vec(),
+            n_tokens: b.n_tokens,
+            ids: b.ids.to_vec(),
+            weights: b.weights.to_vec(),
+            top_k: b.top_k,
+        }
+    }
+    pub(super) fn batch(&self) -> ExpertBatch<'_> {
+        ExpertBatch {
+            step: self.step,
+            layer: self.layer,
+            x: &self.x,
+            n_tokens: self.n_tokens,
+            ids: &self.ids,
+            weights: &self.weights,
+            top_k: self.top_k,
+        }
+    }
+}
+
+/// Per worker, the runs (indices into the layer's runs) it is asked for.
+pub(super) type Assignment = Vec<(usize, Vec<usize>)>;
+
+/// Spreads `todo` runs over live holders (least rows first), skipping `avoid`; the rest is
+/// returned for local compute.
+pub(super) fn assign(
+    p: &Placement,
+    live: &[bool],
+    avoid: &[usize],
+    b: &ExpertBatch<'_>,
+    runs: &[(u32, Vec<usize>)],
+    todo: &[usize],
+) -> (Assignment, Vec<usize>) {
+    let mut load = vec![0usize; live.len()];
+    let mut out: Assignment = Vec::new();
+    let mut local = Vec::new();
+    for &r in todo {
+        let (id, slots) = &runs[r];
+        let best = p
+            .holders(b.layer, *id)
+            .iter()
+            .copied()
+            .filter(|&w| live[w] && !avoid.contains(&w))
+            .min_by_key(|&w| (load[w], w));
+        match best {
+            Some(w) => {
+                load[w] += slots.len();
+                match out.iter_mut().find(|(x, _)| *x == w) {
+                    Some((_, v)) => v.push(r),
+                    None => out.push((w, vec![r])),
+                }
+            }
+            None => local.push(r),
+        }
+    }
+    (out, local)
+}
+
+/// The request for `runs[idx]` of batch `b`: each token's row once, runs ascending by expert;
+/// the rows as int8 codes in groups of `codes_group` where that is exact (int8 activations, a
+/// worker whose experts all quantize them in such groups), else f32.
+pub(super) fn build_request(
+    id: u64,
+    b: &ExpertBatch<'_>,
+    h: usize,
+    activations: &str,
+    codes_group: usize,
+    runs: &[(u32, Vec<usize>)],
+    idx: &[usize],
+) -> ComputeRequest {
+    let mut row_of: HashMap<usize, u32> = HashMap::new();
+    let mut x = Vec::new();
+    let mut out = Vec::with_capacity(idx.len());
+    for &r in idx {
+        let (expert, slots) = &runs[r];
+        let rows = slots
+            .iter()
+            .map(|&s| {
+                let t = s / b.top_k;
+                *row_of.entry(t).or_insert_with(|| {
+                    x.extend_from_slice(&b.x[t * h..(t + 1) * h]);
+                    (x.len() / h - 1) as u32
+                })
+            })
+            .collect();
+        out.push(Run {
+            expert: *expert,
+            rows,
+        });
+    }
+    let coded = (activations == "int8" && codes_group > 0 && h.is_multiple_of(codes_group))
+        .then(|| charm_shared::wire::ActCodes::encode(&x, codes_group))
+        .flatten();
+    let (x, group, codes, amax) = match coded {
+        Some(c) => (vec![], codes_group as u32, c.codes, c.amax),
+        None => (x, 0, vec![], vec![]),
+    };
+    ComputeRequest {
+        id,
+        step: b.step,
+        layer: b.layer as u32,
+        hidden: h as u32,
+        activations: activations.to_string(),
+        x,
+        group,
+        codes,
+        amax,
+        runs: out,
+    }
+}
+
+/// One run's unweighted outputs from `local`: its rows as a batch of one expert per row with
+/// gate weight 1 (`0 + 1 * y` is `y`, up to the sign of a zero, which the sum cannot see).
+pub(super) fn local_rows(
+    local: &dyn ExpertExecutor,
+    b: &ExpertBatch<'_>,
+    run: &(u32, Vec<usize>),
+    h: usize,
+) -> Result<Vec<f32>, ExpertError> {
+    let x = gather(b, &run.1, h);
+    let n = run.1.len();
+    let ids = vec![run.0; n];
+    let weights = vec![1.0f32; n];
+    local.run(ExpertBatch {
+        step: b.step,
+        layer: b.layer,
+        x: &x,
+        n_tokens: n,
+        ids: &ids,
+        weights: &weights,
+        top_k: 1,
+    })
+}
+
+/// Serves one layer: requests to workers, retries on other holders, the rest locally.
+pub(super) async fn serve(
+    self_: Arc<Inner>,
+    owned: Arc<OwnedBatch>,
+    runs: Arc<Vec<(u32, Vec<usize>)>>,
+) -> Result<Vec<f32>, ExpertError> {
+    let s = &self_.shared;
+    let b = owned.batch();
+    let h = self_.hidden;
+    let p = s.placement.read().expect("placement lock").clone();
+    let mut outs: Vec<Option<Vec<f32>>> = vec![None; runs.len()];
+    let mut todo: Vec<usize> = (0..runs.len()).collect();
+    let mut avoid: Vec<usize> = Vec::new();
+    let mut local_jobs = Vec::new();
+    // two waves: the preferred holders, then other live holders of what failed
+    for _wave in 0..2 {
+        let live: Vec<bool> = s.workers.iter().map(|w| w.conn().is_some()).collect();
+        let (asked, local) = assign(&p, &live, &avoid, &b, &runs, &todo);
+        if !local.is_empty() {
+            self_
+                .fallbacks
+                .fetch_add(local.len() as u64, Ordering::Relaxed);
+            let (l, o, r) = (self_.local.clone(), owned.clone(), runs.clone());
+            local_jobs.push(tokio::task::spawn_blocking(move || {
+                let b = o.batch();
+                local
+                    .into_iter()
+                    .map(|i| Ok((i, local_rows(&*l, &b, &r[i], h)?)))
+                    .collect::<Result<Vec<_>, ExpertError>>()
+            }));
+        }
+        todo.clear();
+        let mut tasks = Vec::new();
+        for (w, idx) in asked {
+            let Some(conn) = s.workers[w].conn() else {
+                todo.extend(idx);
+                continue;
+            };
+            let codes_group = s.workers[w]
+                .hello
+                .lock()
+                .expect("worker lock")
+                .as_ref()
+                .map_or(0, |h| h.act_group as usize);
+            let req = build_request(
+                self_.next_id.fetch_add(1, Ordering::Relaxed),
+                &b,
+                h,
+                s.hello.activations.first().map_or("f32", |a| a.as_str()),
+                codes_group,
+                &runs,
+                &idx,
+            );
+            let s2 = s.clone();
+            tasks.push((
+                w,
+                idx,
+                tokio::spawn(
+                    async move { request(&s2.workers[w], conn, req, s2.opts.deadline).await },
+                ),
+            ));
+        }
+        for (w, idx, t) in tasks {
+            match t.await {
+                Ok(Answer::Done(r)) => {
+                    for (i, o) in idx.into_iter().zip(r.outputs) {
+                        outs[i] = Some(o);
+                    }
+                }
+                Ok(Answer::Refused(_)) | Ok(Answer::Broken(_)) | Err(_) => {
+                    avoid.push(w);
+                    todo.extend(idx);
+                }
+            }
+        }
+        if todo.is_empty() {
+            break;
+        }
+    }
+    if !todo.is_empty() {
+        // what the second wave could not place either
+        self_
+            .fallbacks
+            .fetch_add(todo.len() as u64, Ordering::Relaxed);
+        let (l, o, r) = (self_.local.clone(), owned.clone(), runs.clone());
+        let rest = std::mem::take(&mut todo);
+        local_jobs.push(tokio::task::spawn_blocking(move || {
+            let b = o.batch();
+            rest.into_iter()
+                .map(|i| Ok((i, local_rows(&*l, &b, &r[i], h)?)))
+                .collect::<Result<Vec<_>, ExpertError>>()
+        }));
+    }
+    for j in local_jobs {
+        let done = j
+            .await
+            .map_err(|e| ExpertError::Internal(format!("local expert task: {e}")))?
+            .map_err(|e| match e {
+                ExpertError::Unavailable { layer, expert, why } => ExpertError::Unavailable {
+                    layer,
+                    expert,
+                    why: format!("{why}; {}", s.holders_of(layer, expert)),
+                },
+                e => e,
+            })?;
+        for (i, o) in done {
+            outs[i] = Some(o);
+        }
+    }
+    let outs: Vec<Vec<f32>> = outs
+        .into_iter()
+        .enumerate()
+        .map(|(i, o)| {
+            o.ok_or_else(|| ExpertError::Unavailable {
+                layer: b.layer,
+                expert: runs[i].0,
+                why: "no holder answered".into(),
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(combine(&b, h, &runs, &outs))
+}

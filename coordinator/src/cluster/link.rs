@@ -1,0 +1,157 @@
+//! One worker's QUIC connection: the handshake, heartbeats and redials, and one compute request
+//! with its deadline and checked answer.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use charm_shared::wire::{encode, ComputeRequest, ComputeResult, Hello, Message, PROTOCOL_VERSION};
+use charm_worker::server::{read_frame, write_frame};
+
+use super::workers::{Shared, Worker};
+use crate::cluster::WorkerAddr;
+
+/// Keeps worker `i` in use: pings it while connected, dials it again while not.
+pub(super) async fn keep(s: Arc<Shared>, i: usize) {
+    let w = &s.workers[i];
+    let mut seq = 0u64;
+    loop {
+        tokio::time::sleep(s.opts.heartbeat).await;
+        match w.conn() {
+            Some(c) => {
+                seq += 1;
+                let t = Instant::now();
+                let limit = s.handshake_limit();
+                match tokio::time::timeout(limit, ping(c, seq)).await {
+                    Ok(Ok(())) => w
+                        .ping_us
+                        .store(t.elapsed().as_micros() as u64, Ordering::Relaxed),
+                    Ok(Err(e)) => w.lost(format!("heartbeat: {e}")),
+                    Err(_) => w.lost(format!("no heartbeat answer within {limit:?}")),
+                }
+            }
+            None => {
+                let r = handshake(&s.endpoint, &w.addr, &s.hello, s.handshake_limit())
+                    .await
+                    .and_then(|(c, h)| s.join(i, c, h));
+                if let Err(e) = r {
+                    *w.error.lock().expect("worker lock") = Some(e);
+                }
+            }
+        }
+    }
+}
+
+pub(super) async fn ping(c: quinn::Connection, seq: u64) -> Result<(), String> {
+    let (mut send, mut recv) = c.open_bi().await.map_err(|e| e.to_string())?;
+    write_frame(&mut send, &Message::Ping { seq })
+        .await
+        .map_err(|e| e.to_string())?;
+    match read_frame(&mut recv).await.map_err(|e| e.to_string())?.0 {
+        Message::Pong { seq: s } if s == seq => Ok(()),
+        _ => Err("answered a ping with something else".into()),
+    }
+}
+
+pub(super) async fn handshake(
+    ep: &quinn::Endpoint,
+    w: &WorkerAddr,
+    hello: &Hello,
+    limit: Duration,
+) -> Result<(quinn::Connection, Hello), String> {
+    let go = async {
+        let conn = ep
+            .connect(w.addr, &w.name)
+            .map_err(|e| e.to_string())?
+            .await
+            .map_err(|e| format!("TLS/QUIC handshake: {e}"))?;
+        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+        write_frame(&mut send, &Message::Hello(hello.clone()))
+            .await
+            .map_err(|e| e.to_string())?;
+        match read_frame(&mut recv).await.map_err(|e| e.to_string())?.0 {
+            Message::Hello(h) if h.version != PROTOCOL_VERSION => Err(format!(
+                "speaks protocol version {}, this coordinator {PROTOCOL_VERSION}",
+                h.version
+            )),
+            Message::Hello(h) if h.model != hello.model => Err(format!(
+                "serves model {}, this coordinator {}",
+                h.model, hello.model
+            )),
+            Message::Hello(h) => Ok((conn, h)),
+            Message::Refused { reason } => Err(format!("refused: {reason}")),
+            _ => Err("answered the hello with something else".into()),
+        }
+    };
+    tokio::time::timeout(limit, go)
+        .await
+        .map_err(|_| format!("no handshake within {limit:?}"))?
+}
+
+/// What one request to one worker came back with.
+pub(super) enum Answer {
+    Done(ComputeResult),
+    /// The worker is fine but could not serve it.
+    Refused(String),
+    /// The connection or the answer is broken: the worker is dropped from use.
+    Broken(String),
+}
+
+/// Sends one request on its own stream and waits for its checked result.
+pub(super) async fn request(
+    w: &Worker,
+    conn: quinn::Connection,
+    req: ComputeRequest,
+    limit: Duration,
+) -> Answer {
+    let t = Instant::now();
+    // encoded in place (the activations are not copied), kept to check the answer against
+    let m = Message::Compute(req);
+    let frame = encode(&m);
+    let Message::Compute(req) = m else {
+        unreachable!("built above")
+    };
+    let req = &req;
+    let go = async {
+        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+        let frame = frame.map_err(|e| e.to_string())?;
+        send.write_all(&frame).await.map_err(|e| e.to_string())?;
+        send.finish().map_err(|e| e.to_string())?;
+        w.sent.fetch_add(frame.len() as u64, Ordering::Relaxed);
+        let (m, n) = read_frame(&mut recv).await.map_err(|e| e.to_string())?;
+        w.received.fetch_add(n as u64, Ordering::Relaxed);
+        Ok::<_, String>(m)
+    };
+    w.requests.fetch_add(1, Ordering::Relaxed);
+    if req.group > 0 {
+        w.coded.fetch_add(1, Ordering::Relaxed);
+    }
+    let a = match tokio::time::timeout(limit, go).await {
+        Err(_) => Answer::Broken(format!("no answer within {limit:?}")),
+        Ok(Err(e)) => Answer::Broken(e),
+        Ok(Ok(Message::Computed(r))) => match r.check(req) {
+            Ok(()) => Answer::Done(r),
+            Err(e) => Answer::Broken(format!("malformed result: {e}")),
+        },
+        Ok(Ok(Message::Failed { class, message, .. })) => {
+            Answer::Refused(format!("{class:?}: {message}"))
+        }
+        Ok(Ok(_)) => Answer::Broken("answered with something else".into()),
+    };
+    match &a {
+        Answer::Done(r) => {
+            w.rtt_us
+                .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+            w.compute_us.fetch_add(r.compute_us, Ordering::Relaxed);
+        }
+        Answer::Refused(why) => {
+            w.failures.fetch_add(1, Ordering::Relaxed);
+            *w.refusal.lock().expect("worker lock") = Some(why.clone());
+        }
+        Answer::Broken(why) => {
+            w.failures.fetch_add(1, Ordering::Relaxed);
+            w.lost(why.clone());
+        }
+    }
+    a
+}

@@ -1,0 +1,536 @@
+//! The cluster as the coordinator sees it: the cluster file (where the workers are, how long to
+//! wait for them, how many copies of the hot experts to keep) and the placement of routed experts
+//! on workers by capacity and heat. The sockets are in the submodules: [`remote`] is the expert
+//! executor that sends expert work to the workers; `workers`, `link` and `layer` keep the
+//! workers, talk to one, and serve one MoE layer across them; [`plan`] is `charm plan --cluster`.
+//!
+//! A cluster file is JSON:
+//!
+//! ```json
+//! {
+//!   "certs": ".",
+//!   "node": "coordinator",
+//!   "workers": ["w1@192.168.1.11:7070", "w2@192.168.1.12:7070"],
+//!   "deadline_ms": 30000,
+//!   "heartbeat_ms": 1000,
+//!   "replicas": 2,
+//!   "hot_share": 0.25,
+//!   "rebalance_steps": 256
+//! }
+//! ```
+//!
+//! `certs` (relative to the file) is the directory `charm cluster init` wrote: the cluster
+//! authority and the node certificates. Only `workers` is required. A directory given where a
+//! cluster file is expected means its `cluster.json`, with the directory as `certs`.
+
+mod layer;
+mod link;
+pub mod plan;
+pub mod remote;
+mod workers;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// File name of the cluster file inside a cluster directory.
+pub const CLUSTER_FILE: &str = "cluster.json";
+
+/// A worker as the coordinator dials it: `NAME@HOST:PORT`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerAddr {
+    /// Node name: the worker's certificate must carry it.
+    pub name: String,
+    pub addr: SocketAddr,
+}
+
+impl std::str::FromStr for WorkerAddr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (name, addr) = s
+            .split_once('@')
+            .ok_or_else(|| format!("worker `{s}`: write NAME@HOST:PORT"))?;
+        if !charm_worker::tls::valid_node_name(name) {
+            return Err(format!(
+                "worker `{s}`: node name `{name}` (1-63 letters, digits, `-` or `.`)"
+            ));
+        }
+        let addr = std::net::ToSocketAddrs::to_socket_addrs(addr)
+            .map_err(|e| format!("worker `{s}`: {e}"))?
+            .next()
+            .ok_or_else(|| format!("worker `{s}`: no address"))?;
+        Ok(Self {
+            name: name.into(),
+            addr,
+        })
+    }
+}
+
+/// How to reach and use the cluster.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClusterOptions {
+    /// The directory holding the cluster authority and node certificates.
+    pub certs: PathBuf,
+    /// This node's name there.
+    pub node: String,
+    pub workers: Vec<WorkerAddr>,
+    /// How long one layer's request may take before its experts go elsewhere.
+    pub deadline: Duration,
+    /// How often an idle worker is pinged, and a lost one dialled again.
+    pub heartbeat: Duration,
+    /// Copies of each hot expert (on different workers).
+    pub replicas: usize,
+    /// Share of each layer's experts, hottest first, that gets `replicas` copies.
+    pub hot_share: f64,
+    /// Forward steps between placements recomputed from the routing seen so far (0: only when
+    /// a worker joins). Experts that move are read from the new holder's disk, or fetched, on
+    /// first use; nothing stops.
+    pub rebalance_steps: u64,
+}
+
+impl ClusterOptions {
+    /// Options with the defaults for everything but the certificates, node and workers.
+    pub fn new(certs: PathBuf, node: &str, workers: Vec<WorkerAddr>) -> Self {
+        Self {
+            certs,
+            node: node.into(),
+            workers,
+            deadline: Duration::from_secs(30),
+            heartbeat: Duration::from_secs(1),
+            replicas: 1,
+            hot_share: 0.25,
+            rebalance_steps: 256,
+        }
+    }
+
+    /// Reads a cluster file, or the `cluster.json` of a cluster directory (a directory without
+    /// one lists no workers).
+    pub fn load(path: &Path) -> Result<Self, String> {
+        let (file, base) = if path.is_dir() {
+            (path.join(CLUSTER_FILE), path.to_path_buf())
+        } else {
+            (
+                path.to_path_buf(),
+                path.parent().unwrap_or(Path::new(".")).to_path_buf(),
+            )
+        };
+        if path.is_dir() && !file.exists() {
+            return Ok(Self::new(base, "coordinator", vec![]));
+        }
+        let text =
+            std::fs::read_to_string(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+        Self::parse(&text, &base).map_err(|e| format!("{}: {e}", file.display()))
+    }
+
+    /// Parses cluster-file text; relative paths are taken from `base`.
+    pub fn parse(text: &str, base: &Path) -> Result<Self, String> {
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct File {
+            certs: Option<PathBuf>,
+            node: Option<String>,
+            workers: Vec<String>,
+            deadline_ms: Option<u64>,
+            heartbeat_ms: Option<u64>,
+            replicas: Option<usize>,
+            hot_share: Option<f64>,
+            rebalance_steps: Option<u64>,
+        }
+        let f: File = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        let workers = f
+            .workers
+            .iter()
+            .map(|w| w.parse())
+            .collect::<Result<Vec<WorkerAddr>, _>>()?;
+        let mut o = Self::new(
+            base.join(f.certs.unwrap_or_else(|| ".".into())),
+            f.node.as_deref().unwrap_or("coordinator"),
+            workers,
+        );
+        if let Some(d) = f.deadline_ms {
+            o.deadline = Duration::from_millis(d);
+        }
+        if let Some(h) = f.heartbeat_ms {
+            o.heartbeat = Duration::from_millis(h);
+        }
+        o.replicas = f.replicas.unwrap_or(o.replicas);
+        o.hot_share = f.hot_share.unwrap_or(o.hot_share);
+        o.rebalance_steps = f.rebalance_steps.unwrap_or(o.rebalance_steps);
+        o.check()?;
+        Ok(o)
+    }
+
+    /// Refuses values that cannot work.
+    pub fn check(&self) -> Result<(), String> {
+        if !charm_worker::tls::valid_node_name(&self.node) {
+            return Err(format!("node name `{}`", self.node));
+        }
+        if self.deadline.is_zero() || self.heartbeat.is_zero() {
+            return Err("deadline_ms and heartbeat_ms must be positive".into());
+        }
+        if self.replicas == 0 {
+            return Err("replicas must be at least 1".into());
+        }
+        if !(0.0..=1.0).contains(&self.hot_share) {
+            return Err(format!("hot_share {} (0 to 1)", self.hot_share));
+        }
+        let mut names: Vec<&str> = self.workers.iter().map(|w| w.name.as_str()).collect();
+        names.sort_unstable();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            return Err(format!("worker {} listed twice", w[0]));
+        }
+        if names.contains(&self.node.as_str()) {
+            return Err(format!(
+                "worker {} has this coordinator's node name",
+                self.node
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The model fingerprint both sides of a cluster compare: CRC-32 and length of the files that
+/// define the model (its config, and the container manifest with its per-expert checksums or the
+/// checkpoint's safetensors index and headers).
+pub fn model_fingerprint(dir: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let err = |p: &Path, e: std::io::Error| format!("{}: {e}", p.display());
+    let mut parts: Vec<(PathBuf, u64)> = vec![(dir.join("config.json"), u64::MAX)];
+    let manifest = dir.join(charm_shared::container::MANIFEST);
+    if manifest.is_file() {
+        parts.push((manifest, u64::MAX));
+    } else {
+        let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| err(dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        shards.sort();
+        for s in shards {
+            // the length prefix and the JSON header it announces (the tensor index)
+            let mut prefix = [0u8; 8];
+            std::fs::File::open(&s)
+                .and_then(|mut f| f.read_exact(&mut prefix))
+                .map_err(|e| err(&s, e))?;
+            parts.push((s, 8 + u64::from_le_bytes(prefix).min(1 << 30)));
+        }
+    }
+    let mut h = crc32fast::Hasher::new();
+    let mut len = 0u64;
+    for (p, limit) in parts {
+        let mut buf = Vec::new();
+        std::fs::File::open(&p)
+            .and_then(|f| f.take(limit).read_to_end(&mut buf))
+            .map_err(|e| err(&p, e))?;
+        h.update(&buf);
+        len += buf.len() as u64;
+    }
+    Ok(format!("{:08x}-{len}", h.finalize()))
+}
+
+/// Worker processes on loopback (`charm worker` children of this process) with certificates
+/// in a temporary directory; killed and removed when dropped.
+#[derive(Debug)]
+pub struct Loopback {
+    pub dir: PathBuf,
+    children: Vec<std::process::Child>,
+    /// `NAME@127.0.0.1:PORT` of each worker.
+    pub workers: Vec<WorkerAddr>,
+}
+
+impl Loopback {
+    /// Starts `n` workers (`exe worker ...`, the `charm` binary) serving `model` in activation
+    /// mode `act` with `extra` arguments.
+    pub fn start(
+        exe: &Path,
+        model: &Path,
+        n: usize,
+        act: &str,
+        extra: &[&str],
+    ) -> Result<Self, String> {
+        use std::io::BufRead;
+        let dir = std::env::temp_dir().join(format!("charm-loopback-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let names: Vec<String> = (1..=n).map(|i| format!("w{i}")).collect();
+        let mut all = vec!["coordinator".to_string()];
+        all.extend(names.iter().cloned());
+        charm_worker::tls::init_cluster(&dir, &all).map_err(|e| e.to_string())?;
+        let mut lb = Self {
+            dir,
+            children: vec![],
+            workers: vec![],
+        };
+        for name in &names {
+            let mut c = std::process::Command::new(exe)
+                .args(["worker", "--listen", "127.0.0.1:0", "--model"])
+                .arg(model)
+                .args(["--node", name, "--cluster"])
+                .arg(&lb.dir)
+                .args(["--activations", act, "--history", "none"])
+                .args(extra)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::inherit())
+                .spawn()
+                .map_err(|e| format!("starting {}: {e}", exe.display()))?;
+            let mut line = String::new();
+            std::io::BufReader::new(c.stdout.take().expect("piped"))
+                .read_line(&mut line)
+                .map_err(|e| format!("reading worker {name}'s address: {e}"))?;
+            lb.children.push(c);
+            let addr = line
+                .trim()
+                .strip_prefix("listening on ")
+                .ok_or_else(|| format!("worker {name} did not start"))?;
+            lb.workers.push(format!("{name}@{addr}").parse()?);
+        }
+        Ok(lb)
+    }
+
+    /// Cluster options for these workers.
+    pub fn options(&self) -> ClusterOptions {
+        ClusterOptions::new(self.dir.clone(), "coordinator", self.workers.clone())
+    }
+}
+
+impl Drop for Loopback {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// What placement knows of one worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Capacity {
+    /// Bytes of RAM it gives experts (0: unknown, counted as the others' mean).
+    pub ram_bytes: u64,
+    /// Expert rows per second it measured (0: unknown, counted as the others' mean).
+    pub rate: f64,
+    /// Per MoE layer, the experts it can serve (its files).
+    pub holds: Vec<(usize, Vec<u32>)>,
+}
+
+impl Capacity {
+    fn holds(&self, layer: usize, id: u32) -> bool {
+        self.holds
+            .iter()
+            .find(|(l, _)| *l == layer)
+            .is_some_and(|(_, ids)| ids.binary_search(&id).is_ok())
+    }
+}
+
+/// Which workers hold which routed experts: per `(layer, expert)`, its holders, preferred first.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Placement {
+    /// Per MoE layer (in `layers` order), per expert, worker indices.
+    holders: Vec<Vec<Vec<usize>>>,
+    layers: Vec<usize>,
+}
+
+impl Placement {
+    /// Places the experts of `layers` (`(layer, expert count)`) on `workers` (`None`: not
+    /// connected, holds nothing). Each expert goes to the worker holding it with the lowest load
+    /// for its share of the cluster (RAM times measured speed, each relative to the mean); the hottest `hot_share` of each layer's experts by
+    /// `heat` (uses per expert, per layer; ties and no history: lower id first) get `replicas`
+    /// holders on different workers. Deterministic.
+    pub fn compute(
+        layers: &[(usize, usize)],
+        workers: &[Option<Capacity>],
+        heat: &dyn Fn(usize, u32) -> u64,
+        replicas: usize,
+        hot_share: f64,
+    ) -> Self {
+        // a worker's share: its RAM times its speed, each relative to the cluster's mean
+        let mean = |f: &dyn Fn(&Capacity) -> f64| {
+            let v: Vec<f64> = workers
+                .iter()
+                .flatten()
+                .map(f)
+                .filter(|&x| x > 0.0)
+                .collect();
+            if v.is_empty() {
+                1.0
+            } else {
+                v.iter().sum::<f64>() / v.len() as f64
+            }
+        };
+        let (ram, rate) = (mean(&|c| c.ram_bytes as f64), mean(&|c| c.rate));
+        let or = |x: f64, m: f64| if x > 0.0 { x / m } else { 1.0 };
+        let weight: Vec<f64> = workers
+            .iter()
+            .map(|c| match c {
+                Some(c) => or(c.ram_bytes as f64, ram) * or(c.rate, rate),
+                None => 0.0,
+            })
+            .collect();
+        let mut holders = Vec::with_capacity(layers.len());
+        for &(layer, n) in layers {
+            let mut order: Vec<u32> = (0..n as u32).collect();
+            order.sort_by_key(|&e| (std::cmp::Reverse(heat(layer, e)), e));
+            let hot = (hot_share * n as f64).round() as usize;
+            let mut load = vec![0usize; workers.len()];
+            let mut per = vec![Vec::new(); n];
+            for (rank, &e) in order.iter().enumerate() {
+                let copies = if rank < hot { replicas } else { 1 };
+                let mut can: Vec<usize> = (0..workers.len())
+                    .filter(|&w| {
+                        weight[w] > 0.0 && workers[w].as_ref().is_some_and(|c| c.holds(layer, e))
+                    })
+                    .collect();
+                for _ in 0..copies {
+                    let Some(pos) = (0..can.len()).min_by(|&a, &b| {
+                        let (wa, wb) = (can[a], can[b]);
+                        let la = (load[wa] + 1) as f64 / weight[wa];
+                        let lb = (load[wb] + 1) as f64 / weight[wb];
+                        la.total_cmp(&lb).then(wa.cmp(&wb))
+                    }) else {
+                        break;
+                    };
+                    let w = can.remove(pos);
+                    load[w] += 1;
+                    per[e as usize].push(w);
+                }
+            }
+            holders.push(per);
+        }
+        Self {
+            holders,
+            layers: layers.iter().map(|l| l.0).collect(),
+        }
+    }
+
+    /// The workers placed for `expert` of `layer`, preferred first (empty: none).
+    pub fn holders(&self, layer: usize, expert: u32) -> &[usize] {
+        self.layers
+            .iter()
+            .position(|&l| l == layer)
+            .and_then(|i| self.holders[i].get(expert as usize))
+            .map_or(&[], |v| v.as_slice())
+    }
+
+    /// Experts placed on worker `w`, summed over layers.
+    pub fn count(&self, w: usize) -> usize {
+        self.holders
+            .iter()
+            .flatten()
+            .filter(|h| h.contains(&w))
+            .count()
+    }
+
+    /// Per MoE layer, the experts placed on worker `w`.
+    pub fn assigned(&self, w: usize) -> Vec<(usize, Vec<u32>)> {
+        self.layers
+            .iter()
+            .zip(&self.holders)
+            .map(|(&l, per)| {
+                let ids = (0..per.len() as u32)
+                    .filter(|&e| per[e as usize].contains(&w))
+                    .collect();
+                (l, ids)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all(layers: &[(usize, usize)], ram: u64) -> Capacity {
+        Capacity {
+            ram_bytes: ram,
+            rate: 0.0,
+            holds: layers
+                .iter()
+                .map(|&(l, n)| (l, (0..n as u32).collect()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn experts_spread_by_capacity_and_hot_ones_are_replicated() {
+        let layers = [(1, 16), (2, 16)];
+        let w = vec![Some(all(&layers, 3 << 30)), Some(all(&layers, 1 << 30))];
+        let p = Placement::compute(&layers, &w, &|_, _| 0, 1, 0.0);
+        // 3:1 capacity -> 12 and 4 experts per layer
+        assert_eq!((p.count(0), p.count(1)), (24, 8));
+        for l in [1, 2] {
+            for e in 0..16 {
+                assert_eq!(p.holders(l, e).len(), 1);
+            }
+        }
+        // the 4 hottest of layer 1 (by heat) on both workers
+        let heat = |l: usize, e: u32| if l == 1 && e >= 12 { 100 + e as u64 } else { 0 };
+        let p = Placement::compute(&layers, &w, &heat, 2, 0.25);
+        for e in 12..16 {
+            assert_eq!(p.holders(1, e).len(), 2, "expert {e}");
+        }
+        // layer 2's hot set is its lowest ids (no history there)
+        for e in 0..4 {
+            assert_eq!(p.holders(2, e).len(), 2);
+        }
+        assert_eq!(p.holders(1, 0).len(), 1);
+        assert!(p.holders(3, 0).is_empty());
+        // equal RAM, one worker three times as fast: 3:1 again
+        let fast = |rate| Capacity {
+            rate,
+            ..all(&layers, 1 << 30)
+        };
+        let p = Placement::compute(
+            &layers,
+            &[Some(fast(3e4)), Some(fast(1e4))],
+            &|_, _| 0,
+            1,
+            0.0,
+        );
+        assert_eq!((p.count(0), p.count(1)), (24, 8));
+        // more replicas than workers: one copy on each
+        let p = Placement::compute(&layers, &w, &|_, _| 0, 5, 1.0);
+        assert!((0..16).all(|e| p.holders(1, e).len() == 2));
+    }
+
+    #[test]
+    fn an_absent_worker_or_one_without_the_files_holds_nothing() {
+        let layers = [(0, 8)];
+        let partial = Capacity {
+            ram_bytes: 0,
+            rate: 0.0,
+            holds: vec![(0, vec![0, 1])],
+        };
+        let w = vec![None, Some(partial), Some(all(&layers, 0))];
+        let p = Placement::compute(&layers, &w, &|_, _| 0, 1, 0.0);
+        assert_eq!(p.count(0), 0);
+        assert!(p.assigned(1)[0].1.iter().all(|&e| e < 2));
+        assert_eq!(p.count(1) + p.count(2), 8);
+    }
+
+    #[test]
+    fn cluster_files_parse_or_say_what_is_wrong() {
+        let o = ClusterOptions::parse(
+            r#"{"workers": ["w1@127.0.0.1:7070", "w2@[::1]:7071"], "replicas": 2, "certs": "c"}"#,
+            Path::new("/etc/charm"),
+        )
+        .unwrap();
+        assert_eq!(o.workers.len(), 2);
+        assert_eq!(o.certs, Path::new("/etc/charm/c"));
+        assert_eq!((o.replicas, o.node.as_str()), (2, "coordinator"));
+        for (bad, why) in [
+            (r#"{"workers": ["127.0.0.1:7070"]}"#, "NAME@HOST:PORT"),
+            (
+                r#"{"workers": ["a@127.0.0.1:1", "a@127.0.0.1:2"]}"#,
+                "twice",
+            ),
+            (r#"{"workers": [], "replicas": 0}"#, "replicas"),
+            (r#"{"workers": [], "colour": 1}"#, "colour"),
+            (r#"{"workers": [], "hot_share": 2}"#, "hot_share"),
+            (r#"{"workers": ["coordinator@127.0.0.1:1"]}"#, "node name"),
+            (r#"{"workers": [], "deadline_ms": 0}"#, "positive"),
+        ] {
+            let e = ClusterOptions::parse(bad, Path::new(".")).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
+}

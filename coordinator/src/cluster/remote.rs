@@ -1,0 +1,388 @@
+//! Routed experts on other machines: an [`ExpertExecutor`] that sends each MoE layer's expert
+//! work to the cluster's workers over QUIC with mutual TLS and combines their answers exactly as
+//! single-box mode does.
+//!
+//! - **Requests.** Per layer and step, one request per worker carries the rows of every token
+//!   routed to the experts asked of it (the union over the step's tokens, each token's row once);
+//!   they are in flight while the caller computes its shared expert
+//!   ([`ExpertExecutor::start`]) and while this machine computes the experts no worker takes.
+//! - **Exactness.** Workers return unweighted per-expert outputs, added here in ascending expert
+//!   order ([`combine`]) as single-box does, so logits are bit-identical whatever the placement.
+//! - **Placement** ([`crate::cluster::Placement`]): by each worker's RAM and the routing
+//!   history; a replicated expert goes to the holder with the fewest rows in the step so far.
+//!   It is recomputed whenever a worker joins or comes back with other holdings.
+//! - **Faults.** Every request has a deadline. A worker that fails, answers malformed or misses
+//!   the deadline is dropped from use; its runs go to another live holder, else to this
+//!   machine's own executor (which holds or streams every expert), so the step finishes with the
+//!   same result. Heartbeats find lost workers between requests and dial them again; one that
+//!   answers the handshake again is used from the next step.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use charm_shared::config::{MlpKind, ModelSpec};
+use charm_shared::expert::{
+    plan_runs, ExpertBatch, ExpertError, ExpertExecutor, ExpertStats, LookaheadPolicy,
+    PendingExperts,
+};
+use charm_shared::wire::Hello;
+use charm_worker::server::transport;
+use charm_worker::tls::Identity;
+use serde::Serialize;
+
+use super::layer::{serve, OwnedBatch};
+use super::link::{handshake, keep};
+use super::workers::{Shared, Source, Worker};
+use crate::cluster::{ClusterOptions, Placement};
+
+pub use super::plan::{ClusterPlan, NodePlan};
+pub use crate::cluster::model_fingerprint;
+
+/// The MoE layers of `spec` (decoder layers, then MTP layers) with their routed-expert counts.
+pub fn moe_layers(spec: &ModelSpec) -> Vec<(usize, usize)> {
+    let n = spec.router.as_ref().map_or(0, |r| r.n_experts);
+    (0..spec.layers.len() + spec.mtp_layers)
+        .filter(|&l| l >= spec.layers.len() || spec.layers[l].mlp == MlpKind::Moe)
+        .map(|l| (l, n))
+        .collect()
+}
+
+/// One worker's health and traffic, for `charm cluster status` and run statistics.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerStatus {
+    pub name: String,
+    pub addr: String,
+    pub connected: bool,
+    /// Why it is not connected, when it is not.
+    pub error: Option<String>,
+    /// The last request it could not serve, and why.
+    pub refusal: Option<String>,
+    /// Experts placed on it (all layers).
+    pub experts: usize,
+    /// RAM it gives experts, bytes (from its handshake).
+    pub ram_bytes: u64,
+    /// Free disk where its model lives, bytes (from its handshake).
+    pub disk_free_bytes: u64,
+    /// Expert rows per second it measured at start.
+    pub expert_rate: f64,
+    /// The group its int8 activation codes come in (0: it takes f32).
+    pub act_group: u32,
+    pub requests: u64,
+    /// Of them, requests whose activations went as int8 codes.
+    pub coded_requests: u64,
+    pub failures: u64,
+    /// Handshakes completed (more than one: it was lost and rejoined).
+    pub joins: u64,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    /// Mean round trip of its answered requests, and the part of it the worker spent
+    /// computing (as it reports), milliseconds.
+    pub mean_rtt_ms: f64,
+    pub mean_compute_ms: f64,
+    /// Last heartbeat round trip, milliseconds.
+    pub ping_ms: Option<f64>,
+    /// Whether it fetches its shard from this coordinator, and the records and bytes sent it.
+    pub fetches: bool,
+    pub shard_records_sent: u64,
+    pub shard_bytes_sent: u64,
+}
+
+/// The coordinator's executor when it has no expert files: every expert must come from a
+/// worker.
+#[derive(Debug, Default)]
+pub struct NoLocalExperts;
+
+impl ExpertExecutor for NoLocalExperts {
+    fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
+        Err(ExpertError::Unavailable {
+            layer: batch.layer,
+            expert: batch.ids.first().copied().unwrap_or(0),
+            why: "no live worker answered for it and this coordinator has no expert files".into(),
+        })
+    }
+}
+
+/// Routed experts computed by the cluster's workers, with this machine's executor behind them.
+#[derive(Debug)]
+pub struct RemoteExperts {
+    pub(super) rt: tokio::runtime::Runtime,
+    pub(super) inner: Arc<Inner>,
+}
+
+/// What the task serving a layer needs.
+#[derive(Debug)]
+pub(super) struct Inner {
+    pub(super) shared: Arc<Shared>,
+    pub(super) local: Arc<dyn ExpertExecutor>,
+    pub(super) hidden: usize,
+    pub(super) next_id: AtomicU64,
+    pub(super) fallbacks: AtomicU64,
+    pub(super) steps: AtomicU64,
+}
+
+impl RemoteExperts {
+    /// Dials every worker of `opts` (at once) and handshakes. Workers that cannot be reached
+    /// or refuse are named in the returned warnings and dialled again every heartbeat; `local`
+    /// computes what no worker answers. `model` is the fingerprint the workers must share,
+    /// `activations` the mode they must compute in (`None`: any, for a probe that sends no
+    /// expert work), `heat` the routing history's uses per `(layer, expert)`.
+    pub fn connect(
+        opts: &ClusterOptions,
+        model: &str,
+        activations: Option<&str>,
+        spec: &ModelSpec,
+        heat: HashMap<(usize, u32), u64>,
+        local: Arc<dyn ExpertExecutor>,
+        container: Option<&std::path::Path>,
+    ) -> Result<(Self, Vec<String>), String> {
+        let source = match container {
+            Some(dir) => Some(Source {
+                dir: dir.to_path_buf(),
+                layers: charm_shared::container::Container::open(dir)
+                    .map_err(|e| e.to_string())?
+                    .expert_layers()
+                    .cloned()
+                    .collect(),
+            }),
+            None => None,
+        };
+        opts.check()?;
+        let identity = Identity::load(&opts.certs, &opts.node).map_err(|e| e.to_string())?;
+        let mut client = identity.client_config().map_err(|e| e.to_string())?;
+        client.transport_config(Arc::new(transport(opts.heartbeat)));
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("charm-cluster")
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        let endpoint = rt.block_on(async {
+            let mut ep = quinn::Endpoint::client((std::net::Ipv6Addr::UNSPECIFIED, 0).into())
+                .or_else(|_| quinn::Endpoint::client((std::net::Ipv4Addr::UNSPECIFIED, 0).into()))
+                .map_err(|e| format!("QUIC endpoint: {e}"))?;
+            ep.set_default_client_config(client);
+            Ok::<_, String>(ep)
+        })?;
+        let shared = Arc::new(Shared {
+            hello: Hello::holding_nothing(
+                &opts.node,
+                model,
+                activations.map(String::from).into_iter().collect(),
+            ),
+            endpoint,
+            rt: rt.handle().clone(),
+            source,
+            workers: opts
+                .workers
+                .iter()
+                .map(|a| Worker {
+                    addr: a.clone(),
+                    conn: Mutex::new(None),
+                    hello: Mutex::new(None),
+                    error: Mutex::new(Some("not dialled yet".into())),
+                    refusal: Mutex::new(None),
+                    requests: AtomicU64::new(0),
+                    failures: AtomicU64::new(0),
+                    joins: AtomicU64::new(0),
+                    sent: AtomicU64::new(0),
+                    received: AtomicU64::new(0),
+                    rtt_us: AtomicU64::new(0),
+                    compute_us: AtomicU64::new(0),
+                    coded: AtomicU64::new(0),
+                    shard_records: AtomicU64::new(0),
+                    shard_bytes: AtomicU64::new(0),
+                    ping_us: AtomicU64::new(0),
+                })
+                .collect(),
+            layers: moe_layers(spec),
+            heat: Mutex::new(heat),
+            placement: RwLock::new(Arc::new(Placement::default())),
+            placements: AtomicU64::new(0),
+            opts: opts.clone(),
+        });
+        // first contact with every worker, concurrently
+        let results = rt.block_on(async {
+            let tasks: Vec<_> = (0..shared.workers.len())
+                .map(|i| {
+                    let s = shared.clone();
+                    tokio::spawn(async move {
+                        let w = &s.workers[i];
+                        let r = handshake(&s.endpoint, &w.addr, &s.hello, s.handshake_limit())
+                            .await
+                            .and_then(|(c, h)| s.join(i, c, h));
+                        if let Err(e) = &r {
+                            *w.error.lock().expect("worker lock") = Some(e.clone());
+                        }
+                        r
+                    })
+                })
+                .collect();
+            let mut out = Vec::new();
+            for t in tasks {
+                out.push(t.await.unwrap_or_else(|e| Err(e.to_string())));
+            }
+            out
+        });
+        let mut warnings = Vec::new();
+        for (w, r) in shared.workers.iter().zip(&results) {
+            if let Err(e) = r {
+                warnings.push(format!(
+                    "worker {} at {}: {e} (dialled again every heartbeat)",
+                    w.addr.name, w.addr.addr
+                ));
+            }
+        }
+        if results.iter().all(|r| r.is_err()) {
+            warnings.push(
+                "no worker reachable: routed experts run on this machine, where it has them".into(),
+            );
+        }
+        shared.replace();
+        for i in 0..shared.workers.len() {
+            rt.spawn(keep(shared.clone(), i));
+        }
+        let inner = Arc::new(Inner {
+            shared,
+            local,
+            hidden: spec.hidden_size,
+            next_id: AtomicU64::new(1),
+            fallbacks: AtomicU64::new(0),
+            steps: AtomicU64::new(0),
+        });
+        Ok((Self { rt, inner }, warnings))
+    }
+
+    /// Every configured worker's health and traffic.
+    pub fn status(&self) -> Vec<WorkerStatus> {
+        let p = self.placement();
+        self.inner
+            .shared
+            .workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let requests = w.requests.load(Ordering::Relaxed);
+                let ok = requests.saturating_sub(w.failures.load(Ordering::Relaxed));
+                let hello = w.hello.lock().expect("worker lock");
+                let conn = w.conn();
+                let ping = w.ping_us.load(Ordering::Relaxed);
+                WorkerStatus {
+                    name: w.addr.name.clone(),
+                    addr: w.addr.addr.to_string(),
+                    connected: conn.is_some(),
+                    error: if conn.is_some() {
+                        None
+                    } else {
+                        w.error.lock().expect("worker lock").clone()
+                    },
+                    refusal: w.refusal.lock().expect("worker lock").clone(),
+                    experts: p.count(i),
+                    ram_bytes: hello.as_ref().map_or(0, |h| h.ram_bytes),
+                    disk_free_bytes: hello.as_ref().map_or(0, |h| h.disk_free_bytes),
+                    expert_rate: hello.as_ref().map_or(0.0, |h| h.expert_rate),
+                    act_group: hello.as_ref().map_or(0, |h| h.act_group),
+                    requests,
+                    coded_requests: w.coded.load(Ordering::Relaxed),
+                    failures: w.failures.load(Ordering::Relaxed),
+                    joins: w.joins.load(Ordering::Relaxed),
+                    bytes_sent: w.sent.load(Ordering::Relaxed),
+                    bytes_received: w.received.load(Ordering::Relaxed),
+                    mean_rtt_ms: w.rtt_us.load(Ordering::Relaxed) as f64 / ok.max(1) as f64 / 1e3,
+                    mean_compute_ms: w.compute_us.load(Ordering::Relaxed) as f64
+                        / ok.max(1) as f64
+                        / 1e3,
+                    ping_ms: (ping > 0).then(|| ping as f64 / 1e3),
+                    fetches: hello.as_ref().is_some_and(|h| h.fetches),
+                    shard_records_sent: w.shard_records.load(Ordering::Relaxed),
+                    shard_bytes_sent: w.shard_bytes.load(Ordering::Relaxed),
+                }
+            })
+            .collect()
+    }
+
+    /// The placement in use.
+    pub fn placement(&self) -> Arc<Placement> {
+        self.inner
+            .shared
+            .placement
+            .read()
+            .expect("placement lock")
+            .clone()
+    }
+
+    /// Names of the workers connected now.
+    pub fn connected(&self) -> Vec<String> {
+        self.inner
+            .shared
+            .workers
+            .iter()
+            .filter(|w| w.conn().is_some())
+            .map(|w| w.addr.name.clone())
+            .collect()
+    }
+
+    /// Expert runs computed on this machine because no live worker held them or one failed.
+    pub fn fallbacks(&self) -> u64 {
+        self.inner.fallbacks.load(Ordering::Relaxed)
+    }
+
+    /// Placements computed so far: the first, then one per change (a worker joined with new
+    /// holdings, or the routing seen moved the hot set).
+    pub fn placements(&self) -> u64 {
+        self.inner.shared.placements.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of requests and results moved so far.
+    pub fn wire_bytes(&self) -> u64 {
+        self.inner
+            .shared
+            .workers
+            .iter()
+            .map(|w| w.sent.load(Ordering::Relaxed) + w.received.load(Ordering::Relaxed))
+            .sum()
+    }
+}
+
+impl ExpertExecutor for RemoteExperts {
+    fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
+        self.start(batch).wait()
+    }
+
+    fn start(&self, batch: ExpertBatch<'_>) -> PendingExperts {
+        if let Err(e) = batch.check(self.inner.hidden) {
+            return PendingExperts::ready(Err(e));
+        }
+        let runs = Arc::new(plan_runs(&batch));
+        {
+            let mut heat = self.inner.shared.heat.lock().expect("heat lock");
+            for (id, slots) in runs.iter() {
+                *heat.entry((batch.layer, *id)).or_insert(0) += slots.len() as u64;
+            }
+        }
+        let owned = Arc::new(OwnedBatch::new(&batch));
+        let inner = self.inner.clone();
+        let (tx, pending) = PendingExperts::channel();
+        self.rt.spawn(async move {
+            let _ = tx.send(serve(inner, owned, runs).await);
+        });
+        pending
+    }
+
+    fn lookahead(&self) -> Option<LookaheadPolicy> {
+        None
+    }
+
+    fn step_end(&self) {
+        self.inner.local.step_end();
+        let every = self.inner.shared.opts.rebalance_steps;
+        let n = self.inner.steps.fetch_add(1, Ordering::Relaxed) + 1;
+        if every > 0 && n.is_multiple_of(every) {
+            self.inner.shared.replace();
+        }
+    }
+
+    fn stats(&self) -> Option<ExpertStats> {
+        self.inner.local.stats()
+    }
+}

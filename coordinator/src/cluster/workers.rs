@@ -1,0 +1,327 @@
+//! The workers as the coordinator keeps them: each one's connection, handshake answer and
+//! counters; the placement recomputed when one joins; the shard records a fetching worker asks
+//! for.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use charm_shared::wire::{Hello, Message};
+use charm_worker::server::{read_frame, write_frame};
+
+use crate::cluster::{Capacity, ClusterOptions, Placement, WorkerAddr};
+
+#[derive(Debug)]
+pub(super) struct Worker {
+    pub(super) addr: WorkerAddr,
+    pub(super) conn: Mutex<Option<quinn::Connection>>,
+    pub(super) hello: Mutex<Option<Hello>>,
+    pub(super) error: Mutex<Option<String>>,
+    /// The last request it refused, and why.
+    pub(super) refusal: Mutex<Option<String>>,
+    pub(super) requests: AtomicU64,
+    pub(super) failures: AtomicU64,
+    pub(super) joins: AtomicU64,
+    pub(super) sent: AtomicU64,
+    pub(super) received: AtomicU64,
+    pub(super) rtt_us: AtomicU64,
+    pub(super) compute_us: AtomicU64,
+    pub(super) ping_us: AtomicU64,
+    /// Requests whose activations went as int8 codes.
+    pub(super) coded: AtomicU64,
+    /// Expert records (whole) and bytes sent to it for its shard.
+    pub(super) shard_records: AtomicU64,
+    pub(super) shard_bytes: AtomicU64,
+}
+
+impl Worker {
+    pub(super) fn conn(&self) -> Option<quinn::Connection> {
+        let g = self.conn.lock().expect("worker lock");
+        g.as_ref().filter(|c| c.close_reason().is_none()).cloned()
+    }
+    pub(super) fn lost(&self, why: String) {
+        if let Some(c) = self.conn.lock().expect("worker lock").take() {
+            c.close(0u32.into(), b"lost");
+        }
+        *self.error.lock().expect("worker lock") = Some(why);
+    }
+}
+
+/// The container whose records fetching workers ask for.
+#[derive(Debug)]
+pub(super) struct Source {
+    pub(super) dir: std::path::PathBuf,
+    pub(super) layers: Vec<charm_shared::container::ExpertLayer>,
+}
+
+#[derive(Debug)]
+pub(super) struct Shared {
+    pub(super) opts: ClusterOptions,
+    pub(super) hello: Hello,
+    pub(super) endpoint: quinn::Endpoint,
+    pub(super) rt: tokio::runtime::Handle,
+    pub(super) source: Option<Source>,
+    pub(super) workers: Vec<Worker>,
+    pub(super) layers: Vec<(usize, usize)>,
+    /// Uses per `(layer, expert)`: the routing history's, then the ones seen here.
+    pub(super) heat: Mutex<HashMap<(usize, u32), u64>>,
+    pub(super) placement: RwLock<Arc<Placement>>,
+    /// Placements computed (the first, then one per change).
+    pub(super) placements: AtomicU64,
+}
+
+impl Shared {
+    pub(super) fn replace(&self) {
+        let caps: Vec<Option<Capacity>> = self
+            .workers
+            .iter()
+            .map(|w| {
+                w.hello
+                    .lock()
+                    .expect("worker lock")
+                    .as_ref()
+                    .map(|h| Capacity {
+                        ram_bytes: h.ram_bytes,
+                        rate: h.expert_rate,
+                        // a worker that fetches its shard can be given any expert
+                        holds: if h.fetches && self.source.is_some() {
+                            self.layers
+                                .iter()
+                                .map(|&(l, n)| (l, (0..n as u32).collect()))
+                                .collect()
+                        } else {
+                            h.experts
+                                .iter()
+                                .map(|l| (l.layer as usize, l.ids.clone()))
+                                .collect()
+                        },
+                    })
+            })
+            .collect();
+        let p = {
+            let heat = self.heat.lock().expect("heat lock");
+            let heat = |l: usize, e: u32| heat.get(&(l, e)).copied().unwrap_or(0);
+            Placement::compute(
+                &self.layers,
+                &caps,
+                &heat,
+                self.opts.replicas,
+                self.opts.hot_share,
+            )
+        };
+        {
+            let mut cur = self.placement.write().expect("placement lock");
+            if **cur == p && self.placements.load(Ordering::Relaxed) > 0 {
+                return;
+            }
+            *cur = Arc::new(p);
+        }
+        self.placements.fetch_add(1, Ordering::Relaxed);
+        for i in 0..self.workers.len() {
+            self.assign(i);
+        }
+    }
+
+    /// Tells worker `i`, if it fetches its shard, which experts are placed on it.
+    pub(super) fn assign(&self, i: usize) {
+        let w = &self.workers[i];
+        let fetches = w
+            .hello
+            .lock()
+            .expect("worker lock")
+            .as_ref()
+            .is_some_and(|h| h.fetches);
+        let (Some(conn), true) = (w.conn(), fetches && self.source.is_some()) else {
+            return;
+        };
+        let experts = self
+            .placement
+            .read()
+            .expect("placement lock")
+            .assigned(i)
+            .into_iter()
+            .map(|(l, ids)| charm_shared::wire::LayerExperts {
+                layer: l as u32,
+                ids,
+            })
+            .collect();
+        self.rt.spawn(async move {
+            if let Ok((mut send, mut recv)) = conn.open_bi().await {
+                if write_frame(&mut send, &Message::Assign { experts })
+                    .await
+                    .is_ok()
+                {
+                    let _ = read_frame(&mut recv).await;
+                }
+            }
+        });
+    }
+
+    /// Answers the fetches worker `i` sends on `conn` with records of this coordinator's
+    /// container, until the connection closes.
+    pub(super) async fn answer_fetches(self: Arc<Self>, i: usize, conn: quinn::Connection) {
+        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+            let s = self.clone();
+            tokio::spawn(async move {
+                let reply = match read_frame(&mut recv).await {
+                    Ok((
+                        Message::Fetch {
+                            layer,
+                            expert,
+                            offset,
+                            len,
+                        },
+                        _,
+                    )) => {
+                        let s2 = s.clone();
+                        tokio::task::spawn_blocking(move || s2.chunk(i, layer, expert, offset, len))
+                            .await
+                            .unwrap_or_else(|e| fetch_failed(e.to_string()))
+                    }
+                    Ok(_) => fetch_failed("a worker may only fetch".into()),
+                    Err(e) => fetch_failed(e.to_string()),
+                };
+                let _ = write_frame(&mut send, &reply).await;
+            });
+        }
+    }
+
+    /// The bytes of one fetch, or why not.
+    pub(super) fn chunk(
+        &self,
+        i: usize,
+        layer: u32,
+        expert: u32,
+        offset: u64,
+        len: u32,
+    ) -> Message {
+        let Some(src) = &self.source else {
+            return fetch_failed("this coordinator has no container to send records from".into());
+        };
+        let Some(l) = src.layers.iter().find(|l| l.layer == layer as usize) else {
+            return fetch_failed(format!("layer {layer} has no experts"));
+        };
+        let end = offset.checked_add(len as u64);
+        if expert as usize >= l.count
+            || len as usize > charm_shared::wire::MAX_CHUNK
+            || end.is_none_or(|e| e > l.record_bytes)
+        {
+            return fetch_failed(format!(
+                "layer {layer} expert {expert}: bytes {offset}+{len} are outside its record"
+            ));
+        }
+        let p = src.dir.join(&l.file);
+        let read = std::fs::File::open(&p)
+            .map_err(|e| e.to_string())
+            .and_then(|f| {
+                charm_shared::container::read_at(
+                    &f,
+                    &p,
+                    expert as u64 * l.record_bytes + offset,
+                    len as usize,
+                )
+                .map_err(|e| e.to_string())
+            });
+        match read {
+            Ok(data) => {
+                let w = &self.workers[i];
+                w.shard_bytes.fetch_add(len as u64, Ordering::Relaxed);
+                if end == Some(l.record_bytes) {
+                    w.shard_records.fetch_add(1, Ordering::Relaxed);
+                }
+                Message::Chunk {
+                    layer,
+                    expert,
+                    offset,
+                    data,
+                }
+            }
+            Err(e) => fetch_failed(e),
+        }
+    }
+
+    /// Takes a connection whose handshake answered `h`, if the worker can serve this model.
+    pub(super) fn join(
+        self: &Arc<Self>,
+        i: usize,
+        conn: quinn::Connection,
+        h: Hello,
+    ) -> Result<(), String> {
+        let w = &self.workers[i];
+        let mine = self.hello.activations.first();
+        if mine.is_some_and(|m| !h.activations.contains(m)) {
+            conn.close(0u32.into(), b"activation mode");
+            return Err(format!(
+                "computes in {}, this coordinator in {}",
+                h.activations.join(", "),
+                self.hello.activations.join(", ")
+            ));
+        }
+        if h.node != w.addr.name {
+            conn.close(0u32.into(), b"name");
+            return Err(format!("calls itself {}", h.node));
+        }
+        let fetches = h.fetches;
+        let changed = {
+            let mut g = w.hello.lock().expect("worker lock");
+            let changed = g.as_ref() != Some(&h);
+            *g = Some(h);
+            changed
+        };
+        *w.conn.lock().expect("worker lock") = Some(conn.clone());
+        *w.error.lock().expect("worker lock") = None;
+        w.joins.fetch_add(1, Ordering::Relaxed);
+        if fetches {
+            self.rt.spawn(self.clone().answer_fetches(i, conn));
+        }
+        if changed {
+            self.replace();
+        }
+        // (again, if the placement changed: its assignment may not have)
+        self.assign(i);
+        Ok(())
+    }
+
+    pub(super) fn handshake_limit(&self) -> Duration {
+        self.opts.deadline.min(Duration::from_secs(10))
+    }
+}
+
+impl Shared {
+    /// Who expert `expert` of `layer` is placed on and what became of them, for an error.
+    pub(super) fn holders_of(&self, layer: usize, expert: u32) -> String {
+        let p = self.placement.read().expect("placement lock").clone();
+        let mut who: Vec<usize> = p.holders(layer, expert).to_vec();
+        let placed = !who.is_empty();
+        if !placed {
+            who = (0..self.workers.len()).collect();
+        }
+        let names: Vec<String> = who
+            .iter()
+            .map(|&i| {
+                let w = &self.workers[i];
+                match (w.conn(), w.error.lock().expect("worker lock").clone()) {
+                    (Some(_), _) => format!("{} (up)", w.addr.name),
+                    (None, Some(e)) => format!("{} (down: {e})", w.addr.name),
+                    (None, None) => format!("{} (down)", w.addr.name),
+                }
+            })
+            .collect();
+        if placed {
+            format!("placed on {}", names.join(", "))
+        } else if names.is_empty() {
+            "the cluster lists no workers".into()
+        } else {
+            format!("placed on no worker yet; workers: {}", names.join(", "))
+        }
+    }
+}
+
+pub(super) fn fetch_failed(message: String) -> Message {
+    Message::Failed {
+        id: 0,
+        class: charm_shared::wire::FailureClass::BadRequest,
+        message,
+    }
+}

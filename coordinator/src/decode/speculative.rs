@@ -1,0 +1,510 @@
+//! Speculative decoding: a few tokens are drafted cheaply, then the main model verifies the
+//! token it already chose and the drafts in one forward step, and keeps the longest run of
+//! drafts that equal what it samples itself, plus its own next token.
+//!
+//! The output is exactly plain decoding's. Every kernel computes a row the same way whatever else
+//! is in the step, so the logits at each position are bit-identical to a one-token step's; the
+//! sampler's randomness is keyed by position ([`Sampler::sample_at`]), so the token sampled at a
+//! position does not depend on how many were drafted; a draft is kept only when it equals that
+//! token. After a rejection the main model's KV cache and the MTP layer's are cut back to the
+//! accepted length ([`KvCache::truncate`]: no copy).
+//!
+//! Draft sources:
+//! - [`MtpDrafter`]: the model's own MTP layer, chained for more than one token (its output state
+//!   feeds the next draft where the main model's would go, as vLLM does with one MTP layer).
+//! - [`lookup_drafts`]: prompt lookup, the tokens that followed the latest earlier occurrence of
+//!   the context's longest recurring suffix (for models without MTP, and repetitive text).
+//!
+//! [`Adaptive`] picks how many to draft from the measured acceptance and the measured time of
+//! each step size, including none.
+
+use crate::decode::sampling::{argmax, Sampler};
+use crate::model::cache::KvCache;
+use crate::model::forward::{ForwardError, ForwardOptions};
+use crate::model::Model;
+
+/// Where drafts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftSource {
+    /// The MTP layer where the model has one, prompt lookup otherwise.
+    Auto,
+    Mtp,
+    Lookup,
+}
+
+impl DraftSource {
+    /// The name used on the command line and in statistics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Mtp => "mtp",
+            Self::Lookup => "lookup",
+        }
+    }
+
+    /// The source for `model`: [`Self::Auto`] resolved; an error for MTP on a model without it.
+    pub fn resolve(self, model: &Model) -> Result<Self, ForwardError> {
+        match (self, model.mtp.is_some()) {
+            (Self::Auto, true) | (Self::Mtp, true) => Ok(Self::Mtp),
+            (Self::Mtp, false) => Err(ForwardError::NoMtp),
+            _ => Ok(Self::Lookup),
+        }
+    }
+}
+
+impl std::str::FromStr for DraftSource {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "mtp" => Ok(Self::Mtp),
+            "lookup" => Ok(Self::Lookup),
+            _ => Err(format!("unknown draft source `{s}` (auto, mtp or lookup)")),
+        }
+    }
+}
+
+/// How a generation drafts.
+#[derive(Debug, Clone, Copy)]
+pub struct DraftOptions {
+    /// Most tokens drafted per step (0: no speculation).
+    pub max: usize,
+    pub source: DraftSource,
+    /// Choose the number per step from measured acceptance and step times (else always `max`).
+    pub adaptive: bool,
+}
+
+impl Default for DraftOptions {
+    fn default() -> Self {
+        Self {
+            max: 0,
+            source: DraftSource::Auto,
+            adaptive: true,
+        }
+    }
+}
+
+/// What speculation did in a generation.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct SpecStats {
+    /// The source used (`mtp` or `lookup`).
+    pub source: &'static str,
+    /// Verify steps run (forward steps after the prefill).
+    pub steps: usize,
+    /// Tokens drafted, and of them accepted.
+    pub drafted: usize,
+    pub accepted: usize,
+    /// Steps per number of drafts (index: drafts in the step).
+    pub steps_by_drafts: Vec<usize>,
+}
+
+impl SpecStats {
+    /// Accepted drafts over drafted ones.
+    pub fn acceptance(&self) -> f64 {
+        self.accepted as f64 / self.drafted.max(1) as f64
+    }
+}
+
+/// Longest suffix prompt lookup matches, in tokens.
+const MAX_NGRAM: usize = 4;
+
+/// Prompt lookup: up to `k` tokens that followed the latest earlier occurrence of the longest
+/// suffix of `context` (at most [`MAX_NGRAM`] tokens) that occurred before. Empty when no suffix
+/// recurs.
+pub fn lookup_drafts(context: &[u32], k: usize) -> Vec<u32> {
+    let n = context.len();
+    if k == 0 || n < 2 {
+        return Vec::new();
+    }
+    for g in (1..=MAX_NGRAM.min(n - 1)).rev() {
+        let suffix = &context[n - g..];
+        // the latest start before the suffix itself
+        for s in (0..n - g).rev() {
+            if &context[s..s + g] == suffix {
+                let from = s + g;
+                return context[from..(from + k).min(n)].to_vec();
+            }
+        }
+    }
+    Vec::new()
+}
+
+/// The MTP layer as a drafter for one sequence, with its own KV cache. Slot `j` of the MTP cache
+/// takes the token at position `j + 1` and the main model's final-normed state at position `j`;
+/// slots whose inputs are known are queued and run together when drafts are next wanted.
+#[derive(Debug)]
+pub struct MtpDrafter {
+    cache: KvCache,
+    /// Queued slots: tokens and the main model's states `[n, hidden]`.
+    tokens: Vec<u32>,
+    hidden: Vec<f32>,
+}
+
+impl MtpDrafter {
+    pub fn new(model: &Model) -> Self {
+        Self {
+            cache: KvCache::with_layers(&model.spec, 1),
+            tokens: Vec::new(),
+            hidden: Vec::new(),
+        }
+    }
+
+    /// Queues slots: `tokens[i]` follows the position whose main-model state is row `i` of
+    /// `hidden`.
+    pub fn push(&mut self, tokens: &[u32], hidden: &[f32]) {
+        self.tokens.extend_from_slice(tokens);
+        self.hidden.extend_from_slice(hidden);
+    }
+
+    /// Slots run so far.
+    pub fn len(&self) -> usize {
+        self.cache.len()
+    }
+
+    /// Whether no slot has run yet.
+    pub fn is_empty(&self) -> bool {
+        self.cache.is_empty()
+    }
+
+    /// Up to `k` drafts after the queued slots (which must end at the main model's newest
+    /// position): the queued slots run together, then each further draft takes the previous
+    /// draft and the MTP layer's own state. The chained slots are cut from the cache again.
+    pub fn propose(&mut self, model: &Model, k: usize) -> Result<Vec<u32>, ForwardError> {
+        if k == 0 || self.tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (h, v) = (model.spec.hidden_size, model.spec.vocab_size);
+        let (logits, hid) =
+            model.mtp_forward_hidden(&self.tokens, &self.hidden, &mut self.cache)?;
+        let n = self.tokens.len();
+        self.tokens.clear();
+        self.hidden.clear();
+        let keep = self.cache.len();
+        let mut d = argmax(&logits[(n - 1) * v..]) as u32;
+        let mut state = hid[(n - 1) * h..].to_vec();
+        let mut drafts = vec![d];
+        while drafts.len() < k {
+            let (l, s) = model.mtp_forward_hidden(&[d], &state, &mut self.cache)?;
+            d = argmax(&l) as u32;
+            state = s;
+            drafts.push(d);
+        }
+        self.cache.truncate(keep);
+        // the first slot stays run; its inputs must not be queued again
+        Ok(drafts)
+    }
+}
+
+/// Chooses how many tokens to draft: the number that maximises expected tokens per second, from
+/// the acceptance seen so far (each draft taken as accepted with the same probability, given the
+/// ones before it were) and the measured time of a step with that many drafts. Plain steps are
+/// measured first, then one step with the most drafts; sizes not measured are estimated on the
+/// line between those. Every [`Self::REVISIT`] steps the runner-up is tried, since costs and
+/// acceptance drift.
+#[derive(Debug, Clone)]
+pub struct Adaptive {
+    max: usize,
+    adaptive: bool,
+    accepted: f64,
+    rejected: f64,
+    /// Mean seconds of a step with `i` drafts (decayed).
+    time: Vec<Option<f64>>,
+    steps: u64,
+}
+
+impl Adaptive {
+    /// Try the runner-up every this many steps.
+    pub const REVISIT: u64 = 32;
+
+    pub fn new(max: usize, adaptive: bool) -> Self {
+        Self {
+            max,
+            adaptive,
+            accepted: 0.0,
+            rejected: 0.0,
+            time: vec![None; max + 1],
+            steps: 0,
+        }
+    }
+
+    /// The estimated chance that a draft is accepted (after the ones before it were).
+    pub fn acceptance(&self) -> f64 {
+        (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+    }
+
+    /// The time of a step with `k` drafts: measured, or on the line from the plain step to the
+    /// largest measured one.
+    fn estimate(&self, k: usize) -> Option<f64> {
+        if let Some(t) = self.time[k] {
+            return Some(t);
+        }
+        let t0 = self.time[0]?;
+        let (j, tj) = (1..=self.max)
+            .rev()
+            .find_map(|j| self.time[j].map(|t| (j, t)))?;
+        Some(t0 + (tj - t0) * k as f64 / j as f64)
+    }
+
+    /// Drafts to ask for in the next step.
+    pub fn choose(&self) -> usize {
+        if !self.adaptive || self.max == 0 {
+            return self.max;
+        }
+        if self.time[0].is_none() {
+            return 0;
+        }
+        if (1..=self.max).all(|k| self.time[k].is_none()) {
+            return self.max;
+        }
+        let a = self.acceptance();
+        let rate = |k: usize| {
+            let tokens: f64 = (0..=k).map(|i| a.powi(i as i32)).sum();
+            tokens / self.estimate(k).unwrap_or(f64::INFINITY).max(1e-12)
+        };
+        let mut order: Vec<usize> = (0..=self.max).collect();
+        // fastest first; among equals the fewer drafts
+        order.sort_by(|&x, &y| rate(y).total_cmp(&rate(x)).then(x.cmp(&y)));
+        if self.steps.is_multiple_of(Self::REVISIT) && order.len() > 1 {
+            return order[1];
+        }
+        order[0]
+    }
+
+    /// Notes a step with `drafted` drafts of which `accepted` were kept, that took `seconds`.
+    pub fn record(&mut self, drafted: usize, accepted: usize, seconds: f64) {
+        self.steps += 1;
+        self.accepted += accepted as f64;
+        if accepted < drafted {
+            self.rejected += 1.0;
+        }
+        let k = drafted.min(self.max);
+        self.time[k] = Some(match self.time[k] {
+            Some(m) => 0.8 * m + 0.2 * seconds,
+            None => seconds,
+        });
+    }
+}
+
+/// The drafter of one sequence.
+#[derive(Debug)]
+pub enum Drafter {
+    Mtp(MtpDrafter),
+    Lookup,
+}
+
+impl Drafter {
+    /// A drafter of `source` (resolved) for `model`.
+    pub fn new(model: &Model, source: DraftSource) -> Result<Self, ForwardError> {
+        Ok(match source.resolve(model)? {
+            DraftSource::Mtp => Self::Mtp(MtpDrafter::new(model)),
+            _ => Self::Lookup,
+        })
+    }
+
+    pub fn source(&self) -> DraftSource {
+        match self {
+            Self::Mtp(_) => DraftSource::Mtp,
+            Self::Lookup => DraftSource::Lookup,
+        }
+    }
+
+    /// Notes new main-model states: `tokens[i]` is the token after the position of row `i`.
+    pub fn push(&mut self, tokens: &[u32], hidden: &[f32]) {
+        if let Self::Mtp(m) = self {
+            m.push(tokens, hidden);
+        }
+    }
+
+    /// Up to `k` drafts to follow `context` (prompt, completion, and the chosen next token).
+    pub fn propose(
+        &mut self,
+        model: &Model,
+        context: &[u32],
+        k: usize,
+    ) -> Result<Vec<u32>, ForwardError> {
+        match self {
+            Self::Mtp(m) => m.propose(model, k),
+            Self::Lookup => Ok(lookup_drafts(context, k)),
+        }
+    }
+}
+
+/// What one verify step kept: the accepted drafts, then the model's own next token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verified {
+    pub accepted: Vec<u32>,
+    pub next: u32,
+}
+
+/// Takes the logits of a verify step (`[1 + drafts.len(), vocab]`: after the token already
+/// chosen, then after each draft) and keeps the drafts that equal what `sampler` samples at their
+/// positions (`index` is the sample index of the first row), then the sample after the last kept
+/// one. `pick` gives a row's logits as the sampler should see them (penalties applied given the
+/// kept drafts before it).
+pub fn verify(
+    sampler: &Sampler,
+    index: u64,
+    drafts: &[u32],
+    mut pick: impl FnMut(usize, &[u32]) -> Vec<f32>,
+) -> Verified {
+    let mut accepted = Vec::new();
+    loop {
+        let i = accepted.len();
+        let row = pick(i, &accepted);
+        let y = sampler.sample_at(&row, index + i as u64);
+        if i < drafts.len() && drafts[i] == y {
+            accepted.push(y);
+            continue;
+        }
+        return Verified { accepted, next: y };
+    }
+}
+
+/// Runs one verify step for a single sequence: `next` (chosen, not yet fed) and `drafts` through
+/// the main model after `cache`; keeps what [`verify`] accepts, cuts the cache back to it, and
+/// returns the kept tokens with the final-normed states of the rows that are kept (`[1 + kept,
+/// hidden]`: the MTP drafter's next inputs).
+pub fn verify_step(
+    model: &Model,
+    cache: &mut KvCache,
+    sampler: &Sampler,
+    next: u32,
+    drafts: &[u32],
+    opts: ForwardOptions,
+) -> Result<(Verified, Vec<f32>), ForwardError> {
+    let (h, v) = (model.spec.hidden_size, model.spec.vocab_size);
+    let before = cache.len();
+    let mut rows = Vec::with_capacity(1 + drafts.len());
+    rows.push(next);
+    rows.extend_from_slice(drafts);
+    let normed = model.forward(&rows, cache, opts, None)?;
+    let logits = model.logits(&normed, rows.len())?;
+    let got = verify(sampler, sampler.drawn(), drafts, |i, _| {
+        logits[i * v..(i + 1) * v].to_vec()
+    });
+    let kept = 1 + got.accepted.len();
+    cache.truncate(before + kept);
+    Ok((got, normed[..kept * h].to_vec()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::sampling::SamplingParams;
+
+    #[test]
+    fn lookup_proposes_what_followed_the_longest_recurring_suffix() {
+        // "a b c d ... a b c" -> "d ..."
+        let c = [1, 2, 3, 4, 5, 9, 1, 2, 3];
+        assert_eq!(lookup_drafts(&c, 3), vec![4, 5, 9]);
+        // the latest occurrence wins
+        let c = [1, 2, 7, 1, 2, 8, 1, 2];
+        assert_eq!(lookup_drafts(&c, 2), vec![8, 1]);
+        // a longer suffix beats a later shorter one
+        let c = [5, 1, 2, 3, 6, 2, 3, 7, 1, 2, 3];
+        assert_eq!(lookup_drafts(&c, 1), vec![6]);
+        // nothing recurs; nothing asked
+        assert!(lookup_drafts(&[1, 2, 3], 4).is_empty());
+        assert!(lookup_drafts(&[1, 1], 0).is_empty());
+        // the drafts stop at the end of the context
+        assert_eq!(lookup_drafts(&[4, 4, 4], 5), vec![4]);
+    }
+
+    #[test]
+    fn verify_keeps_the_drafts_the_sampler_would_take_and_its_own_next() {
+        let s = Sampler::new(SamplingParams::default());
+        // three positions whose greedy tokens are 2, 0, 1, then 3
+        let rows = [
+            [0.0, 0.0, 1.0, 0.0],
+            [1.0, 0.0, 0.0, 0.0],
+            [0.0, 1.0, 0.0, 0.0],
+            [0.0, 0.0, 0.0, 1.0],
+        ];
+        let pick = |i: usize, _: &[u32]| rows[i].to_vec();
+        for (drafts, want) in [
+            (
+                vec![2, 0, 1],
+                Verified {
+                    accepted: vec![2, 0, 1],
+                    next: 3,
+                },
+            ),
+            (
+                vec![2, 0, 3],
+                Verified {
+                    accepted: vec![2, 0],
+                    next: 1,
+                },
+            ),
+            (
+                vec![1, 0, 1],
+                Verified {
+                    accepted: vec![],
+                    next: 2,
+                },
+            ),
+            (
+                vec![],
+                Verified {
+                    accepted: vec![],
+                    next: 2,
+                },
+            ),
+        ] {
+            assert_eq!(verify(&s, 0, &drafts, pick), want, "{drafts:?}");
+        }
+    }
+
+    #[test]
+    fn sampled_verification_uses_each_positions_own_number() {
+        let p = SamplingParams {
+            temperature: 1.0,
+            seed: 11,
+            ..Default::default()
+        };
+        let row: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
+        let mut plain = Sampler::new(p);
+        let seq: Vec<u32> = (0..6).map(|_| plain.sample(&row)).collect();
+        // drafting the plain stream's tokens accepts them all; one wrong draft stops there and
+        // the next token is the plain stream's
+        let s = Sampler::new(p);
+        let got = verify(&s, 0, &seq[..5], |_, _| row.clone());
+        assert_eq!((got.accepted.as_slice(), got.next), (&seq[..5], seq[5]));
+        let mut wrong = seq[..5].to_vec();
+        wrong[2] = (wrong[2] + 1) % 50;
+        let got = verify(&s, 0, &wrong, |_, _| row.clone());
+        assert_eq!((got.accepted.as_slice(), got.next), (&seq[..2], seq[2]));
+    }
+
+    #[test]
+    fn adaptive_drafting_measures_plain_and_most_then_prefers_the_fastest_per_token() {
+        let mut a = Adaptive::new(3, true);
+        let mut tried = Vec::new();
+        for _ in 0..2 {
+            let k = a.choose();
+            tried.push(k);
+            // drafts always accepted; a step costs 1 + 0.1 per draft
+            a.record(k, k, 1.0 + 0.1 * k as f64);
+        }
+        assert_eq!(tried, vec![0, 3]);
+        for _ in 0..10 {
+            a.record(3, 3, 1.3);
+        }
+        assert_eq!(a.choose(), 3);
+        // nothing accepted and drafting costs: no drafts, but the runner-up now and then
+        let mut b = Adaptive::new(3, true);
+        b.record(0, 0, 1.0);
+        b.record(3, 0, 2.5);
+        let mut picks = Vec::new();
+        for _ in 0..(2 * Adaptive::REVISIT) {
+            let k = b.choose();
+            picks.push(k);
+            b.record(k, 0, 1.0 + 0.5 * k as f64);
+        }
+        let drafting = picks.iter().filter(|&&k| k > 0).count();
+        assert!((1..=2).contains(&drafting), "{picks:?}");
+        assert_eq!(b.choose(), 0);
+        // not adaptive: always the most
+        assert_eq!(Adaptive::new(4, false).choose(), 4);
+    }
+}

@@ -1,0 +1,698 @@
+//! The forward pass: embeddings, decoder layers (MLA or GQA attention, optional DSA sparse
+//! selection, dense or MoE feed-forward), final norm and head. One code path serves the
+//! one-pass (empty cache) and cached-decode cases: new tokens are appended to the cache and
+//! attend causally to everything cached.
+
+use charm_shared::config::{AttentionSpec, IndexerKind, MlaSpec};
+use charm_shared::expert::{ExpertBatch, ExpertError, LookaheadPolicy};
+use charm_shared::kernels::{axpy, dot, dots, rms_norm, softmax, weighted_rows};
+use charm_shared::linear::Linear;
+use charm_shared::routing::route;
+
+use crate::model::attention::{gqa, indexer_select};
+use crate::model::cache::{KvCache, LayerCache};
+use crate::model::rope::RopeAt;
+use crate::model::{AttnWeights, FfnWeights, LayerWeights, MlaWeights, Model};
+
+/// Router choices `ids` of `n` tokens (the same number per token, best first) reordered by rank:
+/// every token's first choice, then every token's second, ... down to rank `ranks`.
+fn by_rank(ids: &[u32], n: usize, ranks: usize) -> Vec<u32> {
+    let k = ids.len() / n.max(1);
+    if k == 0 {
+        return Vec::new();
+    }
+    (0..ranks.min(k))
+        .flat_map(|r| ids.chunks_exact(k).map(move |t| t[r]))
+        .collect()
+}
+
+/// RMSNorm epsilon of MLA's `q_a_layernorm` / `kv_a_layernorm` (transformers builds them with the
+/// default 1e-6, not `rms_norm_eps`).
+const MLA_LATENT_EPS: f32 = 1e-6;
+
+/// A forward pass could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    /// A token id outside the vocabulary.
+    #[error("token id {id} at position {pos} is outside the vocabulary (size {vocab})")]
+    TokenOutOfRange { id: u32, pos: usize, vocab: usize },
+    /// NaN or infinity appeared.
+    #[error("non-finite values in {what}")]
+    NonFinite { what: String },
+    /// The routed-expert executor failed.
+    #[error(transparent)]
+    Expert(#[from] ExpertError),
+    /// A DSA model without indexer weights asked for more context than dense attention matches.
+    #[error("this checkpoint has no DSA indexer weights: attention equals the model's only up to index_topk = {limit} tokens, and {requested} were asked for")]
+    NoIndexer { limit: usize, requested: usize },
+    /// The model has no MTP layer.
+    #[error("this model has no MTP layer")]
+    NoMtp,
+    /// Inputs whose sizes disagree.
+    #[error("{0}")]
+    Shape(String),
+}
+
+/// How MLA attention is evaluated. Both give the same result up to float rounding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MlaMode {
+    /// Expand every cached latent into per-head keys and values with `kv_b_proj` (the reference
+    /// formulation).
+    Naive,
+    /// Absorb `kv_b_proj` into the query and the output: attention runs in latent space and the
+    /// cache is never expanded (what decode wants).
+    #[default]
+    Absorbed,
+}
+
+/// Options of one forward call.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ForwardOptions {
+    pub mla: MlaMode,
+}
+
+/// Named intermediates of one forward call, for diffing against the oracle tensor by tensor.
+#[derive(Debug, Default, Clone)]
+pub struct Trace {
+    /// Per decoder layer: `[n, hidden]` residual stream after the layer.
+    pub layer_out: Vec<Vec<f32>>,
+    /// Per MoE layer: per token, (expert ids, gate weights).
+    pub router: Vec<Vec<(Vec<u32>, Vec<f32>)>>,
+    /// Per `full` DSA layer: per query token, the selected key positions (ascending).
+    pub dsa: Vec<Vec<Vec<u32>>>,
+}
+
+/// DSA selection of the current query tokens: per token, ascending key positions.
+pub(super) type Selection = Vec<Vec<u32>>;
+
+/// Each of `n` tokens' router choice: `router` (`[n_experts, hidden]`) on `f` (`[n, hidden]`).
+fn route_tokens(
+    router: &charm_shared::kernels::Matrix,
+    bias: Option<&[f32]>,
+    rs: &charm_shared::config::RouterSpec,
+    f: &[f32],
+    n: usize,
+) -> Vec<charm_shared::routing::Route> {
+    let logits = router.matmul(f, n); // [n, n_experts], f32
+    (0..n)
+        .map(|t| route(&logits[t * rs.n_experts..(t + 1) * rs.n_experts], bias, rs))
+        .collect()
+}
+
+fn check_finite(v: &[f32], what: impl FnOnce() -> String) -> Result<(), ForwardError> {
+    if v.iter().all(|x| x.is_finite()) {
+        Ok(())
+    } else {
+        Err(ForwardError::NonFinite { what: what() })
+    }
+}
+
+/// One sequence of a batched forward step: its new tokens and its KV cache.
+#[derive(Debug)]
+pub struct Step<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut KvCache,
+}
+
+/// Where each row of a batched step belongs: rows are the sequences' new tokens, one sequence
+/// after another.
+pub(super) struct Rows {
+    /// Per sequence: its rows.
+    pub(super) spans: Vec<std::ops::Range<usize>>,
+    /// Per row: its sequence.
+    pub(super) seq: Vec<usize>,
+    /// Per row: its position in its sequence.
+    pub(super) pos: Vec<usize>,
+}
+
+impl Rows {
+    /// `lens[s]` new tokens after `cached[s]` cached ones, per sequence.
+    fn new(lens: &[usize], cached: &[usize]) -> Self {
+        let (mut spans, mut seq, mut pos) = (Vec::new(), Vec::new(), Vec::new());
+        for (s, (&n, &p0)) in lens.iter().zip(cached).enumerate() {
+            spans.push(seq.len()..seq.len() + n);
+            seq.extend(std::iter::repeat_n(s, n));
+            pos.extend(p0..p0 + n);
+        }
+        Self { spans, seq, pos }
+    }
+
+    pub(super) fn n(&self) -> usize {
+        self.seq.len()
+    }
+}
+
+impl Model {
+    /// Runs `tokens` through the main model after what `cache` holds, appending to it.
+    /// Returns the final-normed hidden states `[n, hidden]` (the input of the head).
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        opts: ForwardOptions,
+        trace: Option<&mut Trace>,
+    ) -> Result<Vec<f32>, ForwardError> {
+        self.forward_batch(&mut [Step { tokens, cache }], opts, trace)
+    }
+
+    /// One forward step of several sequences at once, each after what its own cache holds
+    /// (prefill chunks and single decode tokens alike). Every token-wise part (projections,
+    /// router, routed and shared experts, norms) runs once over all rows, so each routed expert
+    /// a layer needs is read and run once for the whole batch; attention reads each row's own
+    /// cache. A row's values are exactly those it gets alone: every kernel computes a row the
+    /// same way whatever else is in the batch. Returns the final-normed hidden states of all
+    /// rows, `[total new tokens, hidden]`, sequence after sequence.
+    pub fn forward_batch(
+        &self,
+        steps: &mut [Step<'_>],
+        opts: ForwardOptions,
+        mut trace: Option<&mut Trace>,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let spec = &self.spec;
+        let h = spec.hidden_size;
+        let lens: Vec<usize> = steps.iter().map(|s| s.tokens.len()).collect();
+        let cached: Vec<usize> = steps.iter().map(|s| s.cache.len()).collect();
+        if let Some(limit) = self.dense_attention_limit {
+            if let Some(requested) = lens.iter().zip(&cached).map(|(n, p)| n + p).max() {
+                if requested > limit {
+                    return Err(ForwardError::NoIndexer { limit, requested });
+                }
+            }
+        }
+        let rows = Rows::new(&lens, &cached);
+        let n = rows.n();
+        let mut x = Vec::with_capacity(n * h);
+        for (s, p0) in steps.iter().zip(&cached) {
+            x.extend(self.embed_tokens(&self.embed, s.tokens, *p0)?);
+        }
+        // cos/sin of the new positions, shared by every layer
+        let rope = self.rope_tables(&rows.pos);
+        let mut sel: Option<Selection> = None;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let mut caches: Vec<&mut LayerCache> =
+                steps.iter_mut().map(|s| &mut s.cache.layers[li]).collect();
+            self.layer_forward(
+                layer,
+                &mut x,
+                &rows,
+                &mut caches,
+                &mut sel,
+                &rope,
+                opts,
+                trace.as_deref_mut(),
+            )?;
+            check_finite(&x, || format!("the output of layer {li}"))?;
+            if let Some(t) = trace.as_deref_mut() {
+                t.layer_out.push(x.clone());
+            }
+        }
+        rms_norm(&mut x, &self.norm, spec.rms_norm_eps);
+        debug_assert_eq!(x.len(), n * h);
+        self.experts.step_end();
+        self.steps
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(x)
+    }
+
+    /// RoPE tables for positions `pos`.
+    fn rope_tables(&self, pos: &[usize]) -> Vec<RopeAt> {
+        pos.iter()
+            .map(|&p| RopeAt::new(&self.spec.rope, p))
+            .collect()
+    }
+
+    /// `[n, hidden]` final-normed states -> `[n, vocab]` logits.
+    pub fn logits(&self, normed: &[f32], n: usize) -> Result<Vec<f32>, ForwardError> {
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let l = head.matmul(normed, n);
+        check_finite(&l, || "the logits".into())?;
+        Ok(l)
+    }
+
+    fn embed_tokens(
+        &self,
+        table: &Linear,
+        tokens: &[u32],
+        pos0: usize,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let mut x = Vec::with_capacity(tokens.len() * table.cols());
+        for (i, &t) in tokens.iter().enumerate() {
+            if t as usize >= self.spec.vocab_size {
+                return Err(ForwardError::TokenOutOfRange {
+                    id: t,
+                    pos: pos0 + i,
+                    vocab: self.spec.vocab_size,
+                });
+            }
+            x.extend_from_slice(&table.row_f32(t as usize));
+        }
+        Ok(x)
+    }
+
+    /// MTP draft: slot `j` takes token `next_tokens[j]` (the token after position `pos0 + j`) and
+    /// the main model's final-normed state at that position. Appends to `cache` (one layer).
+    /// Returns `[n, vocab]` draft logits.
+    pub fn mtp_forward(
+        &self,
+        next_tokens: &[u32],
+        main_normed: &[f32],
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>, ForwardError> {
+        self.mtp_forward_hidden(next_tokens, main_normed, cache)
+            .map(|(l, _)| l)
+    }
+
+    /// [`Self::mtp_forward`], also returning the MTP layer's output states `[n, hidden]` (before
+    /// its head norm): a chained draft feeds its own state where the main model's would go, as
+    /// vLLM's MTP proposer does.
+    pub fn mtp_forward_hidden(
+        &self,
+        next_tokens: &[u32],
+        main_normed: &[f32],
+        cache: &mut KvCache,
+    ) -> Result<(Vec<f32>, Vec<f32>), ForwardError> {
+        let mtp = self.mtp.as_ref().ok_or(ForwardError::NoMtp)?;
+        let spec = &self.spec;
+        let (h, n) = (spec.hidden_size, next_tokens.len());
+        if main_normed.len() != n * h {
+            return Err(ForwardError::Shape(format!(
+                "mtp: {} hidden values for {n} tokens",
+                main_normed.len()
+            )));
+        }
+        let pos0 = cache.len();
+        let mut e =
+            self.embed_tokens(mtp.embed.as_ref().unwrap_or(&self.embed), next_tokens, pos0)?;
+        if pos0 == 0 && n > 0 {
+            e[..h].fill(0.0); // vLLM deepseek_mtp: the embedding at position 0 is masked
+        }
+        rms_norm(&mut e, &mtp.enorm, spec.rms_norm_eps);
+        let mut hs = main_normed.to_vec();
+        rms_norm(&mut hs, &mtp.hnorm, spec.rms_norm_eps);
+        let mut cat = Vec::with_capacity(n * 2 * h);
+        for t in 0..n {
+            cat.extend_from_slice(&e[t * h..(t + 1) * h]);
+            cat.extend_from_slice(&hs[t * h..(t + 1) * h]);
+        }
+        let mut x = mtp.eh_proj.matmul(&cat, n); // [n, hidden]
+        let mut sel = None;
+        let rows = Rows::new(&[n], &[pos0]);
+        let rope = self.rope_tables(&rows.pos);
+        self.layer_forward(
+            &mtp.layer,
+            &mut x,
+            &rows,
+            &mut [&mut cache.layers[0]],
+            &mut sel,
+            &rope,
+            ForwardOptions::default(),
+            None,
+        )?;
+        let hidden = x.clone();
+        rms_norm(&mut x, &mtp.head_norm, spec.rms_norm_eps);
+        let head = mtp
+            .head
+            .as_ref()
+            .or(self.lm_head.as_ref())
+            .unwrap_or(&self.embed);
+        let l = head.matmul(&x, n);
+        check_finite(&l, || "the MTP logits".into())?;
+        Ok((l, hidden))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn layer_forward(
+        &self,
+        layer: &LayerWeights,
+        x: &mut [f32],
+        rows: &Rows,
+        caches: &mut [&mut LayerCache],
+        sel: &mut Option<Selection>,
+        rope: &[RopeAt],
+        opts: ForwardOptions,
+        mut trace: Option<&mut Trace>,
+    ) -> Result<(), ForwardError> {
+        let spec = &self.spec;
+        let hd = spec.hidden_size;
+        let n = rows.n();
+        // Router lookahead: this layer's router on its input (normed as its feed-forward input
+        // will be) predicts its experts before attention runs, so a streaming store reads them
+        // while attention computes.
+        if let Some((ids, policy)) = self.predict_experts(layer, x, n) {
+            let k = ids.len() / n.max(1);
+            self.experts.prefetch(
+                layer.index,
+                &by_rank(&ids, n, usize::MAX),
+                n * policy.sure_ranks(k),
+            );
+        } else {
+            // a dense layer: guess at the next MoE layer already (read while the disk idles)
+            self.guess_next_moe(layer, x, n);
+        }
+        // --- attention ---
+        let mut a = x.to_vec(); // [n, hidden]
+        rms_norm(&mut a, &layer.input_norm, spec.rms_norm_eps);
+        let attn_out = match (&layer.attn, &spec.attention) {
+            (AttnWeights::Mla(w), AttentionSpec::Mla(m)) => self.mla(
+                w,
+                m,
+                layer,
+                &a,
+                rows,
+                rope,
+                caches,
+                sel,
+                opts,
+                trace.as_deref_mut(),
+            ),
+            (AttnWeights::Gqa(w), AttentionSpec::Gqa(g)) => gqa(
+                w,
+                g,
+                spec.rms_norm_eps,
+                spec.softmax_scale,
+                &a,
+                rows,
+                rope,
+                caches,
+            ),
+            _ => unreachable!("weights are loaded from the spec"),
+        };
+        for (xi, ai) in x.iter_mut().zip(&attn_out) {
+            *xi += ai;
+        }
+        self.guess_next_moe(layer, x, n);
+        // --- feed-forward ---
+        let mut f = x.to_vec();
+        rms_norm(&mut f, &layer.post_norm, spec.rms_norm_eps);
+        let out = match &layer.ffn {
+            FfnWeights::Dense(mlp) => mlp.forward(&f, n),
+            FfnWeights::Moe {
+                router,
+                correction_bias,
+                shared,
+            } => {
+                let rs = spec.router.as_ref().expect("MoE model has a router spec");
+                let k = rs.top_k;
+                let routes = route_tokens(router, correction_bias.as_deref(), rs, &f, n);
+                let (mut ids, mut weights) = (Vec::with_capacity(n * k), Vec::with_capacity(n * k));
+                let mut picks = Vec::with_capacity(n);
+                for r in routes {
+                    ids.extend_from_slice(&r.ids);
+                    weights.extend_from_slice(&r.weights);
+                    picks.push((r.ids, r.weights));
+                }
+                if let Some(tr) = trace {
+                    tr.router.push(picks);
+                }
+                // Routed experts start first (they may run elsewhere); the shared expert
+                // computes meanwhile and is added after their sum, in that order everywhere.
+                let routed = self.experts.start(ExpertBatch {
+                    step: self.steps.load(std::sync::atomic::Ordering::Relaxed),
+                    layer: layer.index,
+                    x: &f,
+                    n_tokens: n,
+                    ids: &ids,
+                    weights: &weights,
+                    top_k: k,
+                });
+                let shared_y = shared.as_ref().map(|s| s.forward(&f, n));
+                let mut y = routed.wait()?;
+                if let Some(sy) = shared_y {
+                    for (a, b) in y.iter_mut().zip(sy) {
+                        *a += b;
+                    }
+                }
+                y
+            }
+        };
+        debug_assert_eq!(out.len(), n * hd);
+        for (xi, oi) in x.iter_mut().zip(&out) {
+            *xi += oi;
+        }
+        Ok(())
+    }
+
+    /// An early guess at the experts of the next MoE layer after `layer`: its router on `x`, the
+    /// residual stream a layer or more before it, read by a streaming store only while its disk
+    /// would otherwise idle (between this layer's reads and that layer's own lookahead).
+    fn guess_next_moe(&self, layer: &LayerWeights, x: &[f32], n: usize) {
+        if self
+            .experts
+            .lookahead()
+            .is_none_or(|p| n > p.early_max_tokens)
+        {
+            return;
+        }
+        let Some(next) = self
+            .layers
+            .iter()
+            .find(|l| l.index > layer.index && matches!(l.ffn, FfnWeights::Moe { .. }))
+        else {
+            return;
+        };
+        if let Some((ids, policy)) = self.predict_experts(next, x, n) {
+            // by rank: every token's first choice, then every token's second, ... down to the
+            // ranks the executor's policy keeps
+            let k = ids.len() / n.max(1);
+            self.experts
+                .prefetch_early(next.index, &by_rank(&ids, n, policy.early_ranks(k)));
+        }
+    }
+
+    /// The experts MoE layer `layer` will probably choose for the residual stream `x`: its router
+    /// on `x` normed by its post-attention norm (attention's update is not yet added), with the
+    /// executor's policy for them. `None` for dense layers or when the executor wants no
+    /// predictions (every expert in RAM).
+    fn predict_experts(
+        &self,
+        layer: &LayerWeights,
+        x: &[f32],
+        n: usize,
+    ) -> Option<(Vec<u32>, LookaheadPolicy)> {
+        let policy = self.experts.lookahead()?;
+        let FfnWeights::Moe {
+            router,
+            correction_bias,
+            ..
+        } = &layer.ffn
+        else {
+            return None;
+        };
+        let rs = self.spec.router.as_ref()?;
+        let mut f = x.to_vec();
+        rms_norm(&mut f, &layer.post_norm, self.spec.rms_norm_eps);
+        let ids = route_tokens(router, correction_bias.as_deref(), rs, &f, n)
+            .into_iter()
+            .flat_map(|r| r.ids)
+            .collect();
+        Some((ids, policy))
+    }
+
+    /// Multi-head latent attention over the cache (with optional DSA selection).
+    #[allow(clippy::too_many_arguments)]
+    fn mla(
+        &self,
+        w: &MlaWeights,
+        m: &MlaSpec,
+        layer: &LayerWeights,
+        a: &[f32],
+        rows: &Rows,
+        rope: &[RopeAt],
+        caches: &mut [&mut LayerCache],
+        sel: &mut Option<Selection>,
+        opts: ForwardOptions,
+        trace: Option<&mut Trace>,
+    ) -> Vec<f32> {
+        let spec = &self.spec;
+        let n = rows.n();
+        let (nh, nope, rd, vd, kvr) = (
+            m.n_heads,
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+            m.kv_lora_rank,
+        );
+        let qkd = m.qk_head_dim();
+        let interleaved = spec.rope.interleaved;
+        // Queries: [n, heads * (nope + rope)]
+        let (mut q, q_resid) = match (&w.q_a, &w.q_a_norm) {
+            (Some(qa), Some(qn)) => {
+                let mut r = qa.matmul(a, n); // [n, q_lora_rank]
+                rms_norm(&mut r, qn, MLA_LATENT_EPS);
+                (w.q_b.matmul(&r, n), Some(r))
+            }
+            _ => (w.q_b.matmul(a, n), None),
+        };
+        for t in 0..n {
+            for hh in 0..nh {
+                let o = t * nh * qkd + hh * qkd + nope;
+                rope[t].apply(&mut q[o..o + rd], interleaved);
+            }
+        }
+        // Latent + rope key, appended to the cache: [n, kvr + rope]
+        let mut ckv = w.kv_a.matmul(a, n);
+        for t in 0..n {
+            let e = &mut ckv[t * (kvr + rd)..(t + 1) * (kvr + rd)];
+            rms_norm(&mut e[..kvr], &w.kv_a_norm, MLA_LATENT_EPS);
+            rope[t].apply(&mut e[kvr..], interleaved);
+        }
+        for (c, span) in caches.iter_mut().zip(&rows.spans) {
+            c.kv.extend_from_slice(&ckv[span.start * (kvr + rd)..span.end * (kvr + rd)]);
+        }
+
+        // DSA: this layer's own selection, or the previous full layer's.
+        if let (Some(kind), Some(dsa)) = (layer.indexer_kind, &spec.dsa) {
+            // `shared` layers reuse `sel` (dense causal attention if no full layer ran before).
+            if let (IndexerKind::Full, Some(iw), Some(qr)) =
+                (kind, &layer.indexer, q_resid.as_ref())
+            {
+                let s = indexer_select(iw, dsa, a, qr, rows, rope, interleaved, caches);
+                if let Some(tr) = trace {
+                    tr.dsa.push(s.clone());
+                }
+                *sel = Some(s);
+            }
+        }
+        let sel = sel.as_ref();
+
+        let scale = spec.softmax_scale;
+        let mut out = vec![0.0f32; n * nh * vd];
+        let caches: Vec<&LayerCache> = caches.iter().map(|c| &**c).collect();
+        // Naive: expand each sequence's cached latents once into per-head keys/values
+        // [cached, heads*(nope+v)].
+        let expanded: Vec<Option<Vec<f32>>> = caches
+            .iter()
+            .map(|cache| {
+                (opts.mla == MlaMode::Naive).then(|| {
+                    let total = cache.len();
+                    let lat: Vec<f32> = (0..total)
+                        .flat_map(|j| cache.entry(j)[..kvr].to_vec())
+                        .collect();
+                    w.kv_b.matmul(&lat, total)
+                })
+            })
+            .collect();
+        let stride = nope + vd;
+        // Every (query, head) pair is independent: run them in parallel, each with the same
+        // arithmetic as alone.
+        // Units of `g` heads of one query: enough units to share among the threads, and each
+        // unit reads the cached latents once for all its heads. Every (query, head) pair keeps the
+        // arithmetic it has alone, so the split never changes a bit.
+        let g = if n >= 8 {
+            nh
+        } else {
+            (1..=4).rev().find(|d| nh % d == 0).unwrap_or(1)
+        };
+        charm_shared::par::for_each_chunk_mut(&mut out, vd * g, |u, og| {
+            let (t, h0) = ((u * g) / nh, (u * g) % nh);
+            let (p, cache) = (rows.pos[t], caches[rows.seq[t]]);
+            let keys: Vec<usize> = match sel {
+                Some(s) => s[t].iter().map(|&j| j as usize).collect(),
+                None => (0..=p).collect(),
+            };
+            let qh = |hh: usize| {
+                let qh = &q[t * nh * qkd + hh * qkd..t * nh * qkd + (hh + 1) * qkd];
+                qh.split_at(nope)
+            };
+            match &expanded[rows.seq[t]] {
+                Some(kv) => {
+                    for (k, o) in og.chunks_mut(vd).enumerate() {
+                        let hh = h0 + k;
+                        let (q_nope, q_rope) = qh(hh);
+                        let mut scores = Vec::with_capacity(keys.len());
+                        for &j in &keys {
+                            let kvj = &kv[j * nh * stride + hh * stride..];
+                            let s = dot(q_nope, &kvj[..nope]) + dot(q_rope, &cache.entry(j)[kvr..]);
+                            scores.push(s * scale);
+                        }
+                        softmax(&mut scores);
+                        for (&j, &pj) in keys.iter().zip(&scores) {
+                            let vj = &kv[j * nh * stride + hh * stride + nope
+                                ..j * nh * stride + hh * stride + stride];
+                            axpy(o, pj, vj);
+                        }
+                    }
+                }
+                None => {
+                    // q_abs[c] = sum_d q_nope[d] * W_uk[h][d][c], per head of the unit
+                    let q_abs: Vec<Vec<f32>> = (0..g)
+                        .map(|k| {
+                            let (q_nope, _) = qh(h0 + k);
+                            let mut qa = vec![0.0f32; kvr];
+                            for (d, &qd) in q_nope.iter().enumerate() {
+                                axpy(&mut qa, qd, w.kv_b.row((h0 + k) * stride + d));
+                            }
+                            qa
+                        })
+                        .collect();
+                    let mut scores = vec![Vec::with_capacity(keys.len()); g];
+                    // four keys at a time (the same dot products, interleaved), every head
+                    // of the unit against each cached latent while it is in cache
+                    let mut kc = keys.chunks_exact(4);
+                    for k4 in &mut kc {
+                        let e: [&[f32]; 4] = std::array::from_fn(|i| cache.entry(k4[i]));
+                        let (lat_e, rot_e) = (e.map(|e| &e[..kvr]), e.map(|e| &e[kvr..]));
+                        for (k, sk) in scores.iter_mut().enumerate() {
+                            let lat = dots(lat_e, &q_abs[k]);
+                            let rot = dots(rot_e, qh(h0 + k).1);
+                            for i in 0..4 {
+                                sk.push((lat[i] + rot[i]) * scale);
+                            }
+                        }
+                    }
+                    for &j in kc.remainder() {
+                        let e = cache.entry(j);
+                        for (k, sk) in scores.iter_mut().enumerate() {
+                            let s = dot(&q_abs[k], &e[..kvr]) + dot(qh(h0 + k).1, &e[kvr..]);
+                            sk.push(s * scale);
+                        }
+                    }
+                    for sk in &mut scores {
+                        softmax(sk);
+                    }
+                    // ctx[h] = sum over keys, in order, of p[h][j] * latent[j]
+                    let lats: Vec<&[f32]> = keys.iter().map(|&j| &cache.entry(j)[..kvr]).collect();
+                    let mut ctx = vec![vec![0.0f32; kvr]; g];
+                    for (c4, s4) in ctx.chunks_mut(4).zip(scores.chunks(4)) {
+                        if let ([a, b, c, d], [pa, pb, pc, pd]) = (&mut *c4, s4) {
+                            weighted_rows([a, b, c, d], [pa, pb, pc, pd], &lats);
+                        } else {
+                            for (c, sk) in c4.iter_mut().zip(s4) {
+                                weighted_rows([c], [sk], &lats);
+                            }
+                        }
+                    }
+                    for (k, o) in og.chunks_mut(vd).enumerate() {
+                        let hh = h0 + k;
+                        let mut oc = o.chunks_exact_mut(4);
+                        for (c, o4) in (&mut oc).enumerate() {
+                            let rows: [&[f32]; 4] =
+                                std::array::from_fn(|i| w.kv_b.row(hh * stride + nope + 4 * c + i));
+                            o4.copy_from_slice(&dots(rows, &ctx[k]));
+                        }
+                        let done = vd - vd % 4;
+                        for (d, oi) in oc.into_remainder().iter_mut().enumerate() {
+                            *oi = dot(w.kv_b.row(hh * stride + nope + done + d), &ctx[k]);
+                        }
+                    }
+                }
+            }
+        });
+        w.o.matmul(&out, n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::by_rank;
+
+    #[test]
+    fn predictions_are_queued_by_rank_across_tokens() {
+        // two tokens, top-3 each, best first
+        let ids = [7, 2, 9, 4, 7, 1];
+        assert_eq!(by_rank(&ids, 2, 3), vec![7, 4, 2, 7, 9, 1]);
+        assert_eq!(by_rank(&ids, 2, 1), vec![7, 4]);
+        assert_eq!(by_rank(&ids, 2, usize::MAX), vec![7, 4, 2, 7, 9, 1]);
+        assert!(by_rank(&[], 1, 2).is_empty());
+    }
+}

@@ -1,0 +1,388 @@
+//! OpenAI's API: `POST /v1/completions` and `POST /v1/chat/completions` translated into the
+//! server's [`Request`], and the answer back into OpenAI's completion and chunk shapes (reasoning
+//! as `reasoning_content`, tool calls as `tool_calls`, log probabilities).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, HeaderMap};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value as Json};
+
+use super::auth::authorized;
+use super::error::{bad, ApiError};
+use super::request::{submit, usage, whole, ChatMode, Conversation, Request};
+use super::scheduler::{Event, TokenLogprob};
+use super::settings::{parse, settings, COMMON};
+use super::sse::sse;
+use super::{now, Shared};
+use crate::decode::reasoning::Reasoning;
+use crate::decode::template::{drop_null_keys, tool_arguments};
+use crate::decode::tokenizer::TextTokenizer;
+use crate::decode::tool_calls::ToolFormat;
+
+/// `POST /v1/completions`: a prompt of text or token ids.
+pub(super) async fn completions(
+    State(s): State<Arc<Shared>>,
+    h: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    authorized(&s, &h)?;
+    let body = parse(&body)?;
+    let set = settings(&body, &[COMMON, &["prompt"]].concat())?;
+    let prompt = match &body["prompt"] {
+        Json::String(p) => s.tok.encode(p).map_err(|e| bad(format!("`prompt`: {e}")))?,
+        Json::Array(a) if a.iter().all(|v| v.is_u64()) => {
+            a.iter().map(|v| v.as_u64().unwrap_or(0) as u32).collect()
+        }
+        _ => return Err(bad("`prompt` must be a string or a list of token ids")),
+    };
+    answer(
+        s,
+        Request {
+            prompt,
+            settings: set,
+            chat: None,
+        },
+    )
+    .await
+}
+
+/// `POST /v1/chat/completions`: the messages rendered by the model's chat template.
+pub(super) async fn chat_completions(
+    State(s): State<Arc<Shared>>,
+    h: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    authorized(&s, &h)?;
+    let mut parsed = parse(&body)?;
+    // tools are the template's business: taken out before the shared checks
+    let tools_given = parsed.get("tools").is_some_and(|t| !t.is_null());
+    let tool_choice = parsed.get("tool_choice").cloned().unwrap_or(Json::Null);
+    if let Some(o) = parsed.as_object_mut() {
+        o.remove("tools");
+        o.remove("tool_choice");
+    }
+    let set = settings(
+        &parsed,
+        &[
+            COMMON,
+            &["messages", "max_completion_tokens", "chat_template_kwargs"],
+        ]
+        .concat(),
+    )?;
+    let Some(t) = &s.template else {
+        return Err(bad("this model has no chat template: use /v1/completions"));
+    };
+    let use_tools = match (&tool_choice, tools_given) {
+        (_, false) => false,
+        (Json::Null, true) => true,
+        (Json::String(c), true) if c == "auto" => true,
+        (Json::String(c), true) if c == "none" => false,
+        _ => {
+            return Err(bad(
+                "`tool_choice`: only \"auto\" and \"none\" are supported",
+            ))
+        }
+    };
+    if use_tools && t.tool_format.is_none() {
+        return Err(bad(
+            "this model's chat template does not define tool calls charm can read back",
+        ));
+    }
+    let ok_messages = parsed["messages"].as_array().is_some_and(|m| {
+        !m.is_empty()
+            && m.iter().all(|x| {
+                x["role"].is_string()
+                    && (x["content"].is_string()
+                        || x["content"].is_array()
+                        || x["content"].is_null())
+            })
+    });
+    if !ok_messages {
+        return Err(bad(
+            "`messages` must be a non-empty list of {role, content} objects",
+        ));
+    }
+    // the template sees the messages in their key order
+    let v: minijinja::Value = serde_json::from_slice(&body).map_err(|e| bad(e.to_string()))?;
+    let mut messages = drop_null_keys(&v.get_attr("messages").unwrap_or_default());
+    // tool-call arguments in the form the template reads (clients send JSON text)
+    match t.tool_format {
+        Some(ToolFormat::Glm) => messages = tool_arguments(&messages, true),
+        Some(ToolFormat::DeepSeek) => messages = tool_arguments(&messages, false),
+        _ => {}
+    }
+    let tools = if use_tools {
+        let t = v.get_attr("tools").unwrap_or_default();
+        if t.kind() != minijinja::value::ValueKind::Seq {
+            return Err(bad("`tools` must be a list"));
+        }
+        t
+    } else {
+        minijinja::Value::from(())
+    };
+    let kwargs = match v.get_attr("chat_template_kwargs") {
+        Ok(k) if !k.is_undefined() && !k.is_none() => k
+            .try_iter()
+            .map_err(|_| bad("`chat_template_kwargs` must be an object"))?
+            .filter_map(|key| {
+                let val = k.get_item(&key).ok()?;
+                Some((key.as_str()?.to_string(), val))
+            })
+            .collect(),
+        _ => vec![],
+    };
+    let conversation = Conversation {
+        messages,
+        tools,
+        kwargs,
+    };
+    // the reasoning part of a turn the template opened with `<think>` (GLM with thinking on) is
+    // returned apart, as `reasoning_content`
+    let (prompt, thinking) = conversation.prompt(t, &s.tok)?;
+    let tools = if use_tools { t.tool_format } else { None };
+    answer(
+        s,
+        Request {
+            prompt,
+            settings: set,
+            chat: Some(ChatMode { thinking, tools }),
+        },
+    )
+    .await
+}
+
+/// The message of a whole answer: reasoning apart, tool calls taken out; and whether it
+/// called tools.
+fn chat_message(
+    content: String,
+    reasoning: String,
+    tools: Option<ToolFormat>,
+    id: &str,
+) -> (Json, bool) {
+    let (content, calls) = match tools {
+        Some(f) => f.extract(&content),
+        None => (content, vec![]),
+    };
+    let mut msg = json!({"role": "assistant", "content": content});
+    if !reasoning.is_empty() {
+        msg["reasoning_content"] = json!(reasoning);
+    }
+    if !calls.is_empty() {
+        msg["tool_calls"] = calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                json!({"id": format!("call_{id}_{i}"), "type": "function",
+                       "function": {"name": c.name, "arguments": c.arguments.to_string()}})
+            })
+            .collect();
+    }
+    (msg, !calls.is_empty())
+}
+
+/// Queues a generation and answers with its result or its stream (OpenAI shapes).
+async fn answer(s: Arc<Shared>, req: Request) -> Result<Response, ApiError> {
+    let Request {
+        prompt,
+        settings: set,
+        chat: mode,
+    } = req;
+    let chat = mode.is_some();
+    let tools = mode.and_then(|m| m.tools);
+    let mut split = Reasoning::new(mode.is_some_and(|m| m.thinking));
+    let rx = submit(&s, prompt, &set)?;
+    let id = format!(
+        "{}-{}",
+        if chat { "chatcmpl" } else { "cmpl" },
+        s.next_id.fetch_add(1, Ordering::Relaxed)
+    );
+    let (created, model) = (now(), s.opts.model_name.clone());
+    if !set.stream {
+        let ans = whole(rx).await?;
+        let lp = set
+            .logprobs
+            .map(|_| logprobs_json(&s.tok, &ans.logprobs, chat))
+            .unwrap_or(Json::Null);
+        let choice = if chat {
+            let (r, c) = split.push(&ans.text);
+            let (r2, c2) = split.end();
+            let (msg, called) = chat_message(c + &c2, r + &r2, tools, &id);
+            let finish = if called { "tool_calls" } else { ans.finish };
+            json!({"index": 0, "message": msg, "finish_reason": finish, "logprobs": lp})
+        } else {
+            json!({"index": 0, "text": ans.text, "finish_reason": ans.finish, "logprobs": lp})
+        };
+        return Ok(axum::Json(json!({
+            "id": id,
+            "object": if chat { "chat.completion" } else { "text_completion" },
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage(ans.prompt_tokens, ans.completion_tokens, ans.drafted, ans.accepted),
+        }))
+        .into_response());
+    }
+    let object = if chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let stream_id = id.clone();
+    let chunk = move |choice: Json, usage_v: Option<Json>| {
+        let mut c = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
+        if let Some(u) = usage_v {
+            c["choices"] = json!([]);
+            c["usage"] = u;
+        }
+        format!("data: {c}\n\n")
+    };
+    let mut first = chat;
+    let mut held_content = String::new();
+    let mut pending_lp: Vec<TokenLogprob> = Vec::new();
+    let tok = s.tok.clone();
+    let stream = sse(rx, String::new(), move |ev| match ev {
+        Event::Logprobs(l) => {
+            pending_lp = l;
+            (String::new(), false)
+        }
+        Event::Text(t) => {
+            let mut lp = if pending_lp.is_empty() {
+                Json::Null
+            } else {
+                logprobs_json(&tok, &std::mem::take(&mut pending_lp), chat)
+            };
+            if !chat {
+                let choice = json!({"index": 0, "text": t, "finish_reason": null, "logprobs": lp});
+                return (chunk(choice, None), false);
+            }
+            let (r, mut c) = split.push(&t);
+            if tools.is_some() {
+                // tool calls are read from the whole answer: content waits for the end
+                held_content += &c;
+                c = String::new();
+            }
+            let mut out = String::new();
+            for (field, piece) in [("reasoning_content", r), ("content", c)] {
+                if piece.is_empty() {
+                    continue;
+                }
+                let mut d = json!({ field: piece });
+                if first {
+                    d["role"] = json!("assistant");
+                    first = false;
+                }
+                let mut c = json!({"index": 0, "delta": d, "finish_reason": null});
+                if !lp.is_null() {
+                    c["logprobs"] = std::mem::take(&mut lp);
+                }
+                out += &chunk(c, None);
+            }
+            (out, false)
+        }
+        Event::Done {
+            finish,
+            prompt_tokens,
+            completion_tokens,
+            drafted,
+            accepted,
+            ..
+        } => {
+            let mut held = String::new();
+            let mut finish = finish;
+            if chat {
+                let (r, c) = split.end();
+                let mut content = c;
+                let mut calls = Json::Null;
+                if tools.is_some() {
+                    let all = std::mem::take(&mut held_content) + &content;
+                    let (msg, called) = chat_message(all, String::new(), tools, &stream_id);
+                    content = msg["content"].as_str().unwrap_or_default().to_string();
+                    if called {
+                        finish = "tool_calls";
+                        calls = msg["tool_calls"].clone();
+                        if let Some(a) = calls.as_array_mut() {
+                            for (i, c) in a.iter_mut().enumerate() {
+                                c["index"] = json!(i);
+                            }
+                        }
+                    }
+                }
+                if !calls.is_null() {
+                    let d = json!({"tool_calls": calls});
+                    held += &chunk(json!({"index": 0, "delta": d, "finish_reason": null}), None);
+                }
+                for (field, piece) in [("reasoning_content", r), ("content", content)] {
+                    if !piece.is_empty() {
+                        let d = json!({ field: piece });
+                        held +=
+                            &chunk(json!({"index": 0, "delta": d, "finish_reason": null}), None);
+                    }
+                }
+            }
+            let choice = if chat {
+                json!({"index": 0, "delta": {}, "finish_reason": finish})
+            } else {
+                json!({"index": 0, "text": "", "finish_reason": finish, "logprobs": null})
+            };
+            let end = held
+                + &chunk(choice, None)
+                + &chunk(
+                    json!(null),
+                    Some(usage(prompt_tokens, completion_tokens, drafted, accepted)),
+                )
+                + "data: [DONE]\n\n";
+            (end, true)
+        }
+        Event::Failed(m) => {
+            let e = json!({"error": {"message": m, "type": "server_error", "param": null, "code": null}});
+            (format!("data: {e}\n\n"), true)
+        }
+    });
+    Ok((
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        axum::body::Body::from_stream(stream),
+    )
+        .into_response())
+}
+
+/// Log probabilities in OpenAI's shapes: chat's `{"content": [{token, logprob, bytes,
+/// top_logprobs}]}`, completions' `{tokens, token_logprobs, top_logprobs, text_offset}`.
+fn logprobs_json(tok: &TextTokenizer, lps: &[TokenLogprob], chat: bool) -> Json {
+    let text = |t: u32| tok.decode(&[t]).unwrap_or_default();
+    if chat {
+        let entry = |t: u32, lp: f32| {
+            let s = text(t);
+            json!({"token": s, "logprob": lp, "bytes": s.as_bytes()})
+        };
+        json!({"content": lps.iter().map(|(t, lp, alt)| {
+            let mut e = entry(*t, *lp);
+            e["top_logprobs"] = alt.iter().map(|(a, l)| entry(*a, *l)).collect();
+            e
+        }).collect::<Vec<_>>()})
+    } else {
+        let mut offset = 0;
+        let offsets: Vec<usize> = lps
+            .iter()
+            .map(|(t, _, _)| {
+                let o = offset;
+                offset += text(*t).len();
+                o
+            })
+            .collect();
+        json!({
+            "tokens": lps.iter().map(|(t, _, _)| text(*t)).collect::<Vec<_>>(),
+            "token_logprobs": lps.iter().map(|(_, lp, _)| *lp).collect::<Vec<_>>(),
+            "top_logprobs": lps.iter().map(|(_, _, alt)| {
+                alt.iter().map(|(a, l)| (text(*a), json!(l))).collect::<serde_json::Map<_, _>>()
+            }).collect::<Vec<_>>(),
+            "text_offset": offsets,
+        })
+    }
+}

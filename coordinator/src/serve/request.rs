@@ -1,0 +1,187 @@
+//! The one request both APIs translate into: a prompt (token ids, or a conversation rendered by
+//! the chat template), the shared settings, and how the answer is taken apart. Each adapter
+//! (`openai`, `anthropic`) reads its body into a [`Request`], [`submit`]s it, and writes the
+//! scheduler's events back in its own shapes ([`whole`] collects them for a non-streamed answer).
+
+use axum::http::StatusCode;
+use tokio::sync::mpsc;
+
+use super::error::{bad, error, ApiError};
+use super::scheduler::{Event, Job, Refused, TokenLogprob};
+use super::settings::Settings;
+use super::Shared;
+use crate::decode::template::{ChatInput, ChatTemplate};
+use crate::decode::tokenizer::TextTokenizer;
+use crate::decode::tool_calls::ToolFormat;
+
+/// How a chat answer is taken apart.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ChatMode {
+    /// The turn opened `<think>`: reasoning comes first.
+    pub(super) thinking: bool,
+    /// Tool calls are read back in this format.
+    pub(super) tools: Option<ToolFormat>,
+}
+
+/// A generation as the server runs it, whichever API asked.
+#[derive(Debug)]
+pub(super) struct Request {
+    pub(super) prompt: Vec<u32>,
+    pub(super) settings: Settings,
+    /// A chat answer (reasoning and tool calls taken apart), or plain text.
+    pub(super) chat: Option<ChatMode>,
+}
+
+/// A conversation in the form the chat templates read (OpenAI's messages and tools).
+#[derive(Debug, Default)]
+pub(super) struct Conversation {
+    pub(super) messages: minijinja::Value,
+    /// The tools the model may call (none: `()`).
+    pub(super) tools: minijinja::Value,
+    /// Extra template variables (`chat_template_kwargs`).
+    pub(super) kwargs: Vec<(String, minijinja::Value)>,
+}
+
+impl Conversation {
+    /// The prompt of the conversation, with the assistant's turn opened; and whether that turn
+    /// opens with `<think>` (the model reasons first).
+    pub(super) fn prompt(
+        self,
+        t: &ChatTemplate,
+        tok: &TextTokenizer,
+    ) -> Result<(Vec<u32>, bool), ApiError> {
+        let text = t
+            .render(&ChatInput {
+                messages: self.messages,
+                tools: self.tools,
+                add_generation_prompt: true,
+                bos_token: None,
+                eos_token: None,
+                kwargs: self.kwargs,
+            })
+            .map_err(|e| bad(e.to_string()))?;
+        let prompt = tok.encode(&text).map_err(|e| bad(e.to_string()))?;
+        // a template that opens the assistant's turn with `<think>` (GLM with thinking on) has
+        // the model reason first
+        Ok((prompt, text.trim_end().ends_with("<think>")))
+    }
+}
+
+/// Checks a prompt against the context and queues its generation; the events come on the
+/// returned receiver.
+pub(super) fn submit(
+    s: &Shared,
+    prompt: Vec<u32>,
+    set: &Settings,
+) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+    let ctx = s.opts.context;
+    if prompt.is_empty() {
+        return Err(bad("the prompt is empty"));
+    }
+    if prompt.len() >= ctx {
+        return Err(bad(format!(
+            "the prompt is {} tokens; the context holds {ctx}",
+            prompt.len()
+        )));
+    }
+    let max_tokens = set.max_tokens.unwrap_or(ctx - prompt.len());
+    if prompt.len() + max_tokens > ctx {
+        return Err(bad(format!(
+            "the prompt ({} tokens) plus max_tokens ({max_tokens}) exceeds the context of {ctx} tokens",
+            prompt.len()
+        )));
+    }
+    let job = Job {
+        prompt,
+        max_tokens,
+        params: set.params,
+        penalties: set.penalties,
+        logprobs: set.logprobs,
+        stop: set.stop.clone(),
+        ignore_eos: set.ignore_eos,
+    };
+    s.scheduler.submit(job).map_err(|e| match e {
+        Refused::Full => error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "too many requests waiting; retry shortly",
+        ),
+        Refused::Stopped => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "the generator stopped",
+        ),
+    })
+}
+
+/// A whole answer.
+#[derive(Debug)]
+pub(super) struct Answer {
+    pub(super) text: String,
+    pub(super) finish: &'static str,
+    /// The stop string that ended it, if one did.
+    pub(super) matched: Option<String>,
+    pub(super) logprobs: Vec<TokenLogprob>,
+    pub(super) prompt_tokens: usize,
+    pub(super) completion_tokens: usize,
+    /// Speculative decoding: tokens drafted, and of them accepted.
+    pub(super) drafted: usize,
+    pub(super) accepted: usize,
+}
+
+/// Waits for the whole answer of a generation.
+pub(super) async fn whole(mut rx: mpsc::UnboundedReceiver<Event>) -> Result<Answer, ApiError> {
+    let mut text = String::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Text(t) => text += &t,
+            Event::Logprobs(_) => {}
+            Event::Failed(m) => {
+                return Err(error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", m))
+            }
+            Event::Done {
+                finish,
+                matched,
+                logprobs,
+                prompt_tokens,
+                completion_tokens,
+                drafted,
+                accepted,
+            } => {
+                return Ok(Answer {
+                    text,
+                    finish,
+                    matched,
+                    logprobs,
+                    prompt_tokens,
+                    completion_tokens,
+                    drafted,
+                    accepted,
+                })
+            }
+        }
+    }
+    Err(error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "server_error",
+        "the generation ended without a result",
+    ))
+}
+
+/// OpenAI's usage object; with speculative decoding, the drafted tokens the model accepted and
+/// rejected (OpenAI's `completion_tokens_details` names for predicted tokens).
+pub(super) fn usage(
+    prompt: usize,
+    completion: usize,
+    drafted: usize,
+    accepted: usize,
+) -> serde_json::Value {
+    let mut u = serde_json::json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
+    if drafted > 0 {
+        u["completion_tokens_details"] = serde_json::json!({
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        });
+    }
+    u
+}

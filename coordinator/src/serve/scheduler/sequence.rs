@@ -1,0 +1,333 @@
+//! One generation in progress: its cache and sampler, the text sent so far, stop strings.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::{Event, Metrics, Queued, TokenLogprob};
+use crate::decode::sampling::{logprobs, Sampler};
+use crate::decode::speculative::{verify, Adaptive, DraftOptions, Drafter};
+use crate::decode::tokenizer::{TextStream, TextTokenizer};
+use crate::model::cache::KvCache;
+use crate::model::engine::Engine;
+
+/// One generation in progress.
+pub(super) struct Sequence<'t> {
+    pub(super) job: Queued,
+    pub(super) cache: KvCache,
+    pub(super) sampler: Sampler,
+    /// The token chosen and not yet fed back (none before the prefill).
+    pub(super) next: Option<u32>,
+    pub(super) ids: Vec<u32>,
+    /// The completion decoded as its tokens come, and how many of its bytes were sent.
+    pub(super) stream: TextStream<'t>,
+    pub(super) text: String,
+    pub(super) sent: usize,
+    pub(super) lps: Vec<TokenLogprob>,
+    pub(super) started: Option<Instant>,
+    /// Ended normally (not cancelled): its KV may serve a later request's prefix.
+    pub(super) finished: bool,
+    /// Entries of `lps` already sent with a piece of text.
+    pub(super) lp_sent: usize,
+    /// The persisted sequence its cache started from, and how many of its tokens.
+    pub(super) origin: Option<(u64, usize)>,
+    /// Prompt tokens whose KV was reused instead of computed.
+    pub(super) reused: usize,
+    /// Speculative decoding, when on: the drafter, the rule that sizes its drafts, the drafts of
+    /// this step (fed after `next`), and the tokens drafted and accepted so far.
+    pub(super) drafter: Option<(Drafter, Adaptive)>,
+    pub(super) feed: Vec<u32>,
+    pub(super) drafted: usize,
+    pub(super) accepted: usize,
+}
+
+impl<'t> Sequence<'t> {
+    pub(super) fn new(
+        e: &Engine,
+        tok: &'t TextTokenizer,
+        job: Queued,
+        draft: DraftOptions,
+    ) -> Self {
+        let spec = &e.model.spec;
+        let mut cache = KvCache::new(spec);
+        cache.reserve(job.prompt.len() + job.max_tokens + draft.max, spec);
+        let drafter = (draft.max > 0)
+            .then(|| Drafter::new(&e.model, draft.source).ok())
+            .flatten()
+            .map(|d| (d, Adaptive::new(draft.max, draft.adaptive)));
+        Self {
+            sampler: Sampler::new(job.params),
+            job,
+            cache,
+            next: None,
+            ids: Vec::new(),
+            stream: tok.stream(),
+            text: String::new(),
+            sent: 0,
+            lps: Vec::new(),
+            started: None,
+            finished: false,
+            lp_sent: 0,
+            origin: None,
+            reused: 0,
+            drafter,
+            feed: Vec::new(),
+            drafted: 0,
+            accepted: 0,
+        }
+    }
+
+    /// The tokens this step feeds when decoding: the chosen token, then the drafts.
+    pub(super) fn draft(&mut self, e: &Engine) -> Result<(), String> {
+        let Some(next) = self.next else {
+            return Ok(());
+        };
+        self.feed.clear();
+        self.feed.push(next);
+        let Some((d, rule)) = &mut self.drafter else {
+            return Ok(());
+        };
+        // (a token drafted past the last one wanted could not be kept)
+        let left = self.job.max_tokens.saturating_sub(self.ids.len() + 1);
+        let want = rule.choose().min(left);
+        if want == 0 {
+            return Ok(());
+        }
+        let mut context = self.job.prompt.clone();
+        context.extend_from_slice(&self.ids);
+        let drafts = d
+            .propose(&e.model, &context, want)
+            .map_err(|e| e.to_string())?;
+        self.feed.extend_from_slice(&drafts);
+        Ok(())
+    }
+
+    /// Hands the drafter the main model's states of prompt rows `from..from + n` (`[n, hidden]`),
+    /// each with the prompt token after it; the last prompt position waits for the chosen token.
+    pub(super) fn prompt_states(&mut self, from: usize, states: &[f32], h: usize) {
+        let Some((d, _)) = &mut self.drafter else {
+            return;
+        };
+        let p = &self.job.prompt;
+        let n = states.len() / h;
+        let whole = n.min((p.len() - 1).saturating_sub(from));
+        d.push(&p[from + 1..from + 1 + whole], &states[..whole * h]);
+    }
+
+    /// Verifies this step's drafts against the logits of its rows (`[feed.len(), vocab]`, raw):
+    /// keeps the drafts the sampler takes, then its own token; emits them as [`Self::advance`]
+    /// does; hands the drafter the kept rows' states. Returns whether the sequence goes on, and
+    /// the rows to keep in the cache.
+    pub(super) fn advance_drafted(
+        &mut self,
+        logits: &[f32],
+        states: &[f32],
+        vocab: usize,
+        tok: &TextTokenizer,
+        metrics: &Metrics,
+        stop_ids: &[u32],
+        seconds: f64,
+    ) -> Result<(bool, usize), String> {
+        let drafts = self.feed[1..].to_vec();
+        let (job, ids) = (&self.job, &self.ids);
+        let got = verify(&self.sampler, self.sampler.drawn(), &drafts, |i, kept| {
+            let mut l = logits[i * vocab..(i + 1) * vocab].to_vec();
+            if job.penalties.active() {
+                let history: Vec<u32> = ids.iter().chain(kept).copied().collect();
+                job.penalties.apply(&mut l, &job.prompt, &history);
+            }
+            l
+        });
+        let kept = got.accepted.len();
+        self.sampler.advance(1 + kept as u64);
+        self.drafted += drafts.len();
+        self.accepted += kept;
+        metrics
+            .drafted
+            .fetch_add(drafts.len() as u64, Ordering::Relaxed);
+        metrics.accepted.fetch_add(kept as u64, Ordering::Relaxed);
+        if let Some((d, rule)) = &mut self.drafter {
+            let mut after = got.accepted.clone();
+            after.push(got.next);
+            d.push(
+                &after,
+                &states[..(1 + kept) * (states.len() / self.feed.len())],
+            );
+            rule.record(drafts.len(), kept, seconds);
+        }
+        let tokens: Vec<u32> = got.accepted.iter().copied().chain([got.next]).collect();
+        for (i, &t) in tokens.iter().enumerate() {
+            if let Some(top) = self.job.logprobs {
+                let (lp, alt) = logprobs(&logits[i * vocab..(i + 1) * vocab], t, top);
+                self.lps.push((t, lp, alt));
+            }
+            if !self.emit(t, tok, metrics, stop_ids)? {
+                return Ok((false, 1 + kept));
+            }
+        }
+        Ok((true, 1 + kept))
+    }
+
+    /// Penalties, then the sampler; the log probabilities of the model's distribution when
+    /// asked.
+    pub(super) fn pick(&mut self, mut logits: Vec<f32>) -> u32 {
+        let raw = self.job.logprobs.map(|_| logits.clone());
+        self.job
+            .penalties
+            .apply(&mut logits, &self.job.prompt, &self.ids);
+        let t = self.sampler.sample(&logits);
+        if let (Some(top), Some(raw)) = (self.job.logprobs, raw) {
+            let (lp, alt) = logprobs(&raw, t, top);
+            self.lps.push((t, lp, alt));
+        }
+        t
+    }
+
+    /// Takes the logits after the sequence's last input (its whole prompt, or the token it fed
+    /// back): picks the next token and sends text as it becomes final (whole UTF-8 characters,
+    /// held back while it could still start a stop string). `Ok(false)` when the sequence is
+    /// done or its client went away (its KV cache goes with it).
+    pub(super) fn advance(
+        &mut self,
+        logits: Vec<f32>,
+        last_state: Option<&[f32]>,
+        tok: &TextTokenizer,
+        metrics: &Metrics,
+        stop_ids: &[u32],
+    ) -> Result<bool, String> {
+        if self.next.is_none() {
+            metrics.ttft_us.fetch_add(
+                self.job.queued.elapsed().as_micros() as u64,
+                Ordering::Relaxed,
+            );
+            metrics.ttft_n.fetch_add(1, Ordering::Relaxed);
+            self.started = Some(Instant::now());
+        }
+        let next = self.pick(logits);
+        if let Some((d, _)) = &mut self.drafter {
+            // the prompt's last position, with the token now chosen after it
+            if let Some(last) = last_state {
+                d.push(&[next], last);
+            }
+        }
+        self.emit(next, tok, metrics, stop_ids)
+    }
+
+    /// Takes `next` as the sequence's next token: sends text as it becomes final (whole UTF-8
+    /// characters, held back while it could still start a stop string). `Ok(false)` when the
+    /// sequence is done or its client went away.
+    fn emit(
+        &mut self,
+        next: u32,
+        tok: &TextTokenizer,
+        metrics: &Metrics,
+        stop_ids: &[u32],
+    ) -> Result<bool, String> {
+        self.next = Some(next);
+        if !self.job.ignore_eos && stop_ids.contains(&next) {
+            return self.finish(tok, "stop", None, metrics);
+        }
+        self.ids.push(next);
+        metrics.tokens.fetch_add(1, Ordering::Relaxed);
+        let hold = self.job.stop.iter().map(|s| s.len()).max().unwrap_or(0);
+        // only whole characters arrive from the stream decoder
+        let piece = self.stream.push(next).map_err(|e| e.to_string())?;
+        self.text.push_str(&piece);
+        let found = find_stop(&self.text, self.sent.saturating_sub(hold), &self.job.stop);
+        if let Some((at, which)) = found {
+            if at > self.sent {
+                let piece = self.text[self.sent..at].to_string();
+                self.send_text(piece);
+            }
+            self.sent = self.text.len();
+            let matched = Some(self.job.stop[which].clone());
+            return self.finish(tok, "stop", matched, metrics);
+        }
+        let mut end = self.text.len().saturating_sub(hold.saturating_sub(1));
+        while end > self.sent && !self.text.is_char_boundary(end) {
+            end -= 1;
+        }
+        if end > self.sent {
+            let piece = self.text[self.sent..end].to_string();
+            if !self.send_text(piece) {
+                return Ok(false);
+            }
+            self.sent = end;
+        } else if self.job.tx.is_closed() {
+            return Ok(false);
+        }
+        if self.ids.len() >= self.job.max_tokens {
+            return self.finish(tok, "length", None, metrics);
+        }
+        Ok(true)
+    }
+
+    /// Sends a piece of text, after the log probabilities of the tokens not yet covered when
+    /// the request asked for them; false when the client went away.
+    pub(super) fn send_text(&mut self, piece: String) -> bool {
+        if self.job.logprobs.is_some() && self.lp_sent < self.lps.len() {
+            let new = self.lps[self.lp_sent..].to_vec();
+            self.lp_sent = self.lps.len();
+            let _ = self.job.tx.send(Event::Logprobs(new));
+        }
+        self.job.tx.send(Event::Text(piece)).is_ok()
+    }
+
+    /// Sends the rest of the text and the end of the generation.
+    pub(super) fn finish(
+        &mut self,
+        tok: &TextTokenizer,
+        finish: &'static str,
+        matched: Option<String>,
+        metrics: &Metrics,
+    ) -> Result<bool, String> {
+        if let Some(t) = self.started {
+            let secs = t.elapsed().as_secs_f64();
+            metrics
+                .decode_us
+                .fetch_add((secs * 1e6) as u64, Ordering::Relaxed);
+            tracing::info!(
+                prompt_tokens = self.job.prompt.len(),
+                reused_tokens = self.reused,
+                completion_tokens = self.ids.len(),
+                finish,
+                ttft_ms = (t - self.job.queued).as_secs_f64() * 1e3,
+                decode_tok_s = self.ids.len().saturating_sub(1) as f64 / secs.max(1e-9),
+                "generation done"
+            );
+        }
+        if matched.is_none() {
+            let text = tok.decode(&self.ids).map_err(|e| e.to_string())?;
+            // (a token ended by the end-of-sequence id is not part of the completion)
+            self.lps.truncate(self.ids.len());
+            if text.len() > self.sent {
+                self.send_text(text[self.sent..].to_string());
+            }
+        }
+        self.lps.truncate(self.ids.len());
+        let _ = self.job.tx.send(Event::Done {
+            finish,
+            matched,
+            logprobs: std::mem::take(&mut self.lps),
+            prompt_tokens: self.job.prompt.len(),
+            completion_tokens: self.ids.len(),
+            drafted: self.drafted,
+            accepted: self.accepted,
+        });
+        self.finished = true;
+        Ok(false)
+    }
+}
+
+/// Where the first of `stops` starts in `text` and which one it is, searching from byte `from`
+/// (moved back to a character boundary).
+fn find_stop(text: &str, from: usize, stops: &[String]) -> Option<(usize, usize)> {
+    let mut from = from.min(text.len());
+    while !text.is_char_boundary(from) {
+        from -= 1;
+    }
+    stops
+        .iter()
+        .enumerate()
+        .filter_map(|(k, s)| text[from..].find(s.as_str()).map(|i| (from + i, k)))
+        .min()
+}

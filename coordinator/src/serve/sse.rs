@@ -1,0 +1,43 @@
+//! Server-sent events: a generation's events framed as a byte stream.
+
+use axum::body::Bytes;
+use tokio::sync::mpsc;
+
+use super::scheduler::Event;
+
+/// A server-sent event stream: `prefix`, then `frame(event)` for each event of a generation
+/// until one says it is the last. Dropping the stream (the client went away) drops the receiver,
+/// which stops the generation.
+pub(super) fn sse(
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    prefix: String,
+    mut frame: impl FnMut(Event) -> (String, bool) + Send + 'static,
+) -> impl futures_core::Stream<Item = Result<Bytes, std::convert::Infallible>> {
+    let (tx, out) = mpsc::channel::<Result<Bytes, std::convert::Infallible>>(64);
+    tokio::spawn(async move {
+        if !prefix.is_empty() && tx.send(Ok(Bytes::from(prefix))).await.is_err() {
+            return;
+        }
+        while let Some(ev) = rx.recv().await {
+            let (text, last) = frame(ev);
+            // (nothing to say yet: no empty chunk on the wire)
+            if !text.is_empty() && tx.send(Ok(Bytes::from(text))).await.is_err() || last {
+                return;
+            }
+        }
+    });
+    ReceiverStream(out)
+}
+
+/// A tokio receiver as a stream.
+struct ReceiverStream<T>(mpsc::Receiver<T>);
+
+impl<T> futures_core::Stream for ReceiverStream<T> {
+    type Item = T;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<T>> {
+        self.0.poll_recv(cx)
+    }
+}
