@@ -6,11 +6,13 @@
 //!
 //! ```sh
 //! cargo bench --bench cluster -- --model DIR [--workers 2] [--tokens 32] [--delays 0,0.2,1]
-//!                                [--activations f32|int8]
+//!                                [--activations f32|int8] [--draft N] [--temperature T]
 //! ```
 //!
-//! Tokens are sampled (temperature 1, seed 1) so that random synthetic weights do not repeat one
-//! token; every run decodes the same tokens (checked).
+//! Tokens are sampled (temperature 1, seed 1; `--temperature` to change) so that random synthetic
+//! weights do not repeat one token; every run decodes the same tokens (checked). With `--draft N`
+//! each delay is also run with speculative decoding (adaptive, at most N drafts): its speed next
+//! to the plain run's, tokens per step and acceptance.
 
 use std::collections::VecDeque;
 use std::net::{SocketAddr, UdpSocket};
@@ -21,8 +23,9 @@ use std::time::{Duration, Instant};
 
 use charm_coordinator::cluster::remote::moe_layers;
 use charm_coordinator::cluster::{Loopback, WorkerAddr};
-use charm_coordinator::decode::generate::generate;
+use charm_coordinator::decode::generate::generate_with_drafts;
 use charm_coordinator::decode::sampling::{Sampler, SamplingParams};
+use charm_coordinator::decode::speculative::{DraftOptions, SpecStats};
 use charm_coordinator::{Engine, EngineOptions, ForwardOptions, HistoryPolicy};
 use charm_shared::quant::Activations;
 
@@ -32,6 +35,8 @@ struct Args {
     tokens: usize,
     delays: Vec<f64>,
     act: String,
+    draft: usize,
+    temperature: f32,
 }
 
 fn args() -> Args {
@@ -41,6 +46,8 @@ fn args() -> Args {
         tokens: 32,
         delays: vec![0.0, 0.2, 1.0],
         act: "f32".into(),
+        draft: 0,
+        temperature: 1.0,
     };
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -57,6 +64,8 @@ fn args() -> Args {
                     .collect()
             }
             "--activations" => a.act = val(),
+            "--draft" => a.draft = val().parse().expect("--draft N"),
+            "--temperature" => a.temperature = val().parse().expect("--temperature T"),
             // cargo bench passes --bench
             _ => {
                 i += 1;
@@ -231,15 +240,17 @@ fn quic_echo(dir: &std::path::Path, up: usize, down: usize, delay: Option<Durati
 struct Run {
     ids: Vec<u32>,
     tok_s: f64,
+    speculation: Option<SpecStats>,
 }
 
-fn decode(e: &Engine, prompt: &[u32], tokens: usize) -> Run {
-    let g = generate(
+/// Greedy at `temperature` 0, else sampled with seed 1; `draft` 0: plain decoding.
+fn decode(e: &Engine, prompt: &[u32], tokens: usize, temperature: f32, draft: usize) -> Run {
+    let g = generate_with_drafts(
         &e.model,
         prompt,
         tokens,
         &mut Sampler::new(SamplingParams {
-            temperature: 1.0,
+            temperature,
             top_k: 0,
             top_p: 1.0,
             seed: 1,
@@ -247,11 +258,16 @@ fn decode(e: &Engine, prompt: &[u32], tokens: usize) -> Run {
         }),
         &[],
         ForwardOptions::default(),
+        DraftOptions {
+            max: draft,
+            ..Default::default()
+        },
     )
     .unwrap();
     Run {
         tok_s: g.decode_tok_s(),
         ids: g.ids,
+        speculation: g.speculation,
     }
 }
 
@@ -288,9 +304,10 @@ fn main() {
         spec.hidden_size,
         spec.router.as_ref().map_or(0, |r| r.top_k),
     );
-    decode(&single, &prompt, 4); // warm-up
-    let base = decode(&single, &prompt, a.tokens);
-    let base2 = decode(&single, &prompt, a.tokens);
+    let temp = a.temperature;
+    decode(&single, &prompt, 4, temp, 0); // warm-up
+    let base = decode(&single, &prompt, a.tokens, temp, 0);
+    let base2 = decode(&single, &prompt, a.tokens, temp, 0);
     let base_tok_s = base.tok_s.max(base2.tok_s);
     println!(
         "single process: {base_tok_s:.2} tok/s decode (best of {:.2}, {:.2})",
@@ -335,9 +352,9 @@ fn main() {
         .unwrap();
         assert!(e.warnings.is_empty(), "{:?}", e.warnings);
         let r = e.remote.clone().unwrap();
-        decode(&e, &prompt, 4);
+        decode(&e, &prompt, 4, temp, 0);
         let s0 = r.status();
-        let run = decode(&e, &prompt, a.tokens);
+        let run = decode(&e, &prompt, a.tokens, temp, 0);
         assert_eq!(run.ids, base.ids, "the cluster changed the tokens");
         assert_eq!(r.fallbacks(), 0, "experts ran on the coordinator");
         let s1 = r.status();
@@ -403,6 +420,23 @@ fn main() {
                 )
             },
         );
+        if a.draft > 0 {
+            let spec_run = decode(&e, &prompt, a.tokens, temp, a.draft);
+            assert_eq!(spec_run.ids, base.ids, "speculation changed the tokens");
+            let s = spec_run.speculation.expect("speculation ran");
+            println!(
+                "added RTT {delay_ms} ms, --draft {} ({}): decode {:.2} tok/s = {:.2}x without drafts | {:.2} tokens per step, {} of {} drafts accepted ({:.0}%), steps by drafts {:?}",
+                a.draft,
+                s.source,
+                spec_run.tok_s,
+                spec_run.tok_s / run.tok_s,
+                (spec_run.ids.len() - 1) as f64 / s.steps.max(1) as f64,
+                s.accepted,
+                s.drafted,
+                100.0 * s.acceptance(),
+                s.steps_by_drafts
+            );
+        }
         drop(e);
         drop(relays);
     }

@@ -79,7 +79,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             ..Default::default()
         },
         max_tokens,
-        draft: draft.options(),
+        draft: draft.options(store.cluster.is_some()),
     };
     match (model, url) {
         (Some(m), _) => chat_local(&m, &store, activations.into(), set),

@@ -148,7 +148,7 @@ pub fn generate(a: &GenerateArgs) -> Result<()> {
         bail!("--top-p must be in (0, 1]");
     }
     let t = std::time::Instant::now();
-    let draft = a.draft.options();
+    let draft = a.draft.options(store.cluster.is_some());
     let e = common::load(model, store, prompt.len() + max_tokens + draft.max, act)?;
     let m = &e.model;
     let load_s = t.elapsed().as_secs_f64();

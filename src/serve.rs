@@ -128,7 +128,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             }),
             None => None,
         },
-        draft: a.draft.options(),
+        draft: a.draft.options(args.cluster.is_some()),
         ..Default::default()
     };
     let rt = tokio::runtime::Runtime::new()?;

@@ -1006,3 +1006,70 @@ fn a_worker_speaking_another_protocol_version_is_refused_naming_both_versions() 
     assert!(r.fallbacks() > 0);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Speculative decoding across two loopback workers: the same tokens as single-box without
+/// drafts (greedy and sampled, MTP and prompt-lookup drafts), every expert served remotely, and
+/// the drafts riding in the same per-layer requests (prompt lookup: fewer requests than without
+/// drafts).
+#[test]
+fn drafts_across_two_workers_give_the_single_box_tokens_in_fewer_requests() {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe");
+    let dir = certs("spec");
+    let (w1, w2) = (
+        Worker::start(&model, &dir, "w1", 0, &[]),
+        Worker::start(&model, &dir, "w2", 0, &[]),
+    );
+    let two = workers_arg(&[(&w1, "w1"), (&w2, "w2")]);
+    let cluster = ["--cluster", dir.to_str().unwrap(), "--workers", &two];
+    let ids = "5,17,3,99,250,7,1,42,300,12";
+    let run = |extra: &[&str]| {
+        let m = model.to_str().unwrap();
+        let mut a = vec![
+            "generate",
+            "--model",
+            m,
+            "--ids",
+            ids,
+            "--max-tokens",
+            "120",
+        ];
+        a.extend_from_slice(&["--json", "--history", "none"]);
+        a.extend_from_slice(extra);
+        let (ok, out, err) = charm(&a);
+        assert!(ok, "{a:?}: {err}");
+        json(&out)
+    };
+    for sampling in [
+        &["--temperature", "0"][..],
+        &["--temperature", "0.8", "--seed", "4"],
+    ] {
+        let single = run(sampling);
+        // (drafts are on by default with a cluster)
+        let plain = run(&[sampling, &cluster[..], &["--draft", "0"]].concat());
+        assert_eq!(plain["ids"], single["ids"]);
+        all_served_remotely(&plain, 2);
+        let requests = |v: &Value| -> u64 {
+            v["stats"]["cluster"]["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|w| w["requests"].as_u64().unwrap())
+                .sum()
+        };
+        for source in ["mtp", "lookup"] {
+            let d = ["--draft", "3", "--draft-fixed", "--draft-source", source];
+            let spec = run(&[sampling, &cluster[..], &d[..]].concat());
+            assert_eq!(spec["ids"], single["ids"], "{source} {sampling:?}");
+            all_served_remotely(&spec, 2);
+            let s = &spec["speculation"];
+            assert!(s["drafted"].as_u64().unwrap() > 0, "{s}");
+            // prompt lookup adds no expert work: accepted drafts mean fewer layer requests (the
+            // MTP layer's own experts are requests too)
+            if source == "lookup" && s["accepted"].as_u64().unwrap() > 0 {
+                assert!(requests(&spec) < requests(&plain), "{source}: {s}");
+            }
+        }
+    }
+    drop((w1, w2));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -27,6 +27,8 @@ impl Args {
     }
 
     /// A comma-separated list of counts (`default` when the flag is absent).
+    // (each benchmark compiles its own copy; not all of them take a list)
+    #[allow(dead_code)]
     pub fn counts(&self, k: &str, default: &str) -> Vec<usize> {
         self.get(k)
             .unwrap_or_else(|| default.into())

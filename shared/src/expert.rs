@@ -297,6 +297,12 @@ pub trait ExpertExecutor: Send + Sync + std::fmt::Debug {
     /// caching decisions.
     fn step_end(&self) {}
 
+    /// Whether this executor holds (or streams) expert weights itself; false for a stand-in that
+    /// only refuses (a coordinator whose routed experts all live on workers).
+    fn holds_experts(&self) -> bool {
+        true
+    }
+
     /// Counters since start, for executors that keep them.
     fn stats(&self) -> Option<ExpertStats> {
         None

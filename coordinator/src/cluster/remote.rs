@@ -101,6 +101,10 @@ impl ExpertExecutor for NoLocalExperts {
             why: "no live worker answered for it and this coordinator has no expert files".into(),
         })
     }
+
+    fn holds_experts(&self) -> bool {
+        false
+    }
 }
 
 /// Routed experts computed by the cluster's workers, with this machine's executor behind them.
@@ -115,6 +119,10 @@ pub struct RemoteExperts {
 pub(super) struct Inner {
     pub(super) shared: Arc<Shared>,
     pub(super) local: Arc<dyn ExpertExecutor>,
+    /// The MTP layers' experts run on `local` (it holds experts): drafts cost no round trip.
+    pub(super) mtp_here: bool,
+    /// Decoder layers; the MTP layers come after them.
+    pub(super) main_layers: usize,
     pub(super) hidden: usize,
     pub(super) next_id: AtomicU64,
     pub(super) fallbacks: AtomicU64,
@@ -244,7 +252,9 @@ impl RemoteExperts {
         }
         let inner = Arc::new(Inner {
             shared,
+            mtp_here: local.holds_experts(),
             local,
+            main_layers: spec.layers.len(),
             hidden: spec.hidden_size,
             next_id: AtomicU64::new(1),
             fallbacks: AtomicU64::new(0),
@@ -352,6 +362,11 @@ impl ExpertExecutor for RemoteExperts {
     fn start(&self, batch: ExpertBatch<'_>) -> PendingExperts {
         if let Err(e) = batch.check(self.inner.hidden) {
             return PendingExperts::ready(Err(e));
+        }
+        // the MTP layer drafts: its experts run here when this machine has them, so a draft costs
+        // no round trip
+        if self.inner.mtp_here && batch.layer >= self.inner.main_layers {
+            return self.inner.local.start(batch);
         }
         let runs = Arc::new(plan_runs(&batch));
         {

@@ -144,15 +144,21 @@ pub fn generate_streaming(
         };
         let (got, states) = verify_step(model, &mut cache, sampler, next, &drafts, opts)?;
         sampler.advance(1 + got.accepted.len() as u64);
-        if let (Some(d), Some(s)) = (&mut drafter, &mut stats) {
-            let mut after = got.accepted.clone();
-            after.push(got.next);
-            d.push(&after, &states);
-            adapt.record(drafts.len(), got.accepted.len(), t.elapsed().as_secs_f64());
+        if let Some(s) = &mut stats {
             s.steps += 1;
             s.drafted += drafts.len();
             s.accepted += got.accepted.len();
             s.steps_by_drafts[drafts.len().min(draft.max)] += 1;
+        }
+        if let Some(d) = &mut drafter {
+            let mut after = got.accepted.clone();
+            after.push(got.next);
+            d.push(&after, &states);
+            adapt.record(drafts.len(), got.accepted.len(), t.elapsed().as_secs_f64());
+            if adapt.stopped() {
+                // drafting never paid here: no drafter to keep in step either
+                drafter = None;
+            }
         }
         for &d in &got.accepted {
             ids.push(d);

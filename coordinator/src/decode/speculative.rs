@@ -199,8 +199,11 @@ impl MtpDrafter {
 /// the acceptance seen so far (each draft taken as accepted with the same probability, given the
 /// ones before it were) and the measured time of a step with that many drafts. Plain steps are
 /// measured first, then one step with the most drafts; sizes not measured are estimated on the
-/// line between those. Every [`Self::REVISIT`] steps the runner-up is tried, since costs and
-/// acceptance drift.
+/// line between those. The runner-up is tried again after [`Self::REVISIT`] steps, then after
+/// twice as many each time the choice stays (back to the start when it changes), since costs and
+/// acceptance drift. Once drafting has lost for [`Self::GIVE_UP`] steps in a row it stops for the
+/// sequence ([`Self::stopped`]): keeping a drafter in step costs something even when it drafts
+/// nothing.
 #[derive(Debug, Clone)]
 pub struct Adaptive {
     max: usize,
@@ -210,11 +213,19 @@ pub struct Adaptive {
     /// Mean seconds of a step with `i` drafts (decayed).
     time: Vec<Option<f64>>,
     steps: u64,
+    /// The step of the next try of the runner-up, the wait after it, and the last choice.
+    revisit_at: u64,
+    wait: u64,
+    last: usize,
+    /// Steps in a row whose best choice was no drafts.
+    plain_run: u64,
 }
 
 impl Adaptive {
-    /// Try the runner-up every this many steps.
+    /// Try the runner-up after this many steps at first.
     pub const REVISIT: u64 = 32;
+    /// Stop drafting after this many steps in a row where no drafts was best.
+    pub const GIVE_UP: u64 = 256;
 
     pub fn new(max: usize, adaptive: bool) -> Self {
         Self {
@@ -224,7 +235,16 @@ impl Adaptive {
             rejected: 0.0,
             time: vec![None; max + 1],
             steps: 0,
+            revisit_at: Self::REVISIT,
+            wait: Self::REVISIT,
+            last: max,
+            plain_run: 0,
         }
+    }
+
+    /// Whether drafting has stopped for good (no drafts was best for [`Self::GIVE_UP`] steps).
+    pub fn stopped(&self) -> bool {
+        self.adaptive && self.plain_run >= Self::GIVE_UP
     }
 
     /// The estimated chance that a draft is accepted (after the ones before it were).
@@ -246,9 +266,12 @@ impl Adaptive {
     }
 
     /// Drafts to ask for in the next step.
-    pub fn choose(&self) -> usize {
+    pub fn choose(&mut self) -> usize {
         if !self.adaptive || self.max == 0 {
             return self.max;
+        }
+        if self.stopped() {
+            return 0;
         }
         if self.time[0].is_none() {
             return 0;
@@ -264,10 +287,19 @@ impl Adaptive {
         let mut order: Vec<usize> = (0..=self.max).collect();
         // fastest first; among equals the fewer drafts
         order.sort_by(|&x, &y| rate(y).total_cmp(&rate(x)).then(x.cmp(&y)));
-        if self.steps.is_multiple_of(Self::REVISIT) && order.len() > 1 {
+        let best = order[0];
+        self.plain_run = if best == 0 { self.plain_run + 1 } else { 0 };
+        if best != self.last {
+            self.last = best;
+            self.wait = Self::REVISIT;
+            self.revisit_at = self.steps + self.wait;
+        }
+        if self.steps >= self.revisit_at {
+            self.wait *= 2;
+            self.revisit_at = self.steps + self.wait;
             return order[1];
         }
-        order[0]
+        best
     }
 
     /// Notes a step with `drafted` drafts of which `accepted` were kept, that took `seconds`.
@@ -491,18 +523,27 @@ mod tests {
             a.record(3, 3, 1.3);
         }
         assert_eq!(a.choose(), 3);
-        // nothing accepted and drafting costs: no drafts, but the runner-up now and then
+        assert!(!a.stopped());
+        // nothing accepted and drafting costs: no drafts, the runner-up tried at longer and
+        // longer intervals, then drafting stops
         let mut b = Adaptive::new(3, true);
         b.record(0, 0, 1.0);
         b.record(3, 0, 2.5);
         let mut picks = Vec::new();
-        for _ in 0..(2 * Adaptive::REVISIT) {
+        for _ in 0..(2 * Adaptive::GIVE_UP) {
             let k = b.choose();
             picks.push(k);
             b.record(k, 0, 1.0 + 0.5 * k as f64);
         }
-        let drafting = picks.iter().filter(|&&k| k > 0).count();
-        assert!((1..=2).contains(&drafting), "{picks:?}");
+        let tries: Vec<usize> = (0..picks.len()).filter(|&i| picks[i] > 0).collect();
+        assert!((2..=4).contains(&tries.len()), "{tries:?}");
+        assert!(
+            tries
+                .windows(2)
+                .all(|w| w[1] - w[0] >= 2 * Adaptive::REVISIT as usize),
+            "{tries:?}"
+        );
+        assert!(b.stopped());
         assert_eq!(b.choose(), 0);
         // not adaptive: always the most
         assert_eq!(Adaptive::new(4, false).choose(), 4);

@@ -153,6 +153,10 @@ impl<'t> Sequence<'t> {
                 &states[..(1 + kept) * (states.len() / self.feed.len())],
             );
             rule.record(drafts.len(), kept, seconds);
+            if rule.stopped() {
+                // drafting never paid here: no drafter to keep in step either
+                self.drafter = None;
+            }
         }
         let tokens: Vec<u32> = got.accepted.iter().copied().chain([got.next]).collect();
         for (i, &t) in tokens.iter().enumerate() {
