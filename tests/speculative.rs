@@ -13,7 +13,7 @@ use charm_coordinator::decode::speculative::{verify_step, DraftOptions, DraftSou
 use charm_coordinator::model::cache::KvCache;
 use charm_coordinator::{Engine, EngineOptions, ForwardOptions, Model};
 use charm_shared::quant::Activations;
-use common::{charm, fixture, scratch, FIXTURES};
+use common::{charm, fixture, plan, scratch, FIXTURES};
 use serde_json::Value;
 
 fn demo() -> PathBuf {
@@ -197,20 +197,7 @@ fn drafts_give_the_plain_tokens_with_experts_streamed_from_disk() {
     };
     let resident = run("0", None);
     // the plan's resident part at this context plus 16 of the 128 experts: the rest streams
-    let (ok, out, err) = charm(&[
-        "plan",
-        "--model",
-        dir.to_str().unwrap(),
-        "--json",
-        "--ram",
-        "64",
-        "--ctx",
-        "130",
-        "--history",
-        "none",
-    ]);
-    assert!(ok, "{err}");
-    let p: Value = serde_json::from_str(out.trim()).unwrap();
+    let p = plan(&dir, 130);
     let budget = p["resident_bytes"].as_u64().unwrap() + 16 * p["expert_bytes"].as_u64().unwrap();
     let gib = format!("{}", budget as f64 / (1u64 << 30) as f64);
     for draft in ["0", "3"] {

@@ -154,28 +154,6 @@ fn logits_file(
     std::fs::read(out).unwrap()
 }
 
-fn json(s: &str) -> Value {
-    serde_json::from_str(s.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {s}"))
-}
-
-/// The plan of `dir` for a context of `ctx` tokens, with a large budget.
-fn plan(dir: &Path, ctx: usize) -> Value {
-    let (ok, out, err) = charm(&[
-        "plan",
-        "--model",
-        dir.to_str().unwrap(),
-        "--json",
-        "--ram",
-        "64",
-        "--ctx",
-        &ctx.to_string(),
-        "--history",
-        "none",
-    ]);
-    assert!(ok, "{err}");
-    json(&out)
-}
-
 #[test]
 fn synthetic_model_streams_within_its_budget_with_identical_output() {
     // 3 MoE layers x 48 experts of 3 MiB (int8, hidden 1024, width 1024): 450 MiB of experts

@@ -132,3 +132,26 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// `s` (a command's standard output) as JSON.
+pub fn json(s: &str) -> serde_json::Value {
+    serde_json::from_str(s.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {s}"))
+}
+
+/// `charm plan` of `dir` for a context of `ctx` tokens, with a large budget.
+pub fn plan(dir: &Path, ctx: usize) -> serde_json::Value {
+    let (ok, out, err) = charm(&[
+        "plan",
+        "--model",
+        dir.to_str().unwrap(),
+        "--json",
+        "--ram",
+        "64",
+        "--ctx",
+        &ctx.to_string(),
+        "--history",
+        "none",
+    ]);
+    assert!(ok, "{err}");
+    json(&out)
+}
