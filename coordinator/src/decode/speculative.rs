@@ -149,11 +149,27 @@ impl MtpDrafter {
         }
     }
 
+    /// Most slots kept queued while no drafts are asked for; past it the MTP layer starts again
+    /// from the latest [`Self::RESTART`] slots.
+    pub const MAX_QUEUE: usize = 64;
+    /// Slots a restart keeps.
+    pub const RESTART: usize = 16;
+
     /// Queues slots: `tokens[i]` follows the position whose main-model state is row `i` of
-    /// `hidden`.
+    /// `hidden`. A queue past [`Self::MAX_QUEUE`] (drafting paused for a while) is cut to its last
+    /// [`Self::RESTART`] slots and the MTP layer's cache emptied: its attention then sees a
+    /// shorter context, which costs only acceptance (rotary positions are relative), and catching
+    /// up costs no more than that window.
     pub fn push(&mut self, tokens: &[u32], hidden: &[f32]) {
         self.tokens.extend_from_slice(tokens);
         self.hidden.extend_from_slice(hidden);
+        if self.tokens.len() > Self::MAX_QUEUE {
+            let h = self.hidden.len() / self.tokens.len();
+            let cut = self.tokens.len() - Self::RESTART;
+            self.tokens.drain(..cut);
+            self.hidden.drain(..cut * h);
+            self.cache.truncate(0);
+        }
     }
 
     /// Slots run so far.
@@ -225,7 +241,7 @@ impl Adaptive {
     /// Try the runner-up after this many steps at first.
     pub const REVISIT: u64 = 32;
     /// Stop drafting after this many steps in a row where no drafts was best.
-    pub const GIVE_UP: u64 = 256;
+    pub const GIVE_UP: u64 = 128;
 
     pub fn new(max: usize, adaptive: bool) -> Self {
         Self {
