@@ -280,8 +280,8 @@ pub fn probe(
 pub struct DraftArgs {
     /// Speculative decoding: the most tokens drafted per step, verified together by the model
     /// (0 = off). The output is the same tokens with or without it. Default: 3 with --cluster
-    /// (a step's round trips dominate there: measured 1.8x over two loopback workers), else 0
-    /// (on one box it measured level with plain decoding).
+    /// (a step's round trips dominate there: measured 1.55-1.96x over two loopback workers),
+    /// else 0 (on one box it measured level with plain decoding).
     #[arg(long)]
     pub draft: Option<usize>,
     /// Where drafts come from: auto (the model's MTP layer, else prompt lookup), mtp or lookup.
