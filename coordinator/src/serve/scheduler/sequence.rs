@@ -92,8 +92,13 @@ impl<'t> Sequence<'t> {
         if want == 0 {
             return Ok(());
         }
-        let mut context = self.job.prompt.clone();
-        context.extend_from_slice(&self.ids);
+        // (only prompt lookup reads the context)
+        let mut context = Vec::new();
+        if matches!(d, Drafter::Lookup) {
+            context.reserve(self.job.prompt.len() + self.ids.len());
+            context.extend_from_slice(&self.job.prompt);
+            context.extend_from_slice(&self.ids);
+        }
         let drafts = d
             .propose(&e.model, &context, want)
             .map_err(|e| e.to_string())?;
