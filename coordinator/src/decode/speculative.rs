@@ -18,6 +18,8 @@
 //! [`Adaptive`] picks how many to draft from the measured acceptance and the measured time of
 //! each step size, including none.
 
+use std::borrow::Cow;
+
 use crate::decode::sampling::{argmax, Sampler};
 use crate::model::cache::KvCache;
 use crate::model::forward::{ForwardError, ForwardOptions};
@@ -389,11 +391,11 @@ pub struct Verified {
 /// positions (`index` is the sample index of the first row), then the sample after the last kept
 /// one. `pick` gives a row's logits as the sampler should see them (penalties applied given the
 /// kept drafts before it).
-pub fn verify(
+pub fn verify<'a>(
     sampler: &Sampler,
     index: u64,
     drafts: &[u32],
-    mut pick: impl FnMut(usize, &[u32]) -> Vec<f32>,
+    mut pick: impl FnMut(usize, &[u32]) -> Cow<'a, [f32]>,
 ) -> Verified {
     let mut accepted = Vec::new();
     loop {
@@ -428,7 +430,7 @@ pub fn verify_step(
     let normed = model.forward(&rows, cache, opts, None)?;
     let logits = model.logits(&normed, rows.len())?;
     let got = verify(sampler, sampler.drawn(), drafts, |i, _| {
-        logits[i * v..(i + 1) * v].to_vec()
+        Cow::Borrowed(&logits[i * v..(i + 1) * v])
     });
     let kept = 1 + got.accepted.len();
     cache.truncate(before + kept);
@@ -468,7 +470,7 @@ mod tests {
             [0.0, 1.0, 0.0, 0.0],
             [0.0, 0.0, 0.0, 1.0],
         ];
-        let pick = |i: usize, _: &[u32]| rows[i].to_vec();
+        let pick = |i: usize, _: &[u32]| Cow::Owned(rows[i].to_vec());
         for (drafts, want) in [
             (
                 vec![2, 0, 1],
@@ -516,11 +518,11 @@ mod tests {
         // drafting the plain stream's tokens accepts them all; one wrong draft stops there and
         // the next token is the plain stream's
         let s = Sampler::new(p);
-        let got = verify(&s, 0, &seq[..5], |_, _| row.clone());
+        let got = verify(&s, 0, &seq[..5], |_, _| Cow::Borrowed(&row[..]));
         assert_eq!((got.accepted.as_slice(), got.next), (&seq[..5], seq[5]));
         let mut wrong = seq[..5].to_vec();
         wrong[2] = (wrong[2] + 1) % 50;
-        let got = verify(&s, 0, &wrong, |_, _| row.clone());
+        let got = verify(&s, 0, &wrong, |_, _| Cow::Borrowed(&row[..]));
         assert_eq!((got.accepted.as_slice(), got.next), (&seq[..2], seq[2]));
     }
 

@@ -1,5 +1,6 @@
 //! One generation in progress: its cache and sampler, the text sent so far, stop strings.
 
+use std::borrow::Cow;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -135,12 +136,14 @@ impl<'t> Sequence<'t> {
         let drafts = self.feed[1..].to_vec();
         let (job, ids) = (&self.job, &self.ids);
         let got = verify(&self.sampler, self.sampler.drawn(), &drafts, |i, kept| {
-            let mut l = logits[i * vocab..(i + 1) * vocab].to_vec();
-            if job.penalties.active() {
-                let history: Vec<u32> = ids.iter().chain(kept).copied().collect();
-                job.penalties.apply(&mut l, &job.prompt, &history);
+            let row = &logits[i * vocab..(i + 1) * vocab];
+            if !job.penalties.active() {
+                return Cow::Borrowed(row);
             }
-            l
+            let mut l = row.to_vec();
+            let history: Vec<u32> = ids.iter().chain(kept).copied().collect();
+            job.penalties.apply(&mut l, &job.prompt, &history);
+            Cow::Owned(l)
         });
         let kept = got.accepted.len();
         self.sampler.advance(1 + kept as u64);
