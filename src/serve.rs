@@ -25,7 +25,8 @@ pub struct ServeArgs {
     /// File holding the API key clients must send as `Authorization: Bearer KEY`.
     #[arg(long)]
     pub api_key_file: Option<PathBuf>,
-    /// The model's name in the API (default: the model directory's name).
+    /// The model's name in the API (default: the model directory's name; requests may name
+    /// the model by either).
     #[arg(long)]
     pub name: Option<String>,
     /// Requests that may wait beyond the running ones (more get 429).
@@ -50,6 +51,13 @@ pub struct ServeArgs {
     /// MiB the KV directory may hold before it keeps only the most recent conversations.
     #[arg(long, default_value_t = 4096)]
     pub kv_disk_mb: u64,
+    /// Seconds a client has to send a request's headers (an idle keep-alive connection too),
+    /// and again its body; past it the connection is closed.
+    #[arg(long, default_value_t = 30.0)]
+    pub read_timeout: f64,
+    /// Connections open at once; more are closed as they arrive.
+    #[arg(long, default_value_t = 512)]
+    pub max_connections: usize,
     #[arg(long, value_enum, default_value = "f32")]
     pub activations: Act,
     #[command(flatten)]
@@ -101,14 +109,14 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             model.display()
         );
     }
+    let dir_name = model
+        .canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "charm".into());
     let opts = GatewayOptions {
-        model_name: name.unwrap_or_else(|| {
-            model
-                .canonicalize()
-                .ok()
-                .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-                .unwrap_or_else(|| "charm".into())
-        }),
+        model_name: name.unwrap_or_else(|| dir_name.clone()),
+        model_aliases: vec![dir_name],
         api_key,
         queue: queue.max(1),
         max_active: parallel.max(1),
@@ -129,12 +137,49 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             None => None,
         },
         draft: a.draft.options(args.cluster.is_some()),
+        connections: serve::ConnectionLimits {
+            read_timeout: std::time::Duration::try_from_secs_f64(a.read_timeout)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .with_context(|| {
+                    format!(
+                        "--read-timeout {}: a positive number of seconds",
+                        a.read_timeout
+                    )
+                })?,
+            max_connections: a.max_connections.max(1),
+        },
         ..Default::default()
     };
+    raise_descriptor_limit(a.max_connections);
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(serve::serve(e, tok, template, addr, opts, |a| {
         println!("listening on {a}");
         let _ = std::io::stdout().flush();
     }))
     .map_err(anyhow::Error::msg)
+}
+
+/// Raises the soft limit on open files toward the hard one, so that `--max-connections` (plus
+/// the model's files and sockets) fits; says so when it cannot.
+fn raise_descriptor_limit(connections: usize) {
+    let want = connections as u64 + 256;
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `r` is a valid rlimit for getrlimit/setrlimit to read and write.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 || r.rlim_cur >= want {
+            return;
+        }
+        r.rlim_cur = want.min(r.rlim_max);
+        libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        if r.rlim_cur < want {
+            eprintln!(
+                "warning: open files are limited to {}: --max-connections {connections} may not fit",
+                r.rlim_cur
+            );
+        }
+    }
 }

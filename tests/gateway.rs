@@ -305,7 +305,7 @@ fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
         "at most 20",
     );
     err(
-        &post(&s.addr, c, &json!({"prompt": "x", "n": 2})),
+        &post(&s.addr, c, &json!({"prompt": "x", "n": 40})),
         400,
         "`n`",
     );
@@ -1298,4 +1298,266 @@ fn ignore_eos_generates_past_the_end_of_sequence_tokens() {
     assert_eq!(bad.status, 400);
     drop(s);
     std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// The log-softmax of one pass over `ids` (what `charm logits` computes): row `i` is the
+/// distribution of the token after `ids[i]`.
+fn log_softmax_rows(ids: &[u32]) -> Vec<Vec<f32>> {
+    let e = Engine::load(&demo(), &EngineOptions::default()).unwrap();
+    let m = &e.model;
+    let mut cache = charm_coordinator::model::cache::KvCache::new(&m.spec);
+    let normed = m
+        .forward(ids, &mut cache, ForwardOptions::default(), None)
+        .unwrap();
+    let l = m.logits(&normed, ids.len()).unwrap();
+    l.chunks_exact(m.spec.vocab_size)
+        .map(|r| {
+            let max = r.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let z = r.iter().map(|x| ((x - max) as f64).exp()).sum::<f64>().ln() as f32 + max;
+            r.iter().map(|x| x - z).collect()
+        })
+        .collect()
+}
+
+#[test]
+fn echo_n_model_names_token_counts_and_tokenize_answer_as_specified() {
+    let s = Server::start(&[]);
+    let a = s.addr.as_str();
+    let tok = TextTokenizer::load(&demo()).unwrap();
+
+    // a model the server does not serve: 404 naming the one it does; its directory name is fine
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({"model": "gpt-4o", "prompt": "ROMEO.", "max_tokens": 2}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "gpt-4o", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "claude", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}),
+        ),
+        ("/tokenize", json!({"model": "x", "content": "Hi"})),
+    ] {
+        let r = post(a, path, &body);
+        assert_eq!(r.status, 404, "{path}");
+        let msg = r.json().to_string();
+        assert!(msg.contains("charm-bard-moe"), "{path}: {msg}");
+    }
+    let ok = post(
+        a,
+        "/v1/completions",
+        &json!({"model": "charm-bard-moe", "prompt": "ROMEO.", "max_tokens": 2}),
+    );
+    assert_eq!(ok.status, 200);
+
+    // echo with logprobs and max_tokens 0: the prompt's log probabilities as one pass computes them
+    let prompt = "ROMEO. What light through yonder window breaks?";
+    let ids = tok.encode(prompt).unwrap();
+    let r = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 0, "echo": true, "logprobs": 2, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v = r.json();
+    let c = &v["choices"][0];
+    assert_eq!(c["text"], prompt);
+    assert_eq!(v["usage"]["completion_tokens"], 0);
+    assert_eq!(v["usage"]["prompt_tokens"], ids.len());
+    let lp = &c["logprobs"];
+    let got = lp["token_logprobs"].as_array().unwrap();
+    assert_eq!(got.len(), ids.len());
+    assert!(got[0].is_null() && lp["top_logprobs"][0].is_null());
+    let rows = log_softmax_rows(&ids);
+    for i in 1..ids.len() {
+        let want = rows[i - 1][ids[i] as usize];
+        let g = got[i].as_f64().unwrap() as f32;
+        assert!((g - want).abs() <= 1e-5, "token {i}: {g} vs {want}");
+        assert_eq!(
+            lp["top_logprobs"][i].as_object().unwrap().len().min(2),
+            lp["top_logprobs"][i].as_object().unwrap().len()
+        );
+    }
+    let texts: Vec<String> = ids.iter().map(|&t| tok.decode(&[t]).unwrap()).collect();
+    assert_eq!(lp["tokens"], json!(texts));
+    // with a completion: the prompt, then the completion, and the completion's entries after
+    let r = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 5, "echo": true, "logprobs": 0, "temperature": 0}),
+    )
+    .json();
+    let plain = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 5, "temperature": 0}),
+    )
+    .json();
+    let done = plain["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(r["choices"][0]["text"], format!("{prompt}{done}"));
+    assert_eq!(
+        r["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .unwrap()
+            .len(),
+        ids.len() + 5
+    );
+    // max_tokens 0 without echo is still refused
+    assert_eq!(
+        post(
+            a,
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 0})
+        )
+        .status,
+        400
+    );
+
+    // n: 3 with a seed is the three requests with seed, seed + 1, seed + 2; whole and streamed
+    let body = |seed: u64, n: usize, stream: bool| json!({"prompt": "ROMEO.", "max_tokens": 12, "temperature": 1.0, "seed": seed, "n": n, "stream": stream});
+    let three = post(a, "/v1/completions", &body(41, 3, false)).json();
+    let ch = three["choices"].as_array().unwrap();
+    assert_eq!(ch.len(), 3);
+    let mut singles = Vec::new();
+    for i in 0..3 {
+        assert_eq!(ch[i]["index"], i);
+        let one = post(a, "/v1/completions", &body(41 + i as u64, 1, false)).json();
+        singles.push(one["choices"][0]["text"].as_str().unwrap().to_string());
+        assert_eq!(ch[i]["text"], singles[i], "choice {i}");
+    }
+    assert!(
+        singles[0] != singles[1] || singles[1] != singles[2],
+        "three seeds, one answer"
+    );
+    assert_eq!(three["usage"]["completion_tokens"], 36);
+    let streamed = post(a, "/v1/completions", &body(41, 3, true));
+    let mut texts = vec![String::new(); 3];
+    let evs = events(&streamed.body);
+    assert_eq!(evs.last().unwrap(), "[DONE]");
+    for e in &evs[..evs.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        for c in v["choices"].as_array().unwrap() {
+            texts[c["index"].as_u64().unwrap() as usize] += c["text"].as_str().unwrap();
+        }
+    }
+    assert_eq!(texts, singles);
+    // chat too
+    let chat = post(a, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "Speak."}], "max_tokens": 8, "n": 2, "seed": 3})).json();
+    let one = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Speak."}], "max_tokens": 8, "seed": 4}),
+    )
+    .json();
+    assert_eq!(
+        chat["choices"][1]["message"]["content"],
+        one["choices"][0]["message"]["content"]
+    );
+    assert_eq!(
+        post(a, "/v1/completions", &body(1, 9, false)).status,
+        400,
+        "n beyond --parallel"
+    );
+
+    // count_tokens is the input_tokens of the same Messages request
+    let msgs = json!([{"role": "user", "content": "Speak, Romeo."}]);
+    let counted = post(
+        a,
+        "/v1/messages/count_tokens",
+        &json!({"model": "charm-bard-moe", "system": "Be brief.", "messages": msgs}),
+    )
+    .json();
+    let m = post(a, "/v1/messages", &json!({"model": "charm-bard-moe", "max_tokens": 3, "system": "Be brief.", "messages": msgs})).json();
+    assert_eq!(counted["input_tokens"], m["usage"]["input_tokens"]);
+    assert!(counted["input_tokens"].as_u64().unwrap() > 5);
+
+    // tokenize and detokenize round trip; out-of-vocabulary ids are a 400
+    let t = post(a, "/tokenize", &json!({"content": prompt})).json();
+    assert_eq!(t["tokens"], json!(ids));
+    let pieces = post(
+        a,
+        "/tokenize",
+        &json!({"content": prompt, "with_pieces": true}),
+    )
+    .json();
+    assert_eq!(pieces["tokens"][0]["piece"], texts_of(&tok, &ids)[0]);
+    let d = post(a, "/detokenize", &json!({"tokens": ids})).json();
+    assert_eq!(d["content"], prompt);
+    assert_eq!(
+        post(a, "/detokenize", &json!({"tokens": [u32::MAX]})).status,
+        400
+    );
+    assert_eq!(
+        post(
+            a,
+            "/v1/completions",
+            &json!({"prompt": [1, 2, 99999999], "max_tokens": 1})
+        )
+        .status,
+        400
+    );
+}
+
+fn texts_of(tok: &TextTokenizer, ids: &[u32]) -> Vec<String> {
+    ids.iter().map(|&t| tok.decode(&[t]).unwrap()).collect()
+}
+
+#[test]
+fn slow_clients_are_timed_out_and_open_connections_are_capped() {
+    let s = Server::start(&["--read-timeout", "1", "--max-connections", "8"]);
+    let a = s.addr.as_str();
+    // 40 connections send part of a request's headers and then nothing
+    let mut held: Vec<TcpStream> = (0..40)
+        .map(|_| {
+            let mut c = TcpStream::connect(a).unwrap();
+            c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+                .unwrap();
+            c
+        })
+        .collect();
+    // all are closed: those past the cap at once, the others when their headers are late
+    for c in &mut held {
+        c.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .unwrap();
+        let mut b = Vec::new();
+        let _ = c.read_to_end(&mut b);
+        assert!(
+            b.is_empty() || String::from_utf8_lossy(&b).starts_with("HTTP/1.1 408"),
+            "{}",
+            String::from_utf8_lossy(&b)
+        );
+    }
+    assert!(metric(a, "charm_connections_refused_total") >= 32.0);
+    // a body that stops coming: 408
+    let mut c = TcpStream::connect(a).unwrap();
+    c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
+        .unwrap();
+    c.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    let mut b = Vec::new();
+    let _ = c.read_to_end(&mut b);
+    assert!(
+        String::from_utf8_lossy(&b).starts_with("HTTP/1.1 408"),
+        "{}",
+        String::from_utf8_lossy(&b)
+    );
+    // an idle keep-alive connection is closed too
+    let mut c = TcpStream::connect(a).unwrap();
+    c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    c.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    let mut b = Vec::new();
+    let _ = c.read_to_end(&mut b);
+    assert!(String::from_utf8_lossy(&b).starts_with("HTTP/1.1 200"));
+    // and the server still answers
+    let r = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": "ROMEO.", "max_tokens": 2}),
+    );
+    assert_eq!(r.status, 200);
 }

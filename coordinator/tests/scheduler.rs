@@ -27,6 +27,7 @@ fn greedy(max_tokens: usize, prompt: Vec<u32>) -> Job {
         logprobs: None,
         stop: vec![],
         ignore_eos: true,
+        ..Default::default()
     }
 }
 
@@ -50,7 +51,7 @@ fn collect(mut rx: UnboundedReceiver<Event>) -> (String, usize, usize) {
     while let Some(ev) = rx.blocking_recv() {
         match ev {
             Event::Text(t) => text += &t,
-            Event::Logprobs(_) => {}
+            Event::Logprobs(_) | Event::Prompt(_) => {}
             Event::Failed(m) => panic!("generation failed: {m}"),
             Event::Done {
                 prompt_tokens,

@@ -134,7 +134,7 @@ pub fn lookup_drafts(context: &[u32], k: usize) -> Vec<u32> {
 /// The MTP layer as a drafter for one sequence, with its own KV cache. Slot `j` of the MTP cache
 /// takes the token at position `j + 1` and the main model's final-normed state at position `j`;
 /// slots whose inputs are known are queued and run together when drafts are next wanted.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct MtpDrafter {
     cache: KvCache,
     /// Queued slots: tokens and the main model's states `[n, hidden]`.
@@ -336,7 +336,7 @@ impl Adaptive {
 }
 
 /// The drafter of one sequence.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum Drafter {
     Mtp(MtpDrafter),
     Lookup,

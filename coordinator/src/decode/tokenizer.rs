@@ -32,6 +32,27 @@ impl TextTokenizer {
             .to_vec())
     }
 
+    /// Tokens in the vocabulary (special ones included).
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Refuses an id outside the vocabulary.
+    pub fn check_ids(&self, ids: &[u32]) -> Result<(), TokenizerError> {
+        let v = self.vocab_size();
+        match ids.iter().find(|&&t| t as usize >= v) {
+            Some(t) => Err(TokenizerError(format!(
+                "token id {t} is outside the vocabulary of {v}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// The underlying `tokenizers` tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     /// Ids to text (special tokens kept visible).
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
         self.inner

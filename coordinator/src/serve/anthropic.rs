@@ -12,7 +12,7 @@ use serde_json::{json, Value as Json};
 
 use super::auth::authorized;
 use super::error::{bad, ApiError};
-use super::request::{submit, whole, ChatMode, Conversation, Request};
+use super::request::{check_model, submit, whole, ChatMode, Conversation, Request};
 use super::scheduler::Event;
 use super::settings::{parse, settings, COMMON};
 use super::sse::sse;
@@ -44,18 +44,33 @@ pub(super) async fn messages(
 ) -> Result<Response, ApiError> {
     let a = |e: ApiError| e.anthropic();
     authorized(&s, &h).map_err(a)?;
-    let req = request(&s, &body).map_err(a)?;
+    let req = request(&s, &body, false).map_err(a)?;
     answer(s, req).await.map_err(a)
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt tokens a Messages body would take (its
+/// `usage.input_tokens`), without generating.
+pub(super) async fn count_tokens(
+    State(s): State<Arc<Shared>>,
+    h: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let a = |e: ApiError| e.anthropic();
+    authorized(&s, &h).map_err(a)?;
+    let req = request(&s, &body, true).map_err(a)?;
+    Ok(axum::Json(json!({"input_tokens": req.prompt.len()})).into_response())
 }
 
 /// A Messages body as the server's [`Request`]: the shared settings in OpenAI's names, the
 /// conversation (system prompt, text blocks, `tool_use` and `tool_result` blocks) and the tools
 /// in the shape the chat templates read.
-fn request(s: &Shared, body: &Bytes) -> Result<Request, ApiError> {
+/// `counting`: a `count_tokens` body (no `max_tokens`; nothing runs).
+fn request(s: &Shared, body: &Bytes, counting: bool) -> Result<Request, ApiError> {
     let parsed = parse(body)?;
     let Some(obj) = parsed.as_object() else {
         return Err(bad("the body must be a JSON object"));
     };
+    check_model(s, &parsed)?;
     const KNOWN: &[&str] = &[
         "model",
         "messages",
@@ -78,11 +93,11 @@ fn request(s: &Shared, body: &Bytes) -> Result<Request, ApiError> {
             return Err(bad(format!("unknown field `{k}`")));
         }
     }
-    let Some(max_tokens) = obj
-        .get("max_tokens")
-        .and_then(|v| v.as_u64())
-        .filter(|&n| n > 0)
-    else {
+    let max_tokens = match counting {
+        true => Some(1),
+        false => obj.get("max_tokens").and_then(|v| v.as_u64()),
+    };
+    let Some(max_tokens) = max_tokens.filter(|&n| n > 0) else {
         return Err(bad("`max_tokens` (a positive integer) is required"));
     };
     // the shared settings, in OpenAI's names
@@ -298,7 +313,7 @@ async fn answer(s: Arc<Shared>, req: Request) -> Result<Response, ApiError> {
     } = req;
     let format = chat.and_then(|c| c.tools);
     let prompt_tokens = prompt.len();
-    let rx = submit(&s, prompt, &set)?;
+    let rx = submit(&s, prompt, &set, None)?.remove(0);
     let id = format!("msg_{}", s.next_id.fetch_add(1, Ordering::Relaxed));
     let model = s.opts.model_name.clone();
     let reason = |finish: &str, matched: &Option<String>| match (finish, matched) {
@@ -337,7 +352,7 @@ async fn answer(s: Arc<Shared>, req: Request) -> Result<Response, ApiError> {
     let mut held = String::new();
     let msg_id = id.clone();
     let stream = sse(rx, prefix, move |e| match e {
-        Event::Logprobs(_) => (String::new(), false),
+        Event::Logprobs(_) | Event::Prompt(_) => (String::new(), false),
         Event::Text(t) if format.is_some() => {
             // tool calls are read from the whole answer: it waits for the end
             held += &t;

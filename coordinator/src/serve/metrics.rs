@@ -25,7 +25,7 @@ pub(super) async fn prometheus(
     let secs = |x: &AtomicU64| format!("{:.6}", l(x) as f64 / 1e6);
     let hits = l(&m.expert_hits) as f64;
     let uses = hits + l(&m.expert_misses) as f64;
-    let rows: [(&str, &str, &str, String); 17] = [
+    let rows: [(&str, &str, &str, String); 18] = [
         (
             "charm_draft_tokens_total",
             "counter",
@@ -43,6 +43,12 @@ pub(super) async fn prometheus(
             "counter",
             "Prompt tokens whose KV came from the prefix cache.",
             l(&m.reused).to_string(),
+        ),
+        (
+            "charm_connections_refused_total",
+            "counter",
+            "Connections closed on arrival: the cap on open connections was reached.",
+            l(&m.connections_refused).to_string(),
         ),
         (
             "charm_kv_log_bytes",

@@ -2,7 +2,8 @@
 //!
 //! - `GET /health` (no key needed), `GET /v1/models`, `POST /v1/completions`,
 //!   `POST /v1/chat/completions` (the model's chat template, see [`crate::decode::template`]),
-//!   `POST /v1/messages` (Anthropic's API), streaming as server-sent events (OpenAI's with a final
+//!   `POST /v1/messages` (Anthropic's API) and `POST /v1/messages/count_tokens`,
+//!   `POST /tokenize` and `POST /detokenize` (llama-server's), streaming as server-sent events (OpenAI's with a final
 //!   usage chunk, Anthropic's event sequence), `GET /metrics` (Prometheus text).
 //! - A bearer key (compared in constant time) when one is configured; binding beyond loopback
 //!   without one is refused. Bodies are limited in size; a prompt that does not fit the context
@@ -26,12 +27,14 @@ mod anthropic;
 mod auth;
 mod error;
 pub mod kvlog;
+pub mod listen;
 mod metrics;
 mod openai;
 mod request;
 pub mod scheduler;
 mod settings;
 mod sse;
+mod tokens;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -46,6 +49,7 @@ use axum::Router;
 use serde_json::{json, Value as Json};
 
 use self::error::{error, ApiError};
+pub use self::listen::ConnectionLimits;
 use self::scheduler::{Metrics, Schedule, Scheduler};
 use crate::decode::speculative::DraftOptions;
 use crate::decode::template::ChatTemplate;
@@ -58,6 +62,8 @@ use crate::serve::kvlog::KvLog;
 pub struct GatewayOptions {
     /// The model's name in the API.
     pub model_name: String,
+    /// Other names requests may give the model by (its directory's name).
+    pub model_aliases: Vec<String>,
     /// Required bearer key, if any.
     pub api_key: Option<String>,
     /// Largest request body, bytes.
@@ -79,6 +85,8 @@ pub struct GatewayOptions {
     pub kv_log: Option<KvLogOptions>,
     /// Speculative decoding of every generation (`max == 0`: off).
     pub draft: DraftOptions,
+    /// Read deadlines and the cap on open connections.
+    pub connections: ConnectionLimits,
 }
 
 /// Where and how much conversation KV is persisted.
@@ -118,10 +126,18 @@ pub fn stop_token_ids(dir: &std::path::Path, spec: &charm_shared::config::ModelS
     ids
 }
 
+impl GatewayOptions {
+    /// Whether `name` names the served model.
+    pub fn serves(&self, name: &str) -> bool {
+        name == self.model_name || self.model_aliases.iter().any(|a| a == name)
+    }
+}
+
 impl Default for GatewayOptions {
     fn default() -> Self {
         Self {
             model_name: "charm".into(),
+            model_aliases: vec![],
             api_key: None,
             max_body_bytes: 4 << 20,
             queue: 16,
@@ -132,6 +148,7 @@ impl Default for GatewayOptions {
             stop_ids: vec![],
             kv_log: None,
             draft: DraftOptions::default(),
+            connections: ConnectionLimits::default(),
         }
     }
 }
@@ -207,8 +224,16 @@ pub async fn serve(
         stop_ids,
         draft: opts.draft,
     };
-    let scheduler = Scheduler::start(engine, tok.clone(), schedule, opts.queue, kv_log, metrics)?;
+    let scheduler = Scheduler::start(
+        engine,
+        tok.clone(),
+        schedule,
+        opts.queue,
+        kv_log,
+        metrics.clone(),
+    )?;
     let max_body = opts.max_body_bytes;
+    let limits = opts.connections;
     let s = Arc::new(Shared {
         opts,
         scheduler,
@@ -225,14 +250,20 @@ pub async fn serve(
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/tokenize", post(tokens::tokenize))
+        .route("/detokenize", post(tokens::detokenize))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "not_found_error", "no such route") })
         .layer(axum::extract::DefaultBodyLimit::max(max_body))
+        .layer(axum::middleware::from_fn(move |req, next| {
+            listen::read_body(limits.read_timeout, max_body, req, next)
+        }))
         .with_state(s);
     let l = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| format!("--listen {listen}: {e}"))?;
     ready(l.local_addr().map_err(|e| e.to_string())?);
-    axum::serve(l, app).await.map_err(|e| e.to_string())
+    listen::accept_loop(l, app, limits, metrics).await
 }
 
 async fn health(State(s): State<Arc<Shared>>) -> Response {

@@ -13,7 +13,7 @@ use serde_json::{json, Value as Json};
 
 use super::auth::authorized;
 use super::error::{bad, ApiError};
-use super::request::{submit, usage, whole, ChatMode, Conversation, Request};
+use super::request::{check_model, merged, submit, usage, whole, ChatMode, Conversation, Request};
 use super::scheduler::{Event, TokenLogprob};
 use super::settings::{parse, settings, COMMON};
 use super::sse::sse;
@@ -32,12 +32,22 @@ pub(super) async fn completions(
     authorized(&s, &h)?;
     let body = parse(&body)?;
     let set = settings(&body, &[COMMON, &["prompt"]].concat())?;
+    check_model(&s, &body)?;
     let prompt = match &body["prompt"] {
         Json::String(p) => s.tok.encode(p).map_err(|e| bad(format!("`prompt`: {e}")))?,
         Json::Array(a) if a.iter().all(|v| v.is_u64()) => {
-            a.iter().map(|v| v.as_u64().unwrap_or(0) as u32).collect()
+            let ids: Vec<u32> = a.iter().map(|v| v.as_u64().unwrap_or(0) as u32).collect();
+            s.tok
+                .check_ids(&ids)
+                .map_err(|e| bad(format!("`prompt`: {e}")))?;
+            ids
         }
         _ => return Err(bad("`prompt` must be a string or a list of token ids")),
+    };
+    let echo = match (set.echo, &body["prompt"]) {
+        (false, _) => None,
+        (true, Json::String(p)) => Some(p.clone()),
+        (true, _) => Some(s.tok.decode(&prompt).map_err(|e| bad(e.to_string()))?),
     };
     answer(
         s,
@@ -46,6 +56,7 @@ pub(super) async fn completions(
             settings: set,
             chat: None,
         },
+        echo,
     )
     .await
 }
@@ -73,6 +84,10 @@ pub(super) async fn chat_completions(
         ]
         .concat(),
     )?;
+    check_model(&s, &parsed)?;
+    if set.echo {
+        return Err(bad("`echo` is for /v1/completions"));
+    }
     let Some(t) = &s.template else {
         return Err(bad("this model has no chat template: use /v1/completions"));
     };
@@ -151,6 +166,7 @@ pub(super) async fn chat_completions(
             settings: set,
             chat: Some(ChatMode { thinking, tools }),
         },
+        None,
     )
     .await
 }
@@ -184,8 +200,22 @@ fn chat_message(
     (msg, !calls.is_empty())
 }
 
-/// Queues a generation and answers with its result or its stream (OpenAI shapes).
-async fn answer(s: Arc<Shared>, req: Request) -> Result<Response, ApiError> {
+/// What one choice of a streamed answer has sent so far.
+struct ChoiceStream {
+    split: Reasoning,
+    /// The role is still to be sent (chat).
+    first: bool,
+    /// Content held back while tool calls are read from the whole answer.
+    held_content: String,
+    /// Log probabilities of the tokens behind the next piece of text.
+    pending_lp: Vec<TokenLogprob>,
+    done: bool,
+}
+
+/// Queues a generation (its `n` choices) and answers with its result or its stream (OpenAI
+/// shapes). `echo`: the prompt's text, which comes back before each choice's completion (with its
+/// log probabilities when they are asked for; the first token's is null).
+async fn answer(s: Arc<Shared>, req: Request, echo: Option<String>) -> Result<Response, ApiError> {
     let Request {
         prompt,
         settings: set,
@@ -193,36 +223,67 @@ async fn answer(s: Arc<Shared>, req: Request) -> Result<Response, ApiError> {
     } = req;
     let chat = mode.is_some();
     let tools = mode.and_then(|m| m.tools);
-    let mut split = Reasoning::new(mode.is_some_and(|m| m.thinking));
-    let rx = submit(&s, prompt, &set)?;
+    let thinking = mode.is_some_and(|m| m.thinking);
+    let first_prompt_token = prompt[0];
+    let prompt_lp = echo.as_ref().map(|_| set.logprobs.unwrap_or(0));
+    let rxs = submit(&s, prompt, &set, prompt_lp)?;
     let id = format!(
         "{}-{}",
         if chat { "chatcmpl" } else { "cmpl" },
         s.next_id.fetch_add(1, Ordering::Relaxed)
     );
     let (created, model) = (now(), s.opts.model_name.clone());
+    // the echoed prompt's log probabilities: its first token has none
+    let echoed = move |p: Vec<TokenLogprob>| -> Vec<Option<TokenLogprob>> {
+        std::iter::once(None)
+            .chain(p.into_iter().map(Some))
+            .collect()
+    };
     if !set.stream {
-        let ans = whole(rx).await?;
-        let lp = set
-            .logprobs
-            .map(|_| logprobs_json(&s.tok, &ans.logprobs, chat))
-            .unwrap_or(Json::Null);
-        let choice = if chat {
-            let (r, c) = split.push(&ans.text);
-            let (r2, c2) = split.end();
-            let (msg, called) = chat_message(c + &c2, r + &r2, tools, &id);
-            let finish = if called { "tool_calls" } else { ans.finish };
-            json!({"index": 0, "message": msg, "finish_reason": finish, "logprobs": lp})
-        } else {
-            json!({"index": 0, "text": ans.text, "finish_reason": ans.finish, "logprobs": lp})
-        };
+        let mut choices = Vec::new();
+        let (mut prompt_tokens, mut completion, mut drafted, mut accepted) = (0, 0, 0, 0);
+        for (index, rx) in rxs.into_iter().enumerate() {
+            let ans = whole(rx).await?;
+            prompt_tokens = ans.prompt_tokens;
+            completion += ans.completion_tokens;
+            drafted += ans.drafted;
+            accepted += ans.accepted;
+            let choice = if chat {
+                let mut split = Reasoning::new(thinking);
+                let (r, c) = split.push(&ans.text);
+                let (r2, c2) = split.end();
+                let (msg, called) = chat_message(c + &c2, r + &r2, tools, &id);
+                let finish = if called { "tool_calls" } else { ans.finish };
+                let lp = set
+                    .logprobs
+                    .map(|_| chat_logprobs(&s.tok, &ans.logprobs))
+                    .unwrap_or(Json::Null);
+                json!({"index": index, "message": msg, "finish_reason": finish, "logprobs": lp})
+            } else {
+                let mut lps: Vec<Option<TokenLogprob>> = Vec::new();
+                let mut text = ans.text;
+                if let Some(e) = &echo {
+                    text = e.clone() + &text;
+                    lps.append(&mut echoed(ans.prompt_logprobs));
+                }
+                lps.extend(ans.logprobs.into_iter().map(Some));
+                let lp = set
+                    .logprobs
+                    .map(|_| {
+                        completion_logprobs(&s.tok, &lps, echo.as_ref().map(|_| first_prompt_token))
+                    })
+                    .unwrap_or(Json::Null);
+                json!({"index": index, "text": text, "finish_reason": ans.finish, "logprobs": lp})
+            };
+            choices.push(choice);
+        }
         return Ok(axum::Json(json!({
             "id": id,
             "object": if chat { "chat.completion" } else { "text_completion" },
             "created": created,
             "model": model,
-            "choices": [choice],
-            "usage": usage(ans.prompt_tokens, ans.completion_tokens, ans.drafted, ans.accepted),
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion, drafted, accepted),
         }))
         .into_response());
     }
@@ -240,106 +301,149 @@ async fn answer(s: Arc<Shared>, req: Request) -> Result<Response, ApiError> {
         }
         format!("data: {c}\n\n")
     };
-    let mut first = chat;
-    let mut held_content = String::new();
-    let mut pending_lp: Vec<TokenLogprob> = Vec::new();
+    let n = rxs.len();
+    let mut states: Vec<ChoiceStream> = (0..n)
+        .map(|_| ChoiceStream {
+            split: Reasoning::new(thinking),
+            first: chat,
+            held_content: String::new(),
+            pending_lp: Vec::new(),
+            done: false,
+        })
+        .collect();
+    let (mut completion, mut drafted, mut accepted) = (0, 0, 0);
     let tok = s.tok.clone();
-    let stream = sse(rx, String::new(), move |ev| match ev {
-        Event::Logprobs(l) => {
-            pending_lp = l;
-            (String::new(), false)
-        }
-        Event::Text(t) => {
-            let mut lp = if pending_lp.is_empty() {
-                Json::Null
-            } else {
-                logprobs_json(&tok, &std::mem::take(&mut pending_lp), chat)
-            };
-            if !chat {
-                let choice = json!({"index": 0, "text": t, "finish_reason": null, "logprobs": lp});
-                return (chunk(choice, None), false);
+    let want_lp = set.logprobs.is_some();
+    let stream = sse(merged(rxs), String::new(), move |(index, ev)| {
+        let st = &mut states[index];
+        match ev {
+            Event::Prompt(p) => {
+                // echo: the prompt's text first, with its log probabilities when asked
+                let lp = if want_lp {
+                    let p = echoed(p);
+                    completion_logprobs(&tok, &p, Some(first_prompt_token))
+                } else {
+                    Json::Null
+                };
+                let text = echo.clone().unwrap_or_default();
+                let choice =
+                    json!({"index": index, "text": text, "finish_reason": null, "logprobs": lp});
+                (chunk(choice, None), false)
             }
-            let (r, mut c) = split.push(&t);
-            if tools.is_some() {
-                // tool calls are read from the whole answer: content waits for the end
-                held_content += &c;
-                c = String::new();
+            Event::Logprobs(l) => {
+                st.pending_lp = l;
+                (String::new(), false)
             }
-            let mut out = String::new();
-            for (field, piece) in [("reasoning_content", r), ("content", c)] {
-                if piece.is_empty() {
-                    continue;
+            Event::Text(t) => {
+                let mut lp = if st.pending_lp.is_empty() {
+                    Json::Null
+                } else {
+                    let l = std::mem::take(&mut st.pending_lp);
+                    if chat {
+                        chat_logprobs(&tok, &l)
+                    } else {
+                        let l: Vec<_> = l.into_iter().map(Some).collect();
+                        completion_logprobs(&tok, &l, None)
+                    }
+                };
+                if !chat {
+                    let choice =
+                        json!({"index": index, "text": t, "finish_reason": null, "logprobs": lp});
+                    return (chunk(choice, None), false);
                 }
-                let mut d = json!({ field: piece });
-                if first {
-                    d["role"] = json!("assistant");
-                    first = false;
-                }
-                let mut c = json!({"index": 0, "delta": d, "finish_reason": null});
-                if !lp.is_null() {
-                    c["logprobs"] = std::mem::take(&mut lp);
-                }
-                out += &chunk(c, None);
-            }
-            (out, false)
-        }
-        Event::Done {
-            finish,
-            prompt_tokens,
-            completion_tokens,
-            drafted,
-            accepted,
-            ..
-        } => {
-            let mut held = String::new();
-            let mut finish = finish;
-            if chat {
-                let (r, c) = split.end();
-                let mut content = c;
-                let mut calls = Json::Null;
+                let (r, mut c) = st.split.push(&t);
                 if tools.is_some() {
-                    let all = std::mem::take(&mut held_content) + &content;
-                    let (msg, called) = chat_message(all, String::new(), tools, &stream_id);
-                    content = msg["content"].as_str().unwrap_or_default().to_string();
-                    if called {
-                        finish = "tool_calls";
-                        calls = msg["tool_calls"].clone();
-                        if let Some(a) = calls.as_array_mut() {
-                            for (i, c) in a.iter_mut().enumerate() {
-                                c["index"] = json!(i);
+                    // tool calls are read from the whole answer: content waits for the end
+                    st.held_content += &c;
+                    c = String::new();
+                }
+                let mut out = String::new();
+                for (field, piece) in [("reasoning_content", r), ("content", c)] {
+                    if piece.is_empty() {
+                        continue;
+                    }
+                    let mut d = json!({ field: piece });
+                    if st.first {
+                        d["role"] = json!("assistant");
+                        st.first = false;
+                    }
+                    let mut c = json!({"index": index, "delta": d, "finish_reason": null});
+                    if !lp.is_null() {
+                        c["logprobs"] = std::mem::take(&mut lp);
+                    }
+                    out += &chunk(c, None);
+                }
+                (out, false)
+            }
+            Event::Done {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+                drafted: d,
+                accepted: a,
+                ..
+            } => {
+                let mut held = String::new();
+                let mut finish = finish;
+                if chat {
+                    let (r, c) = st.split.end();
+                    let mut content = c;
+                    let mut calls = Json::Null;
+                    if tools.is_some() {
+                        let all = std::mem::take(&mut st.held_content) + &content;
+                        let (msg, called) = chat_message(all, String::new(), tools, &stream_id);
+                        content = msg["content"].as_str().unwrap_or_default().to_string();
+                        if called {
+                            finish = "tool_calls";
+                            calls = msg["tool_calls"].clone();
+                            if let Some(a) = calls.as_array_mut() {
+                                for (i, c) in a.iter_mut().enumerate() {
+                                    c["index"] = json!(i);
+                                }
                             }
                         }
                     }
-                }
-                if !calls.is_null() {
-                    let d = json!({"tool_calls": calls});
-                    held += &chunk(json!({"index": 0, "delta": d, "finish_reason": null}), None);
-                }
-                for (field, piece) in [("reasoning_content", r), ("content", content)] {
-                    if !piece.is_empty() {
-                        let d = json!({ field: piece });
-                        held +=
-                            &chunk(json!({"index": 0, "delta": d, "finish_reason": null}), None);
+                    if !calls.is_null() {
+                        let d = json!({"tool_calls": calls});
+                        held += &chunk(
+                            json!({"index": index, "delta": d, "finish_reason": null}),
+                            None,
+                        );
+                    }
+                    for (field, piece) in [("reasoning_content", r), ("content", content)] {
+                        if !piece.is_empty() {
+                            let d = json!({ field: piece });
+                            held += &chunk(
+                                json!({"index": index, "delta": d, "finish_reason": null}),
+                                None,
+                            );
+                        }
                     }
                 }
+                let choice = if chat {
+                    json!({"index": index, "delta": {}, "finish_reason": finish})
+                } else {
+                    json!({"index": index, "text": "", "finish_reason": finish, "logprobs": null})
+                };
+                st.done = true;
+                completion += completion_tokens;
+                drafted += d;
+                accepted += a;
+                let mut end = held + &chunk(choice, None);
+                let all_done = states.iter().all(|c| c.done);
+                if all_done {
+                    end += &chunk(
+                        json!(null),
+                        Some(usage(prompt_tokens, completion, drafted, accepted)),
+                    );
+                    end += "data: [DONE]\n\n";
+                }
+                (end, all_done)
             }
-            let choice = if chat {
-                json!({"index": 0, "delta": {}, "finish_reason": finish})
-            } else {
-                json!({"index": 0, "text": "", "finish_reason": finish, "logprobs": null})
-            };
-            let end = held
-                + &chunk(choice, None)
-                + &chunk(
-                    json!(null),
-                    Some(usage(prompt_tokens, completion_tokens, drafted, accepted)),
-                )
-                + "data: [DONE]\n\n";
-            (end, true)
-        }
-        Event::Failed(m) => {
-            let e = json!({"error": {"message": m, "type": "server_error", "param": null, "code": null}});
-            (format!("data: {e}\n\n"), true)
+            Event::Failed(m) => {
+                let e = json!({"error": {"message": m, "type": "server_error", "param": null, "code": null}});
+                (format!("data: {e}\n\n"), true)
+            }
         }
     });
     Ok((
@@ -352,37 +456,51 @@ async fn answer(s: Arc<Shared>, req: Request) -> Result<Response, ApiError> {
         .into_response())
 }
 
-/// Log probabilities in OpenAI's shapes: chat's `{"content": [{token, logprob, bytes,
-/// top_logprobs}]}`, completions' `{tokens, token_logprobs, top_logprobs, text_offset}`.
-fn logprobs_json(tok: &TextTokenizer, lps: &[TokenLogprob], chat: bool) -> Json {
+/// Chat's log probabilities: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
+fn chat_logprobs(tok: &TextTokenizer, lps: &[TokenLogprob]) -> Json {
     let text = |t: u32| tok.decode(&[t]).unwrap_or_default();
-    if chat {
-        let entry = |t: u32, lp: f32| {
-            let s = text(t);
-            json!({"token": s, "logprob": lp, "bytes": s.as_bytes()})
-        };
-        json!({"content": lps.iter().map(|(t, lp, alt)| {
-            let mut e = entry(*t, *lp);
-            e["top_logprobs"] = alt.iter().map(|(a, l)| entry(*a, *l)).collect();
-            e
-        }).collect::<Vec<_>>()})
-    } else {
-        let mut offset = 0;
-        let offsets: Vec<usize> = lps
-            .iter()
-            .map(|(t, _, _)| {
-                let o = offset;
-                offset += text(*t).len();
-                o
-            })
-            .collect();
-        json!({
-            "tokens": lps.iter().map(|(t, _, _)| text(*t)).collect::<Vec<_>>(),
-            "token_logprobs": lps.iter().map(|(_, lp, _)| *lp).collect::<Vec<_>>(),
-            "top_logprobs": lps.iter().map(|(_, _, alt)| {
-                alt.iter().map(|(a, l)| (text(*a), json!(l))).collect::<serde_json::Map<_, _>>()
-            }).collect::<Vec<_>>(),
-            "text_offset": offsets,
+    let entry = |t: u32, lp: f32| {
+        let s = text(t);
+        json!({"token": s, "logprob": lp, "bytes": s.as_bytes()})
+    };
+    json!({"content": lps.iter().map(|(t, lp, alt)| {
+        let mut e = entry(*t, *lp);
+        e["top_logprobs"] = alt.iter().map(|(a, l)| entry(*a, *l)).collect();
+        e
+    }).collect::<Vec<_>>()})
+}
+
+/// Completions' log probabilities: `{tokens, token_logprobs, top_logprobs, text_offset}`. An
+/// entry without a log probability (`None`) is the echoed prompt's first token, `first`: its
+/// logprob and alternatives are null.
+fn completion_logprobs(
+    tok: &TextTokenizer,
+    lps: &[Option<TokenLogprob>],
+    first: Option<u32>,
+) -> Json {
+    let text = |t: u32| tok.decode(&[t]).unwrap_or_default();
+    let token = |e: &Option<TokenLogprob>| match e {
+        Some((t, _, _)) => *t,
+        None => first.unwrap_or(0),
+    };
+    let mut offset = 0;
+    let offsets: Vec<usize> = lps
+        .iter()
+        .map(|e| {
+            let o = offset;
+            offset += text(token(e)).len();
+            o
         })
-    }
+        .collect();
+    json!({
+        "tokens": lps.iter().map(|e| text(token(e))).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|e| e.as_ref().map(|(_, lp, _)| *lp)).collect::<Vec<_>>(),
+        "top_logprobs": lps.iter().map(|e| match e {
+            Some((_, _, alt)) => Json::Object(
+                alt.iter().map(|(a, l)| (text(*a), json!(l))).collect::<serde_json::Map<_, _>>(),
+            ),
+            None => Json::Null,
+        }).collect::<Vec<_>>(),
+        "text_offset": offsets,
+    })
 }

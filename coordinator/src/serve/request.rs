@@ -67,13 +67,34 @@ impl Conversation {
     }
 }
 
-/// Checks a prompt against the context and queues its generation; the events come on the
-/// returned receiver.
+/// Refuses a body naming a model this server does not serve (404, naming the one it serves).
+/// The served name and the model directory's name are both accepted; no `model` is the served
+/// one.
+pub(super) fn check_model(s: &Shared, body: &serde_json::Value) -> Result<(), ApiError> {
+    match &body["model"] {
+        serde_json::Value::Null => Ok(()),
+        serde_json::Value::String(m) if s.opts.serves(m) => Ok(()),
+        serde_json::Value::String(m) => Err(error(
+            StatusCode::NOT_FOUND,
+            "not_found_error",
+            format!(
+                "the model `{m}` does not exist here: this server serves `{}`",
+                s.opts.model_name
+            ),
+        )),
+        _ => Err(bad("`model` must be a string")),
+    }
+}
+
+/// Checks a prompt against the context and queues its generation with `set.n` choices; the
+/// events of choice `i` come on receiver `i`. With `prompt_logprobs`, the prompt's own log
+/// probabilities come first ([`Event::Prompt`]).
 pub(super) fn submit(
     s: &Shared,
     prompt: Vec<u32>,
     set: &Settings,
-) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+    prompt_logprobs: Option<usize>,
+) -> Result<Vec<mpsc::UnboundedReceiver<Event>>, ApiError> {
     let ctx = s.opts.context;
     if prompt.is_empty() {
         return Err(bad("the prompt is empty"));
@@ -91,6 +112,12 @@ pub(super) fn submit(
             prompt.len()
         )));
     }
+    if set.n > s.opts.max_active {
+        return Err(bad(format!(
+            "`n` {} is more than the {} generations this server runs at once (--parallel)",
+            set.n, s.opts.max_active
+        )));
+    }
     let job = Job {
         prompt,
         max_tokens,
@@ -99,8 +126,10 @@ pub(super) fn submit(
         logprobs: set.logprobs,
         stop: set.stop.clone(),
         ignore_eos: set.ignore_eos,
+        prompt_logprobs,
+        n: set.n,
     };
-    s.scheduler.submit(job).map_err(|e| match e {
+    s.scheduler.submit_choices(job).map_err(|e| match e {
         Refused::Full => error(
             StatusCode::TOO_MANY_REQUESTS,
             "rate_limit_error",
@@ -114,6 +143,30 @@ pub(super) fn submit(
     })
 }
 
+/// The events of every choice on one receiver, each with its choice's index. A forwarder ends
+/// when its choice ends or the merged receiver is dropped (which drops the choice's receiver:
+/// the scheduler cancels it).
+pub(super) fn merged(
+    rxs: Vec<mpsc::UnboundedReceiver<Event>>,
+) -> mpsc::UnboundedReceiver<(usize, Event)> {
+    let (tx, out) = mpsc::unbounded_channel();
+    for (i, mut rx) in rxs.into_iter().enumerate() {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    ev = rx.recv() => match ev {
+                        Some(ev) => if tx.send((i, ev)).is_err() { return },
+                        None => return,
+                    },
+                    _ = tx.closed() => return,
+                }
+            }
+        });
+    }
+    out
+}
+
 /// A whole answer.
 #[derive(Debug)]
 pub(super) struct Answer {
@@ -122,6 +175,8 @@ pub(super) struct Answer {
     /// The stop string that ended it, if one did.
     pub(super) matched: Option<String>,
     pub(super) logprobs: Vec<TokenLogprob>,
+    /// The prompt's log probabilities, when asked (one per prompt token after the first).
+    pub(super) prompt_logprobs: Vec<TokenLogprob>,
     pub(super) prompt_tokens: usize,
     pub(super) completion_tokens: usize,
     /// Speculative decoding: tokens drafted, and of them accepted.
@@ -132,10 +187,12 @@ pub(super) struct Answer {
 /// Waits for the whole answer of a generation.
 pub(super) async fn whole(mut rx: mpsc::UnboundedReceiver<Event>) -> Result<Answer, ApiError> {
     let mut text = String::new();
+    let mut prompt_logprobs = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
             Event::Text(t) => text += &t,
             Event::Logprobs(_) => {}
+            Event::Prompt(p) => prompt_logprobs = p,
             Event::Failed(m) => {
                 return Err(error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", m))
             }
@@ -153,6 +210,7 @@ pub(super) async fn whole(mut rx: mpsc::UnboundedReceiver<Event>) -> Result<Answ
                     finish,
                     matched,
                     logprobs,
+                    prompt_logprobs,
                     prompt_tokens,
                     completion_tokens,
                     drafted,

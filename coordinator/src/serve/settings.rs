@@ -1,7 +1,7 @@
 //! The sampling and length settings every generation route shares, checked field by field.
 
 use axum::body::Bytes;
-use serde_json::{json, Value as Json};
+use serde_json::Value as Json;
 
 use super::error::{bad, ApiError};
 use crate::decode::sampling::{Penalties, SamplingParams};
@@ -17,6 +17,10 @@ pub(super) struct Settings {
     pub(super) stream: bool,
     /// Generate past the end-of-sequence tokens (vLLM's and llama.cpp's `ignore_eos`).
     pub(super) ignore_eos: bool,
+    /// Choices to sample (`n`; choice `i` uses `seed + i`).
+    pub(super) n: usize,
+    /// The prompt comes back before the completion (`echo`, completions only).
+    pub(super) echo: bool,
 }
 
 /// Checks `body` against the `known` fields and reads the shared settings.
@@ -96,11 +100,9 @@ pub(super) fn settings(body: &Json, known: &[&str]) -> Result<Settings, ApiError
     if logprobs.is_some_and(|n| n > 20) {
         return Err(bad("at most 20 alternatives (`top_logprobs`)"));
     }
-    if obj.get("echo").is_some_and(|v| v == &json!(true)) {
-        return Err(bad("`echo` is not supported"));
-    }
-    if int("n")?.is_some_and(|n| n != 1) {
-        return Err(bad("`n` must be 1"));
+    let n = int("n")?.unwrap_or(1);
+    if !(1..=16).contains(&n) {
+        return Err(bad(format!("`n` {n} is outside 1..16")));
     }
     let temperature = num("temperature")?.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
@@ -110,9 +112,16 @@ pub(super) fn settings(body: &Json, known: &[&str]) -> Result<Settings, ApiError
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(bad(format!("`top_p` {top_p} is outside (0, 1]")));
     }
+    let echo = match obj.get("echo") {
+        None | Some(Json::Null) => false,
+        Some(Json::Bool(b)) => *b,
+        Some(_) => return Err(bad("`echo` must be true or false")),
+    };
     let max_tokens = int("max_completion_tokens")?.or(int("max_tokens")?);
-    if max_tokens == Some(0) {
-        return Err(bad("`max_tokens` must be at least 1"));
+    if max_tokens == Some(0) && !echo {
+        return Err(bad(
+            "`max_tokens` must be at least 1 (0 only with `echo`: the prompt's log probabilities)",
+        ));
     }
     let stop = match obj.get("stop") {
         None | Some(Json::Null) => vec![],
@@ -147,6 +156,8 @@ pub(super) fn settings(body: &Json, known: &[&str]) -> Result<Settings, ApiError
         stop,
         stream,
         ignore_eos,
+        n: n as usize,
+        echo,
     })
 }
 

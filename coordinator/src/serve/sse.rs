@@ -3,15 +3,14 @@
 use axum::body::Bytes;
 use tokio::sync::mpsc;
 
-use super::scheduler::Event;
-
 /// A server-sent event stream: `prefix`, then `frame(event)` for each event of a generation
+/// (its [`super::scheduler::Event`]s, or those of several choices)
 /// until one says it is the last. Dropping the stream (the client went away) drops the receiver,
 /// which stops the generation.
-pub(super) fn sse(
-    mut rx: mpsc::UnboundedReceiver<Event>,
+pub(super) fn sse<E: Send + 'static>(
+    mut rx: mpsc::UnboundedReceiver<E>,
     prefix: String,
-    mut frame: impl FnMut(Event) -> (String, bool) + Send + 'static,
+    mut frame: impl FnMut(E) -> (String, bool) + Send + 'static,
 ) -> impl futures_core::Stream<Item = Result<Bytes, std::convert::Infallible>> {
     let (tx, out) = mpsc::channel::<Result<Bytes, std::convert::Infallible>>(64);
     tokio::spawn(async move {

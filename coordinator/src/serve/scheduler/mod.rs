@@ -34,6 +34,10 @@ pub enum Event {
     Text(String),
     /// The log probabilities of the tokens behind the next `Text` (streams that asked for them).
     Logprobs(Vec<TokenLogprob>),
+    /// The prompt's log probabilities (jobs that asked, [`Job::prompt_logprobs`]), once the
+    /// prompt is read and before any text: one entry per prompt token after the first, each
+    /// from the model's distribution at the position before it.
+    Prompt(Vec<TokenLogprob>),
     Done {
         finish: &'static str,
         /// The stop string that ended it, if one did.
@@ -52,7 +56,7 @@ pub enum Event {
 }
 
 /// One generation asked of the scheduler, whichever API it came through.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Job {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
@@ -63,6 +67,13 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Go on past the end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// The log probabilities of the prompt's tokens, each with this many alternatives
+    /// ([`Event::Prompt`]). The prompt is then computed in full (no reused prefix KV).
+    pub prompt_logprobs: Option<usize>,
+    /// Choices sampled from one prefill (0 or 1: one). Choice `i` samples with `seed + i`
+    /// and forks the prompt's KV when the prompt is read (a copy of the cache: its bytes per
+    /// token times the prompt's tokens, per extra choice).
+    pub n: usize,
 }
 
 /// A job in the queue: where its events go and when it came.
@@ -70,7 +81,16 @@ pub struct Job {
 struct Queued {
     job: Job,
     tx: mpsc::UnboundedSender<Event>,
+    /// Where the events of choices 1.. go (forked from this sequence when its prompt is read).
+    forks: Vec<mpsc::UnboundedSender<Event>>,
     queued: Instant,
+}
+
+impl Queued {
+    /// Whether every client of the job went away.
+    fn gone(&self) -> bool {
+        self.tx.is_closed() && self.forks.iter().all(|f| f.is_closed())
+    }
 }
 
 impl std::ops::Deref for Queued {
@@ -107,6 +127,8 @@ pub struct Metrics {
     pub drafted: AtomicU64,
     pub accepted: AtomicU64,
     pub decode_us: AtomicU64,
+    /// Connections closed on arrival because the cap on open ones was reached.
+    pub connections_refused: AtomicU64,
 }
 
 /// How the generator thread runs sequences.
@@ -164,13 +186,24 @@ impl Scheduler {
         Ok(Self { jobs, metrics })
     }
 
-    /// Queues `job`; its events come on the returned receiver. Dropping the receiver cancels the
-    /// generation.
-    pub fn submit(&self, job: Job) -> Result<mpsc::UnboundedReceiver<Event>, Refused> {
-        let (tx, rx) = mpsc::unbounded_channel();
+    /// Queues `job` (one choice: `job.n` is read as 1); its events come on the returned
+    /// receiver. Dropping the receiver cancels the generation.
+    pub fn submit(&self, mut job: Job) -> Result<mpsc::UnboundedReceiver<Event>, Refused> {
+        job.n = 1;
+        let mut rx = self.submit_choices(job)?;
+        Ok(rx.remove(0))
+    }
+
+    /// Queues `job` with its `n` choices; the events of choice `i` come on receiver `i`.
+    /// Dropping a receiver cancels that choice.
+    pub fn submit_choices(&self, job: Job) -> Result<Vec<mpsc::UnboundedReceiver<Event>>, Refused> {
+        let (mut txs, rxs): (Vec<_>, Vec<_>) =
+            (0..job.n.max(1)).map(|_| mpsc::unbounded_channel()).unzip();
+        let tx = txs.remove(0);
         let q = Queued {
             job,
             tx,
+            forks: txs,
             queued: Instant::now(),
         };
         let m = &self.metrics;
@@ -184,7 +217,7 @@ impl Scheduler {
             });
         }
         m.requests.fetch_add(1, Ordering::Relaxed);
-        Ok(rx)
+        Ok(rxs)
     }
 
     /// The scheduler's counters.
@@ -211,7 +244,8 @@ fn run_jobs(
     let mut active: Vec<Sequence> = Vec::new();
     let mut prefixes = PrefixCache::new(lim.prefix_bytes);
     loop {
-        // admit: block only when nothing runs
+        // admit: block only when nothing runs (the choices of a job count once their prompt
+        // is read and they fork)
         while active.len() < max_active {
             let job = if active.is_empty() {
                 match rx.recv() {
@@ -233,7 +267,12 @@ fn run_jobs(
                 }
             }
             let mut seq = Sequence::new(e, tok, job, lim.draft);
-            if let Some((c, origin)) = prefixes.take(&seq.job.prompt, store.as_ref()) {
+            // (prompt log probabilities need every prompt row computed)
+            let reusable = seq.job.prompt_logprobs.is_none();
+            let reused = reusable
+                .then(|| prefixes.take(&seq.job.prompt, store.as_ref()))
+                .flatten();
+            if let Some((c, origin)) = reused {
                 // the MTP layer has no states of a reused prefix: prompt lookup drafts instead
                 if let Some((d @ Drafter::Mtp(_), _)) = &mut seq.drafter {
                     *d = Drafter::Lookup;
@@ -246,7 +285,7 @@ fn run_jobs(
             active.push(seq);
         }
         active.retain(|s| {
-            let gone = s.job.tx.is_closed();
+            let gone = s.job.gone();
             if gone {
                 tracing::info!(
                     completion_tokens = s.ids.len(),
@@ -341,11 +380,11 @@ fn step_rows(active: &mut [Sequence], batch_tokens: usize) -> Vec<usize> {
 /// row of a prompt that is all in. Per sequence: whether it goes on (see [`Sequence::advance`]
 /// and [`Sequence::advance_drafted`]). A failed step fails the sequences that were in it (their
 /// caches may hold part of it). `t0`: when the step began (drafting included), for the draft rule.
-fn batched_step(
+fn batched_step<'t>(
     e: &Engine,
-    tok: &TextTokenizer,
+    tok: &'t TextTokenizer,
     stop_ids: &[u32],
-    active: &mut [Sequence],
+    active: &mut Vec<Sequence<'t>>,
     take: &[usize],
     metrics: &Metrics,
     t0: Instant,
@@ -398,10 +437,14 @@ fn batched_step(
             continue;
         }
         if s.next.is_none() {
-            // prompt rows: the drafter's inputs; the last row's logits once the prompt is in
+            // prompt rows: the drafter's inputs; the last row's logits once the prompt is in,
+            // every row's when the prompt's log probabilities are asked for
             let from = s.cache.len() - k;
             s.prompt_states(from, &normed[first * h..at * h], h);
-            if s.cache.len() >= s.job.prompt.len() {
+            if s.job.prompt_logprobs.is_some() {
+                spans[i] = Some((first, k));
+                wanted.extend_from_slice(&normed[first * h..at * h]);
+            } else if s.cache.len() >= s.job.prompt.len() {
                 spans[i] = Some((at - 1, 1));
                 wanted.extend_from_slice(&normed[(at - 1) * h..at * h]);
             }
@@ -417,16 +460,36 @@ fn batched_step(
     let seconds = t0.elapsed().as_secs_f64();
     let v = m.spec.vocab_size;
     let mut row = 0;
-    active
+    let mut forks = Vec::new();
+    let mut done: Vec<Result<bool, String>> = active
         .iter_mut()
         .zip(spans)
         .map(|(s, span)| {
-            let Some((first, n)) = span else {
-                return Ok(!s.job.tx.is_closed());
+            let Some((first, mut n)) = span else {
+                return Ok(!s.job.gone());
             };
-            let l = &logits[row * v..(row + n) * v];
-            let states = &normed[first * h..(first + n) * h];
+            let mut l = &logits[row * v..(row + n) * v];
+            let mut states = &normed[first * h..(first + n) * h];
             row += n;
+            if s.next.is_none() && s.job.prompt_logprobs.is_some() {
+                // every prompt row read this step: the log probability of the token after it
+                s.prompt_rows(l, v, s.cache.len() - n);
+                if s.cache.len() < s.job.prompt.len() {
+                    return Ok(!s.job.gone());
+                }
+                // the prompt is in: its last row picks the first token
+                l = &l[(n - 1) * v..];
+                states = &states[(n - 1) * h..];
+                n = 1;
+            }
+            if s.next.is_none() && !s.job.forks.is_empty() {
+                // the other choices start from this prompt's KV, each with its own seed
+                for (i, tx) in std::mem::take(&mut s.job.forks).into_iter().enumerate() {
+                    let mut f = s.fork(tok, tx, 1 + i as u64);
+                    let r = f.advance(l.to_vec(), Some(states), tok, metrics, stop_ids);
+                    forks.push((f, r));
+                }
+            }
             match (s.next.is_some(), s.drafter.is_some()) {
                 (true, true) => {
                     let before = s.cache.len() - n;
@@ -439,5 +502,10 @@ fn batched_step(
                 _ => s.advance(l.to_vec(), None, tok, metrics, stop_ids),
             }
         })
-        .collect()
+        .collect();
+    for (f, r) in forks {
+        active.push(f);
+        done.push(r);
+    }
+    done
 }

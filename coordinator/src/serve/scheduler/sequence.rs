@@ -107,6 +107,67 @@ impl<'t> Sequence<'t> {
         Ok(())
     }
 
+    /// Choice `index` of the job, forked from this sequence once its prompt is read: the same
+    /// KV (copied) and drafter, the sampler seeded with `seed + index`, its events on `tx`.
+    pub(super) fn fork(
+        &self,
+        tok: &'t TextTokenizer,
+        tx: tokio::sync::mpsc::UnboundedSender<Event>,
+        index: u64,
+    ) -> Self {
+        let mut job = self.job.job.clone();
+        job.params.seed = job.params.seed.wrapping_add(index);
+        let queued = Queued {
+            job,
+            tx,
+            forks: Vec::new(),
+            queued: self.job.queued,
+        };
+        Self {
+            sampler: Sampler::new(queued.job.params),
+            job: queued,
+            cache: self.cache.clone(),
+            next: None,
+            ids: Vec::new(),
+            stream: tok.stream(),
+            text: String::new(),
+            sent: 0,
+            lps: Vec::new(),
+            started: None,
+            finished: false,
+            lp_sent: 0,
+            origin: self.origin,
+            reused: self.reused,
+            drafter: self.drafter.clone(),
+            feed: Vec::new(),
+            drafted: 0,
+            accepted: 0,
+        }
+    }
+
+    /// Takes the logits of prompt rows `from..` (`[n, vocab]`): the log probability of the prompt
+    /// token after each row. Once the last prompt token has its entry, sends them all
+    /// ([`Event::Prompt`]) to this sequence and to the choices it will fork.
+    pub(super) fn prompt_rows(&mut self, logits: &[f32], vocab: usize, from: usize) {
+        let Some(top) = self.job.prompt_logprobs else {
+            return;
+        };
+        let p = &self.job.prompt;
+        for (r, row) in logits.chunks_exact(vocab).enumerate() {
+            if let Some(&t) = p.get(from + r + 1) {
+                let (lp, alt) = logprobs(row, t, top);
+                self.lps.push((t, lp, alt));
+            }
+        }
+        if self.lps.len() + 1 >= p.len() {
+            let all = std::mem::take(&mut self.lps);
+            for f in &self.job.forks {
+                let _ = f.send(Event::Prompt(all.clone()));
+            }
+            let _ = self.job.tx.send(Event::Prompt(all));
+        }
+    }
+
     /// Hands the drafter the main model's states of prompt rows `from..from + n` (`[n, hidden]`),
     /// each with the prompt token after it; the last prompt position waits for the chosen token.
     pub(super) fn prompt_states(&mut self, from: usize, states: &[f32], h: usize) {
@@ -213,6 +274,10 @@ impl<'t> Sequence<'t> {
             );
             metrics.ttft_n.fetch_add(1, Ordering::Relaxed);
             self.started = Some(Instant::now());
+            if self.job.max_tokens == 0 {
+                // only the prompt was wanted (its log probabilities)
+                return self.finish(tok, "length", None, metrics);
+            }
         }
         let next = self.pick(logits);
         if let Some((d, _)) = &mut self.drafter {
