@@ -58,6 +58,10 @@ pub struct ServeArgs {
     /// Connections open at once; more are closed as they arrive.
     #[arg(long, default_value_t = 512)]
     pub max_connections: usize,
+    /// Do not feed the tokens a grammar forces (structured output) as drafts: sample every
+    /// token in its own step (the same tokens, more steps).
+    #[arg(long)]
+    pub no_forced_drafts: bool,
     #[arg(long, value_enum, default_value = "f32")]
     pub activations: Act,
     #[command(flatten)]
@@ -137,6 +141,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             None => None,
         },
         draft: a.draft.options(args.cluster.is_some()),
+        forced_drafts: !a.no_forced_drafts,
         connections: serve::ConnectionLimits {
             read_timeout: std::time::Duration::try_from_secs_f64(a.read_timeout)
                 .ok()

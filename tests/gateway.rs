@@ -339,7 +339,7 @@ fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
         &post(
             &s.addr,
             chat,
-            &json!({"messages": [{"role": "user", "content": "hi"}], "tools": [], "tool_choice": "required"}),
+            &json!({"messages": [{"role": "user", "content": "hi"}], "tools": [], "tool_choice": "sometimes"}),
         ),
         400,
         "tool_choice",
@@ -1560,4 +1560,305 @@ fn slow_clients_are_timed_out_and_open_connections_are_capped() {
         &json!({"prompt": "ROMEO.", "max_tokens": 2}),
     );
     assert_eq!(r.status, 200);
+}
+
+/// The demo model with one of the real chat templates in tests/data/templates.
+fn demo_with_real_template(name: &str) -> PathBuf {
+    let t = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/data/templates/{name}.jinja")),
+    )
+    .unwrap();
+    demo_with_template(&format!("gw-{name}"), |_| t)
+}
+
+fn completion_text(a: &str, body: &Value) -> (String, String) {
+    let r = post(a, "/v1/completions", body);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v = r.json();
+    (
+        v["choices"][0]["text"].as_str().unwrap().to_string(),
+        v["choices"][0]["finish_reason"]
+            .as_str()
+            .unwrap()
+            .to_string(),
+    )
+}
+
+#[test]
+fn structured_output_follows_schemas_grammars_and_regexes() {
+    let s = Server::start(&[]);
+    let a = s.addr.as_str();
+    // a schema: the answer parses and has the fields, greedy and sampled, streamed the same
+    let schema = json!({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "kind": {"enum": ["cat", "dog"]}},
+        "required": ["name", "age", "kind"], "additionalProperties": false});
+    for seed in 0..6 {
+        let body = json!({"messages": [{"role": "user", "content": "A pet?"}], "max_tokens": 60,
+            "temperature": if seed == 0 { 0.0 } else { 1.0 }, "seed": seed,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema, "strict": true}}});
+        let r = post(a, "/v1/chat/completions", &body).json();
+        let text = r["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(v["name"].as_str().unwrap().chars().count() <= 12, "{text}");
+        assert!(v["age"].as_u64().unwrap() <= 120, "{text}");
+        assert!(v["kind"] == "cat" || v["kind"] == "dog", "{text}");
+        assert_eq!(v.as_object().unwrap().len(), 3, "{text}");
+        assert_eq!(r["choices"][0]["finish_reason"], "stop");
+        let mut sb = body.clone();
+        sb["stream"] = json!(true);
+        let streamed: String = events(&post(a, "/v1/chat/completions", &sb).body)
+            .iter()
+            .filter(|e| *e != "[DONE]")
+            .filter_map(|e| {
+                serde_json::from_str::<Value>(e).unwrap()["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(String::from)
+            })
+            .collect();
+        assert_eq!(streamed, text);
+    }
+    // json_object: some object
+    let r = post(a, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 0, "response_format": {"type": "json_object"}})).json();
+    // (no schema bounds it: a small model may run to max_tokens inside a string)
+    let t = r["choices"][0]["message"]["content"].as_str().unwrap();
+    match r["choices"][0]["finish_reason"].as_str().unwrap() {
+        "stop" => assert!(serde_json::from_str::<Value>(t).unwrap().is_object(), "{t}"),
+        _ => assert!(t.starts_with('{'), "{t}"),
+    }
+
+    // a regex, a Lark grammar and a GBNF grammar: the answers match them
+    let (t, f) = completion_text(
+        a,
+        &json!({"prompt": "ROMEO. ", "max_tokens": 20, "temperature": 1.0, "seed": 4, "guided_regex": "[A-Z][a-z]{1,8} [0-9]{3}"}),
+    );
+    assert_eq!(f, "stop");
+    let (w, n) = t.split_once(' ').unwrap();
+    assert!(
+        w.chars().next().unwrap().is_ascii_uppercase()
+            && w[1..].chars().all(|c| c.is_ascii_lowercase()),
+        "{t}"
+    );
+    assert!(n.len() == 3 && n.chars().all(|c| c.is_ascii_digit()), "{t}");
+    let (t, _) = completion_text(
+        a,
+        &json!({"prompt": "ROMEO. ", "max_tokens": 30, "temperature": 1.0, "seed": 2, "guided_grammar": "start: (\"yes\" | \"no\") \", \" WORD \".\"\nWORD: /[a-z]{1,10}/"}),
+    );
+    assert!(
+        (t.starts_with("yes, ") || t.starts_with("no, ")) && t.ends_with('.'),
+        "{t}"
+    );
+    let (t, _) = completion_text(
+        a,
+        &json!({"prompt": "ROMEO. ", "max_tokens": 30, "temperature": 1.0, "seed": 3, "grammar": "root ::= answer \"!\"\nanswer ::= (\"ay\" | \"nay\") [0-9]{1,2}\n"}),
+    );
+    assert!(
+        t.ends_with('!') && (t.starts_with("ay") || t.starts_with("nay")),
+        "{t}"
+    );
+    let (t, _) = completion_text(
+        a,
+        &json!({"prompt": "ROMEO. ", "max_tokens": 10, "temperature": 1.0, "seed": 3, "guided_choice": ["Montague", "Capulet"]}),
+    );
+    assert!(t == "Montague" || t == "Capulet", "{t}");
+
+    // constrained greedy equals unconstrained greedy where the free answer already fits
+    let free = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": "ROMEO. ", "max_tokens": 16, "temperature": 0}),
+    )
+    .json();
+    let free_text = free["choices"][0]["text"].as_str().unwrap().to_string();
+    let escaped: String = free_text
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == ' ' {
+                c.to_string()
+            } else {
+                format!("\\x{{{:x}}}", c as u32)
+            }
+        })
+        .collect();
+    for (k, v) in [
+        ("guided_regex", json!(format!("{escaped}|[0-9]+"))),
+        ("guided_choice", json!([free_text.clone(), "Nay."])),
+    ] {
+        let (t, f) = completion_text(
+            a,
+            &json!({"prompt": "ROMEO. ", "max_tokens": 16, "temperature": 0, k: v}),
+        );
+        assert_eq!(t, free_text, "{k}");
+        assert_eq!(f, "stop", "{k}: the grammar ends where the free answer did");
+    }
+
+    // refusals name the reason
+    for (k, v, needle) in [
+        ("guided_json", json!({"type": "strin"}), "strin"),
+        ("guided_grammar", json!("start: \"a\" | ("), "Expected"),
+        ("guided_regex", json!("(ab"), "regex"),
+        ("grammar", json!("answer ::= \"x\""), "root"),
+    ] {
+        let r = post(
+            a,
+            "/v1/completions",
+            &json!({"prompt": "x", "max_tokens": 4, k: v}),
+        );
+        assert_eq!(r.status, 400, "{k}");
+        let m = r.json()["error"]["message"].as_str().unwrap().to_string();
+        assert!(m.contains(needle), "{k}: {m}");
+    }
+    let both = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 4, "guided_regex": "a", "guided_json": {}}),
+    );
+    assert_eq!(both.status, 400);
+    assert!(metric(a, "charm_grammar_masks_total") > 0.0);
+}
+
+#[test]
+fn forced_drafts_on_and_off_give_the_same_tokens_in_fewer_steps() {
+    let on = Server::start(&[]);
+    let off = Server::start(&["--no-forced-drafts"]);
+    let schema = json!({"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 16},
+        "act": {"type": "integer", "minimum": 1, "maximum": 5},
+        "scene": {"type": "integer", "minimum": 1, "maximum": 9},
+        "speakers": {"type": "array", "items": {"enum": ["Romeo", "Juliet", "Nurse"]}, "minItems": 1, "maxItems": 3}},
+        "required": ["title", "act", "scene", "speakers"], "additionalProperties": false});
+    for seed in 0..4 {
+        let body = json!({"prompt": "ROMEO. ", "max_tokens": 80, "temperature": if seed == 0 { 0.0 } else { 0.9 }, "seed": seed, "guided_json": schema, "logprobs": 1});
+        let x = post(&on.addr, "/v1/completions", &body).json();
+        let y = post(&off.addr, "/v1/completions", &body).json();
+        assert_eq!(
+            x["choices"][0]["text"], y["choices"][0]["text"],
+            "seed {seed}"
+        );
+        assert_eq!(
+            x["choices"][0]["logprobs"], y["choices"][0]["logprobs"],
+            "seed {seed}"
+        );
+        assert_eq!(x["usage"], y["usage"]);
+    }
+    let steps = |a: &str| metric(a, "charm_forward_steps_total");
+    let forced = metric(&on.addr, "charm_forced_accepted_tokens_total");
+    assert!(forced > 20.0, "{forced}");
+    assert_eq!(metric(&off.addr, "charm_forced_tokens_total"), 0.0);
+    assert!(
+        steps(&on.addr) * 2.0 < steps(&off.addr),
+        "{} {} {forced}",
+        steps(&on.addr),
+        steps(&off.addr)
+    );
+    // with MTP-or-lookup drafts too: the same tokens
+    let spec = Server::start(&["--draft", "3"]);
+    let body = json!({"prompt": "ROMEO. ", "max_tokens": 80, "temperature": 0.9, "seed": 7, "guided_json": schema});
+    assert_eq!(
+        post(&spec.addr, "/v1/completions", &body).json()["choices"][0]["text"],
+        post(&off.addr, "/v1/completions", &body).json()["choices"][0]["text"]
+    );
+    // and n choices each follow the grammar, choice i as seed + i
+    let mut nb = body.clone();
+    nb["n"] = json!(2);
+    let two = post(&on.addr, "/v1/completions", &nb).json();
+    let mut second = body.clone();
+    second["seed"] = json!(8);
+    assert_eq!(
+        two["choices"][1]["text"],
+        post(&off.addr, "/v1/completions", &second).json()["choices"][0]["text"]
+    );
+}
+
+#[test]
+fn a_required_or_named_tool_choice_gets_calls_in_the_templates_own_syntax() {
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}}},
+        {"type": "function", "function": {"name": "set_alarm", "description": "An alarm.",
+            "parameters": {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}, "label": {"enum": ["wake", "nap"]}}, "required": ["hour", "label"]}}}
+    ]);
+    for template in ["GLM-5.2", "Qwen-Qwen3-0.6B"] {
+        let d = demo_with_real_template(template);
+        let s = Server::start_model(&d, &[]);
+        let a = s.addr.as_str();
+        for (choice, want) in [
+            (json!("required"), None),
+            (
+                json!({"type": "function", "function": {"name": "set_alarm"}}),
+                Some("set_alarm"),
+            ),
+            (
+                json!({"type": "function", "function": {"name": "get_weather"}}),
+                Some("get_weather"),
+            ),
+        ] {
+            for seed in 0..3 {
+                let body = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools, "tool_choice": choice,
+                    "max_tokens": 120, "temperature": if seed == 0 { 0.0 } else { 1.0 }, "seed": seed,
+                    "chat_template_kwargs": {"enable_thinking": false}});
+                let r = post(a, "/v1/chat/completions", &body);
+                assert_eq!(
+                    r.status,
+                    200,
+                    "{template}: {}",
+                    String::from_utf8_lossy(&r.body)
+                );
+                let v = r.json();
+                let c = &v["choices"][0];
+                assert_eq!(c["finish_reason"], "tool_calls", "{template} {choice}: {v}");
+                let calls = c["message"]["tool_calls"].as_array().unwrap();
+                assert!(!calls.is_empty());
+                for call in calls {
+                    let name = call["function"]["name"].as_str().unwrap();
+                    if let Some(w) = want {
+                        assert_eq!(name, w);
+                    }
+                    let args: Value =
+                        serde_json::from_str(call["function"]["arguments"].as_str().unwrap())
+                            .unwrap();
+                    match name {
+                        "get_weather" => {
+                            assert!(args["city"].is_string(), "{template}: {args}");
+                            assert!((1..=7).contains(&args["days"].as_u64().unwrap()), "{args}");
+                        }
+                        "set_alarm" => {
+                            assert!(args["hour"].as_u64().unwrap() <= 23, "{args}");
+                            assert!(args["label"] == "wake" || args["label"] == "nap", "{args}");
+                        }
+                        n => panic!("{template}: unknown tool {n}"),
+                    }
+                }
+            }
+        }
+        // Anthropic's any and tool
+        let an = json!([{"name": "set_alarm", "description": "An alarm.", "input_schema": tools[1]["function"]["parameters"]}]);
+        for choice in [
+            json!({"type": "any"}),
+            json!({"type": "tool", "name": "set_alarm"}),
+        ] {
+            let r = post(a, "/v1/messages", &json!({"max_tokens": 200, "messages": [{"role": "user", "content": "Wake me."}], "tools": an, "tool_choice": choice})).json();
+            assert_eq!(r["stop_reason"], "tool_use", "{template}: {r}");
+            let used: Vec<&Value> = r["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|b| b["type"] == "tool_use")
+                .collect();
+            assert_eq!(used[0]["name"], "set_alarm");
+            assert!(used[0]["input"]["hour"].as_u64().unwrap() <= 23, "{r}");
+        }
+        let r = post(
+            a,
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}, "max_tokens": 5}),
+        );
+        assert_eq!(r.status, 400);
+        drop(s);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
 }

@@ -73,6 +73,7 @@ fn start(max_active: usize, batch_tokens: usize) -> (Scheduler, Arc<TextTokenize
         prefix_bytes: 64 << 20,
         stop_ids: e.model.spec.eos_token_ids.clone(),
         draft: DraftOptions::default(),
+        forced_drafts: true,
     };
     let s = Scheduler::start(e, tok.clone(), schedule, 8, None, metrics.clone()).unwrap();
     (s, tok, metrics)

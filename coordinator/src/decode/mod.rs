@@ -2,6 +2,7 @@
 //! is taken out of an answer (the reasoning part, tool calls).
 
 pub mod generate;
+pub mod grammar;
 pub mod reasoning;
 pub mod sampling;
 pub mod speculative;

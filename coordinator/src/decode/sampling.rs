@@ -88,7 +88,11 @@ impl Penalties {
 pub fn logprobs(logits: &[f32], id: u32, top: usize) -> (f32, Vec<(u32, f32)>) {
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     // (summed in f64: an f32 sum over a large vocabulary drifts by ~1e-5)
-    let lse = m + logits.iter().map(|&l| f64::from(l - m).exp()).sum::<f64>().ln() as f32;
+    let lse = m + logits
+        .iter()
+        .map(|&l| f64::from(l - m).exp())
+        .sum::<f64>()
+        .ln() as f32;
     let lp = |i: usize| logits[i] - lse;
     let mut best: Vec<u32> = Vec::new();
     if top > 0 {

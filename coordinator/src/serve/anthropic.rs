@@ -12,10 +12,13 @@ use serde_json::{json, Value as Json};
 
 use super::auth::authorized;
 use super::error::{bad, ApiError};
-use super::request::{check_model, submit, whole, ChatMode, Conversation, Request};
+use super::request::{
+    check_model, constraint, grammars, submit, whole, ChatMode, Conversation, Request,
+};
 use super::scheduler::Event;
 use super::settings::{parse, settings, COMMON};
 use super::sse::sse;
+use super::structured::{self, MustCall};
 use super::Shared;
 use crate::decode::tool_calls::ToolFormat;
 
@@ -134,11 +137,17 @@ fn request(s: &Shared, body: &Bytes, counting: bool) -> Result<Request, ApiError
     // the same messages in their key order (tool inputs keep theirs)
     let mv: minijinja::Value = serde_json::from_slice(body).map_err(|e| bad(e.to_string()))?;
     let mlist = mv.get_attr("messages").unwrap_or_default();
-    let use_tools = match obj.get("tool_choice").map(|c| c["type"].as_str()) {
-        None => obj.get("tools").is_some_and(|t| !t.is_null()),
-        Some(Some("auto")) => true,
-        Some(Some("none")) => false,
-        Some(_) => return Err(bad("`tool_choice`: only auto and none are supported")),
+    let choice = obj.get("tool_choice");
+    let (use_tools, must) = match choice.map(|c| c["type"].as_str()) {
+        None => (obj.get("tools").is_some_and(|t| !t.is_null()), None),
+        Some(Some("auto")) => (true, None),
+        Some(Some("none")) => (false, None),
+        Some(Some("any")) => (true, Some(MustCall::Any)),
+        Some(Some("tool")) => match choice.and_then(|c| c["name"].as_str()) {
+            Some(n) => (true, Some(MustCall::Named(n.to_string()))),
+            None => return Err(bad("`tool_choice.name` is required with type tool")),
+        },
+        Some(_) => return Err(bad("`tool_choice.type` must be auto, any, tool or none")),
     };
     if use_tools && t.tool_format.is_none() {
         return Err(bad(
@@ -163,8 +172,27 @@ fn request(s: &Shared, body: &Bytes, counting: bool) -> Result<Request, ApiError
         kwargs: vec![],
     };
     // (the Messages API has its own thinking switch, which charm does not take yet)
-    let (prompt, _thinking) = conversation.prompt(t, &s.tok)?;
+    let (mut prompt, thinking) = conversation.prompt(t, &s.tok)?;
     let tools = if use_tools { t.tool_format } else { None };
+    let constraint = match (&must, counting) {
+        (Some(m), false) => {
+            let format =
+                tools.ok_or_else(|| bad("this model's template has no tool-call syntax"))?;
+            // Anthropic's tools in OpenAI's shape
+            let list: Vec<Json> = obj["tools"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|t| json!({"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"]}}))
+                .collect();
+            let spec = structured::tool_grammar(grammars(s)?, format, &Json::Array(list), m)?;
+            if thinking {
+                prompt.extend(s.tok.encode("</think>").map_err(|e| bad(e.to_string()))?);
+            }
+            Some(constraint(s, &spec)?)
+        }
+        _ => None,
+    };
     Ok(Request {
         prompt,
         settings: set,
@@ -172,6 +200,7 @@ fn request(s: &Shared, body: &Bytes, counting: bool) -> Result<Request, ApiError
             thinking: false,
             tools,
         }),
+        constraint,
     })
 }
 
@@ -310,10 +339,11 @@ async fn answer(s: Arc<Shared>, req: Request) -> Result<Response, ApiError> {
         prompt,
         settings: set,
         chat,
+        constraint,
     } = req;
     let format = chat.and_then(|c| c.tools);
     let prompt_tokens = prompt.len();
-    let rx = submit(&s, prompt, &set, None)?.remove(0);
+    let rx = submit(&s, prompt, &set, None, constraint)?.remove(0);
     let id = format!("msg_{}", s.next_id.fetch_add(1, Ordering::Relaxed));
     let model = s.opts.model_name.clone();
     let reason = |finish: &str, matched: &Option<String>| match (finish, matched) {

@@ -25,7 +25,7 @@ pub(super) async fn prometheus(
     let secs = |x: &AtomicU64| format!("{:.6}", l(x) as f64 / 1e6);
     let hits = l(&m.expert_hits) as f64;
     let uses = hits + l(&m.expert_misses) as f64;
-    let rows: [(&str, &str, &str, String); 18] = [
+    let rows: [(&str, &str, &str, String); 22] = [
         (
             "charm_draft_tokens_total",
             "counter",
@@ -43,6 +43,30 @@ pub(super) async fn prometheus(
             "counter",
             "Prompt tokens whose KV came from the prefix cache.",
             l(&m.reused).to_string(),
+        ),
+        (
+            "charm_grammar_masks_total",
+            "counter",
+            "Grammar masks computed (structured output), one per constrained token position.",
+            l(&m.masks).to_string(),
+        ),
+        (
+            "charm_grammar_mask_seconds_total",
+            "counter",
+            "Seconds spent computing grammar masks.",
+            secs(&m.mask_us),
+        ),
+        (
+            "charm_forced_tokens_total",
+            "counter",
+            "Tokens a grammar forced, fed as drafts.",
+            l(&m.forced).to_string(),
+        ),
+        (
+            "charm_forced_accepted_tokens_total",
+            "counter",
+            "Forced tokens the model accepted.",
+            l(&m.forced_accepted).to_string(),
         ),
         (
             "charm_connections_refused_total",

@@ -34,6 +34,7 @@ mod request;
 pub mod scheduler;
 mod settings;
 mod sse;
+mod structured;
 mod tokens;
 
 use std::net::SocketAddr;
@@ -51,6 +52,7 @@ use serde_json::{json, Value as Json};
 use self::error::{error, ApiError};
 pub use self::listen::ConnectionLimits;
 use self::scheduler::{Metrics, Schedule, Scheduler};
+use crate::decode::grammar::Grammars;
 use crate::decode::speculative::DraftOptions;
 use crate::decode::template::ChatTemplate;
 use crate::decode::tokenizer::TextTokenizer;
@@ -85,6 +87,8 @@ pub struct GatewayOptions {
     pub kv_log: Option<KvLogOptions>,
     /// Speculative decoding of every generation (`max == 0`: off).
     pub draft: DraftOptions,
+    /// Tokens a grammar forces are verified as drafts (structured output).
+    pub forced_drafts: bool,
     /// Read deadlines and the cap on open connections.
     pub connections: ConnectionLimits,
 }
@@ -148,6 +152,7 @@ impl Default for GatewayOptions {
             stop_ids: vec![],
             kv_log: None,
             draft: DraftOptions::default(),
+            forced_drafts: true,
             connections: ConnectionLimits::default(),
         }
     }
@@ -160,6 +165,11 @@ struct Shared {
     tok: Arc<TextTokenizer>,
     template: Option<ChatTemplate>,
     remote: Option<Arc<crate::cluster::remote::RemoteExperts>>,
+    /// The grammar machinery, built on the first constrained request.
+    grammars: std::sync::OnceLock<Result<Arc<Grammars>, String>>,
+    /// Rows of the model's logits, and the tokens that end a generation.
+    vocab: usize,
+    stop_ids: Vec<u32>,
     started: u64,
     next_id: AtomicU64,
 }
@@ -217,12 +227,14 @@ pub async fn serve(
     };
     let tok = Arc::new(tok);
     let remote = engine.remote.clone();
+    let vocab = engine.model.spec.vocab_size;
     let schedule = Schedule {
         max_active,
         batch_tokens,
         prefix_bytes,
-        stop_ids,
+        stop_ids: stop_ids.clone(),
         draft: opts.draft,
+        forced_drafts: opts.forced_drafts,
     };
     let scheduler = Scheduler::start(
         engine,
@@ -240,6 +252,9 @@ pub async fn serve(
         tok,
         template,
         remote,
+        grammars: std::sync::OnceLock::new(),
+        vocab,
+        stop_ids,
         started: now(),
         next_id: AtomicU64::new(1),
     });

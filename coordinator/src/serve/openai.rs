@@ -13,10 +13,14 @@ use serde_json::{json, Value as Json};
 
 use super::auth::authorized;
 use super::error::{bad, ApiError};
-use super::request::{check_model, merged, submit, usage, whole, ChatMode, Conversation, Request};
+use super::request::{
+    check_model, constraint, grammars, merged, submit, usage, whole, ChatMode, Conversation,
+    Request,
+};
 use super::scheduler::{Event, TokenLogprob};
 use super::settings::{parse, settings, COMMON};
 use super::sse::sse;
+use super::structured::{self, MustCall};
 use super::{now, Shared};
 use crate::decode::reasoning::Reasoning;
 use crate::decode::template::{drop_null_keys, tool_arguments};
@@ -31,7 +35,7 @@ pub(super) async fn completions(
 ) -> Result<Response, ApiError> {
     authorized(&s, &h)?;
     let body = parse(&body)?;
-    let set = settings(&body, &[COMMON, &["prompt"]].concat())?;
+    let set = settings(&body, &[COMMON, &["prompt"], structured::FIELDS].concat())?;
     check_model(&s, &body)?;
     let prompt = match &body["prompt"] {
         Json::String(p) => s.tok.encode(p).map_err(|e| bad(format!("`prompt`: {e}")))?,
@@ -49,12 +53,17 @@ pub(super) async fn completions(
         (true, Json::String(p)) => Some(p.clone()),
         (true, _) => Some(s.tok.decode(&prompt).map_err(|e| bad(e.to_string()))?),
     };
+    let constraint = match structured::requested(&body)? {
+        Some(spec) => Some(constraint(&s, &spec)?),
+        None => None,
+    };
     answer(
         s,
         Request {
             prompt,
             settings: set,
             chat: None,
+            constraint,
         },
         echo,
     )
@@ -71,6 +80,7 @@ pub(super) async fn chat_completions(
     let mut parsed = parse(&body)?;
     // tools are the template's business: taken out before the shared checks
     let tools_given = parsed.get("tools").is_some_and(|t| !t.is_null());
+    let parsed_tools = parsed.get("tools").cloned().unwrap_or(Json::Null);
     let tool_choice = parsed.get("tool_choice").cloned().unwrap_or(Json::Null);
     if let Some(o) = parsed.as_object_mut() {
         o.remove("tools");
@@ -81,6 +91,7 @@ pub(super) async fn chat_completions(
         &[
             COMMON,
             &["messages", "max_completion_tokens", "chat_template_kwargs"],
+            structured::FIELDS,
         ]
         .concat(),
     )?;
@@ -91,14 +102,22 @@ pub(super) async fn chat_completions(
     let Some(t) = &s.template else {
         return Err(bad("this model has no chat template: use /v1/completions"));
     };
-    let use_tools = match (&tool_choice, tools_given) {
-        (_, false) => false,
-        (Json::Null, true) => true,
-        (Json::String(c), true) if c == "auto" => true,
-        (Json::String(c), true) if c == "none" => false,
+    let (use_tools, must) = match (&tool_choice, tools_given) {
+        (Json::Null, false) => (false, None),
+        (_, false) => return Err(bad("`tool_choice` needs `tools`")),
+        (Json::Null, true) => (true, None),
+        (Json::String(c), true) if c == "auto" => (true, None),
+        (Json::String(c), true) if c == "none" => (false, None),
+        (Json::String(c), true) if c == "required" => (true, Some(MustCall::Any)),
+        (Json::Object(_), true) if tool_choice["type"] == "function" => {
+            match tool_choice["function"]["name"].as_str() {
+                Some(n) => (true, Some(MustCall::Named(n.to_string()))),
+                None => return Err(bad("`tool_choice.function.name` is required")),
+            }
+        }
         _ => {
             return Err(bad(
-                "`tool_choice`: only \"auto\" and \"none\" are supported",
+                "`tool_choice` must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
             ))
         }
     };
@@ -157,14 +176,39 @@ pub(super) async fn chat_completions(
     };
     // the reasoning part of a turn the template opened with `<think>` (GLM with thinking on) is
     // returned apart, as `reasoning_content`
-    let (prompt, thinking) = conversation.prompt(t, &s.tok)?;
+    let (mut prompt, mut thinking) = conversation.prompt(t, &s.tok)?;
     let tools = if use_tools { t.tool_format } else { None };
+    let spec = match (&must, structured::requested(&parsed)?) {
+        (Some(_), Some(_)) => return Err(bad(
+            "`tool_choice` that requires a call and a structured-output field cannot be combined",
+        )),
+        (Some(m), None) => {
+            let format =
+                tools.ok_or_else(|| bad("this model's template has no tool-call syntax"))?;
+            let g = grammars(&s)?;
+            Some(structured::tool_grammar(g, format, &parsed_tools, m)?)
+        }
+        (None, spec) => spec,
+    };
+    let constraint = match spec {
+        Some(spec) => {
+            if thinking {
+                // a constrained answer has no reasoning part: the turn's `<think>` is closed
+                // (as the templates do with thinking off)
+                prompt.extend(s.tok.encode("</think>").map_err(|e| bad(e.to_string()))?);
+                thinking = false;
+            }
+            Some(constraint(&s, &spec)?)
+        }
+        None => None,
+    };
     answer(
         s,
         Request {
             prompt,
             settings: set,
             chat: Some(ChatMode { thinking, tools }),
+            constraint,
         },
         None,
     )
@@ -220,13 +264,14 @@ async fn answer(s: Arc<Shared>, req: Request, echo: Option<String>) -> Result<Re
         prompt,
         settings: set,
         chat: mode,
+        constraint,
     } = req;
     let chat = mode.is_some();
     let tools = mode.and_then(|m| m.tools);
     let thinking = mode.is_some_and(|m| m.thinking);
     let first_prompt_token = prompt[0];
     let prompt_lp = echo.as_ref().map(|_| set.logprobs.unwrap_or(0));
-    let rxs = submit(&s, prompt, &set, prompt_lp)?;
+    let rxs = submit(&s, prompt, &set, prompt_lp, constraint)?;
     let id = format!(
         "{}-{}",
         if chat { "chatcmpl" } else { "cmpl" },

@@ -10,6 +10,7 @@ use super::error::{bad, error, ApiError};
 use super::scheduler::{Event, Job, Refused, TokenLogprob};
 use super::settings::Settings;
 use super::Shared;
+use crate::decode::grammar::{Constraint, GrammarSpec, Grammars};
 use crate::decode::template::{ChatInput, ChatTemplate};
 use crate::decode::tokenizer::TextTokenizer;
 use crate::decode::tool_calls::ToolFormat;
@@ -30,6 +31,37 @@ pub(super) struct Request {
     pub(super) settings: Settings,
     /// A chat answer (reasoning and tool calls taken apart), or plain text.
     pub(super) chat: Option<ChatMode>,
+    /// The grammar the answer follows (structured output), if any.
+    pub(super) constraint: Option<Constraint>,
+}
+
+/// A constraint for `spec` from the server's grammar machinery (built on first use); a grammar
+/// llguidance refuses is a 400 with its reason.
+pub(super) fn constraint(s: &Shared, spec: &GrammarSpec) -> Result<Constraint, ApiError> {
+    grammars(s)?
+        .constraint(spec)
+        .map_err(|e| bad(format!("the grammar is refused: {e}")))
+}
+
+/// The server's grammar machinery, built on first use.
+pub(super) fn grammars(s: &Shared) -> Result<&Grammars, ApiError> {
+    let g = s.grammars.get_or_init(|| {
+        let t = std::time::Instant::now();
+        let g = Grammars::new(&s.tok, s.vocab, &s.stop_ids).map(std::sync::Arc::new);
+        tracing::info!(
+            ms = t.elapsed().as_secs_f64() * 1e3,
+            ok = g.is_ok(),
+            "grammar machinery built"
+        );
+        g
+    });
+    g.as_deref().map_err(|e| {
+        error(
+            StatusCode::NOT_IMPLEMENTED,
+            "invalid_request_error",
+            format!("structured output is not available for this model: {e}"),
+        )
+    })
 }
 
 /// A conversation in the form the chat templates read (OpenAI's messages and tools).
@@ -94,6 +126,7 @@ pub(super) fn submit(
     prompt: Vec<u32>,
     set: &Settings,
     prompt_logprobs: Option<usize>,
+    constraint: Option<Constraint>,
 ) -> Result<Vec<mpsc::UnboundedReceiver<Event>>, ApiError> {
     let ctx = s.opts.context;
     if prompt.is_empty() {
@@ -128,6 +161,7 @@ pub(super) fn submit(
         ignore_eos: set.ignore_eos,
         prompt_logprobs,
         n: set.n,
+        constraint,
     };
     s.scheduler.submit_choices(job).map_err(|e| match e {
         Refused::Full => error(

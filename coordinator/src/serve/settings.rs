@@ -32,7 +32,6 @@ pub(super) fn settings(body: &Json, known: &[&str]) -> Result<Settings, ApiError
         ("tools", "tool calls are not supported yet"),
         ("tool_choice", "tool calls are not supported yet"),
         ("functions", "function calls are not supported yet"),
-        ("response_format", "response formats are not supported yet"),
         ("logit_bias", "logit_bias is not supported yet"),
         ("suffix", "suffix is not supported"),
     ];

@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use self::kv_store::KvStore;
 use self::prefix::{PrefixCache, MIN_PREFIX};
 use self::sequence::Sequence;
+use crate::decode::grammar::Constraint;
 use crate::decode::sampling::{Penalties, SamplingParams};
 use crate::decode::speculative::{DraftOptions, Drafter};
 use crate::decode::tokenizer::TextTokenizer;
@@ -70,6 +71,8 @@ pub struct Job {
     /// The log probabilities of the prompt's tokens, each with this many alternatives
     /// ([`Event::Prompt`]). The prompt is then computed in full (no reused prefix KV).
     pub prompt_logprobs: Option<usize>,
+    /// The grammar every choice's answer follows (constrained decoding), if any.
+    pub constraint: Option<Constraint>,
     /// Choices sampled from one prefill (0 or 1: one). Choice `i` samples with `seed + i`
     /// and forks the prompt's KV when the prompt is read (a copy of the cache: its bytes per
     /// token times the prompt's tokens, per extra choice).
@@ -129,6 +132,12 @@ pub struct Metrics {
     pub decode_us: AtomicU64,
     /// Connections closed on arrival because the cap on open ones was reached.
     pub connections_refused: AtomicU64,
+    /// Constrained decoding: grammar masks computed and the microseconds they took; tokens the
+    /// grammar forced and fed as drafts, and of them accepted.
+    pub masks: AtomicU64,
+    pub mask_us: AtomicU64,
+    pub forced: AtomicU64,
+    pub forced_accepted: AtomicU64,
 }
 
 /// How the generator thread runs sequences.
@@ -145,6 +154,8 @@ pub struct Schedule {
     pub stop_ids: Vec<u32>,
     /// Speculative decoding of each sequence (`max == 0`: off).
     pub draft: DraftOptions,
+    /// Tokens a grammar forces are verified as drafts (in the step of the token before them).
+    pub forced_drafts: bool,
 }
 
 /// Why a job was not queued.
@@ -300,7 +311,7 @@ fn run_jobs(
         let t0 = Instant::now();
         let mut failed_drafts = Vec::new();
         for (i, s) in active.iter_mut().enumerate() {
-            if let Err(m) = s.draft(e) {
+            if let Err(m) = s.draft(e, lim.forced_drafts, metrics) {
                 failed_drafts.push((i, m));
             }
         }
@@ -392,18 +403,27 @@ fn batched_step<'t>(
     let m = &e.model;
     let h = m.spec.hidden_size;
     let mut steps = Vec::new();
+    let mut constraints: Vec<&mut Constraint> = Vec::new();
     for (s, &k) in active.iter_mut().zip(take) {
         if k == 0 {
             continue;
         }
-        let tokens: &[u32] = match &s.next {
-            Some(_) => &s.feed[..k],
-            None => &s.job.prompt[s.cache.len()..s.cache.len() + k],
+        let Sequence {
+            feed,
+            job,
+            cache,
+            next,
+            constraint,
+            ..
+        } = s;
+        let tokens: &[u32] = match next {
+            Some(_) => &feed[..k],
+            None => &job.prompt[cache.len()..cache.len() + k],
         };
-        steps.push(crate::model::forward::Step {
-            tokens,
-            cache: &mut s.cache,
-        });
+        if let Some(c) = constraint {
+            constraints.push(c);
+        }
+        steps.push(crate::model::forward::Step { tokens, cache });
     }
     let rows: usize = take.iter().sum();
     metrics.active.store(steps.len() as u64, Ordering::Relaxed);
@@ -413,7 +433,26 @@ fn batched_step<'t>(
     metrics.batch_rows.store(rows as u64, Ordering::Relaxed);
     metrics.steps.fetch_add(1, Ordering::Relaxed);
     metrics.rows.fetch_add(rows as u64, Ordering::Relaxed);
-    let normed = m.forward_batch(&mut steps, ForwardOptions::default(), None);
+    // the grammar masks of this step's first sampled rows depend only on tokens already
+    // taken: they are computed on another thread while the forward step runs
+    let normed = std::thread::scope(|sc| {
+        let masks = sc.spawn(move || {
+            let t = Instant::now();
+            let n = constraints.len();
+            for c in constraints.iter_mut() {
+                c.prepare();
+            }
+            (n, t.elapsed())
+        });
+        let normed = m.forward_batch(&mut steps, ForwardOptions::default(), None);
+        if let Ok((n, t)) = masks.join() {
+            metrics.masks.fetch_add(n as u64, Ordering::Relaxed);
+            metrics
+                .mask_us
+                .fetch_add(t.as_micros() as u64, Ordering::Relaxed);
+        }
+        normed
+    });
     drop(steps);
     // a failure fails every sequence that was in the step; the others go on
     let failed = |err: crate::model::forward::ForwardError| -> Vec<Result<bool, String>> {
@@ -490,7 +529,7 @@ fn batched_step<'t>(
                     forks.push((f, r));
                 }
             }
-            match (s.next.is_some(), s.drafter.is_some()) {
+            match (s.next.is_some(), s.drafter.is_some() || s.feed.len() > 1) {
                 (true, true) => {
                     let before = s.cache.len() - n;
                     let r = s.advance_drafted(l, states, v, tok, metrics, stop_ids, seconds);
@@ -498,7 +537,9 @@ fn batched_step<'t>(
                     s.cache.truncate(before + keep);
                     r.map(|r| r.0)
                 }
-                (false, true) => s.advance(l.to_vec(), Some(states), tok, metrics, stop_ids),
+                (false, _) if s.drafter.is_some() => {
+                    s.advance(l.to_vec(), Some(states), tok, metrics, stop_ids)
+                }
                 _ => s.advance(l.to_vec(), None, tok, metrics, stop_ids),
             }
         })

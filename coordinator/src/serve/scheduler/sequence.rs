@@ -5,11 +5,15 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::{Event, Metrics, Queued, TokenLogprob};
+use crate::decode::grammar::Constraint;
 use crate::decode::sampling::{logprobs, Sampler};
 use crate::decode::speculative::{verify, Adaptive, DraftOptions, Drafter};
 use crate::decode::tokenizer::{TextStream, TextTokenizer};
 use crate::model::cache::KvCache;
 use crate::model::engine::Engine;
+
+/// Most forced tokens fed as drafts in one step.
+const MAX_FORCED: usize = 16;
 
 /// One generation in progress.
 pub(super) struct Sequence<'t> {
@@ -39,15 +43,20 @@ pub(super) struct Sequence<'t> {
     pub(super) feed: Vec<u32>,
     pub(super) drafted: usize,
     pub(super) accepted: usize,
+    /// The grammar the answer follows, if any; and whether this step's drafts are the tokens it
+    /// forces (not the drafter's).
+    pub(super) constraint: Option<Constraint>,
+    pub(super) forced: bool,
 }
 
 impl<'t> Sequence<'t> {
     pub(super) fn new(
         e: &Engine,
         tok: &'t TextTokenizer,
-        job: Queued,
+        mut job: Queued,
         draft: DraftOptions,
     ) -> Self {
+        let constraint = job.job.constraint.take();
         let spec = &e.model.spec;
         let mut cache = KvCache::new(spec);
         cache.reserve(job.prompt.len() + job.max_tokens + draft.max, spec);
@@ -74,21 +83,40 @@ impl<'t> Sequence<'t> {
             feed: Vec::new(),
             drafted: 0,
             accepted: 0,
+            constraint,
+            forced: false,
         }
     }
 
-    /// The tokens this step feeds when decoding: the chosen token, then the drafts.
-    pub(super) fn draft(&mut self, e: &Engine) -> Result<(), String> {
+    /// The tokens this step feeds when decoding: the chosen token, then the drafts: the tokens
+    /// the grammar forces after it when there are some (and `forced_drafts`), else the drafter's.
+    pub(super) fn draft(
+        &mut self,
+        e: &Engine,
+        forced_drafts: bool,
+        metrics: &Metrics,
+    ) -> Result<(), String> {
         let Some(next) = self.next else {
             return Ok(());
         };
         self.feed.clear();
         self.feed.push(next);
+        self.forced = false;
+        // (a token drafted past the last one wanted could not be kept)
+        let left = self.job.max_tokens.saturating_sub(self.ids.len() + 1);
+        if let Some(c) = self.constraint.as_mut().filter(|_| forced_drafts) {
+            let mut f = c.forced();
+            f.truncate(left.min(MAX_FORCED));
+            if !f.is_empty() {
+                metrics.forced.fetch_add(f.len() as u64, Ordering::Relaxed);
+                self.feed.extend_from_slice(&f);
+                self.forced = true;
+                return Ok(());
+            }
+        }
         let Some((d, rule)) = &mut self.drafter else {
             return Ok(());
         };
-        // (a token drafted past the last one wanted could not be kept)
-        let left = self.job.max_tokens.saturating_sub(self.ids.len() + 1);
         let want = rule.choose().min(left);
         if want == 0 {
             return Ok(());
@@ -142,6 +170,8 @@ impl<'t> Sequence<'t> {
             feed: Vec::new(),
             drafted: 0,
             accepted: 0,
+            constraint: self.constraint.clone(),
+            forced: false,
         }
     }
 
@@ -196,24 +226,65 @@ impl<'t> Sequence<'t> {
     ) -> Result<(bool, usize), String> {
         let drafts = self.feed[1..].to_vec();
         let (job, ids) = (&self.job, &self.ids);
+        let mut constraint = self.constraint.as_mut();
+        let mut failed = None;
+        // the kept tokens after which the grammar was complete, if it was before the last
+        let mut complete_at = None;
+        let t = Instant::now();
         let got = verify(&self.sampler, self.sampler.drawn(), &drafts, |i, kept| {
             let row = &logits[i * vocab..(i + 1) * vocab];
-            if !job.penalties.active() {
+            if !job.penalties.active() && constraint.is_none() {
                 return Cow::Borrowed(row);
             }
             let mut l = row.to_vec();
-            let history: Vec<u32> = ids.iter().chain(kept).copied().collect();
-            job.penalties.apply(&mut l, &job.prompt, &history);
+            if job.penalties.active() {
+                let history: Vec<u32> = ids.iter().chain(kept).copied().collect();
+                job.penalties.apply(&mut l, &job.prompt, &history);
+            }
+            if let Some(c) = constraint.as_deref_mut() {
+                // the grammar's state after the drafts kept so far
+                let r = match i {
+                    0 => Ok(()),
+                    _ => c.accept(kept[i - 1]),
+                };
+                if c.finished() {
+                    complete_at.get_or_insert(i);
+                }
+                if let Err(e) = r.and_then(|_| c.apply(&mut l)) {
+                    failed.get_or_insert(e);
+                }
+            }
             Cow::Owned(l)
         });
+        if let Some(c) = self.constraint.as_mut() {
+            if complete_at.is_none() {
+                c.accept(got.next)?;
+            }
+            metrics
+                .masks
+                .fetch_add(1 + got.accepted.len() as u64, Ordering::Relaxed);
+            metrics
+                .mask_us
+                .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
         let kept = got.accepted.len();
         self.sampler.advance(1 + kept as u64);
-        self.drafted += drafts.len();
-        self.accepted += kept;
-        metrics
-            .drafted
-            .fetch_add(drafts.len() as u64, Ordering::Relaxed);
-        metrics.accepted.fetch_add(kept as u64, Ordering::Relaxed);
+        if self.forced {
+            metrics
+                .forced_accepted
+                .fetch_add(kept as u64, Ordering::Relaxed);
+        } else {
+            self.drafted += drafts.len();
+            self.accepted += kept;
+            metrics
+                .drafted
+                .fetch_add(drafts.len() as u64, Ordering::Relaxed);
+            metrics.accepted.fetch_add(kept as u64, Ordering::Relaxed);
+        }
+        let forced = self.forced;
         if let Some((d, rule)) = &mut self.drafter {
             let mut after = got.accepted.clone();
             after.push(got.next);
@@ -221,13 +292,19 @@ impl<'t> Sequence<'t> {
                 &after,
                 &states[..(1 + kept) * (states.len() / self.feed.len())],
             );
-            rule.record(drafts.len(), kept, seconds);
+            if !forced {
+                rule.record(drafts.len(), kept, seconds);
+            }
             if rule.stopped() {
                 // drafting never paid here: no drafter to keep in step either
                 self.drafter = None;
             }
         }
-        let tokens: Vec<u32> = got.accepted.iter().copied().chain([got.next]).collect();
+        let mut tokens: Vec<u32> = got.accepted.iter().copied().chain([got.next]).collect();
+        if let Some(i) = complete_at {
+            // nothing may follow a complete grammar
+            tokens.truncate(i);
+        }
         for (i, &t) in tokens.iter().enumerate() {
             if let Some(top) = self.job.logprobs {
                 let (lp, alt) = logprobs(&logits[i * vocab..(i + 1) * vocab], t, top);
@@ -237,22 +314,28 @@ impl<'t> Sequence<'t> {
                 return Ok((false, 1 + kept));
             }
         }
-        Ok((true, 1 + kept))
+        Ok((self.grammar_done(tok, metrics)?, 1 + kept))
     }
 
     /// Penalties, then the sampler; the log probabilities of the model's distribution when
     /// asked.
-    pub(super) fn pick(&mut self, mut logits: Vec<f32>) -> u32 {
+    pub(super) fn pick(&mut self, mut logits: Vec<f32>) -> Result<u32, String> {
         let raw = self.job.logprobs.map(|_| logits.clone());
         self.job
             .penalties
             .apply(&mut logits, &self.job.prompt, &self.ids);
+        if let Some(c) = &mut self.constraint {
+            c.apply(&mut logits)?;
+        }
         let t = self.sampler.sample(&logits);
+        if let Some(c) = &mut self.constraint {
+            c.accept(t)?;
+        }
         if let (Some(top), Some(raw)) = (self.job.logprobs, raw) {
             let (lp, alt) = logprobs(&raw, t, top);
             self.lps.push((t, lp, alt));
         }
-        t
+        Ok(t)
     }
 
     /// Takes the logits after the sequence's last input (its whole prompt, or the token it fed
@@ -279,14 +362,25 @@ impl<'t> Sequence<'t> {
                 return self.finish(tok, "length", None, metrics);
             }
         }
-        let next = self.pick(logits);
+        let next = self.pick(logits)?;
         if let Some((d, _)) = &mut self.drafter {
             // the prompt's last position, with the token now chosen after it
             if let Some(last) = last_state {
                 d.push(&[next], last);
             }
         }
-        self.emit(next, tok, metrics, stop_ids)
+        if !self.emit(next, tok, metrics, stop_ids)? {
+            return Ok(false);
+        }
+        self.grammar_done(tok, metrics)
+    }
+
+    /// Ends the sequence when its grammar is complete (nothing may follow); else it goes on.
+    fn grammar_done(&mut self, tok: &TextTokenizer, metrics: &Metrics) -> Result<bool, String> {
+        if self.constraint.as_ref().is_some_and(|c| c.finished()) {
+            return self.finish(tok, "stop", None, metrics);
+        }
+        Ok(true)
     }
 
     /// Takes `next` as the sequence's next token: sends text as it becomes final (whole UTF-8
@@ -333,7 +427,11 @@ impl<'t> Sequence<'t> {
             return Ok(false);
         }
         if self.ids.len() >= self.job.max_tokens {
-            return self.finish(tok, "length", None, metrics);
+            // (drafts stop short of max_tokens: this is the step's last token, and a grammar's
+            // state is the one after it)
+            let complete = self.constraint.as_ref().is_some_and(|c| c.finished());
+            let why = if complete { "stop" } else { "length" };
+            return self.finish(tok, why, None, metrics);
         }
         Ok(true)
     }

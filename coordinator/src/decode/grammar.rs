@@ -1,0 +1,259 @@
+//! Constrained decoding with `llguidance`: a grammar (a JSON schema, a Lark grammar, a regex)
+//! becomes a per-token mask applied to the logits before sampling, so every answer parses.
+//!
+//! [`Grammars`] is built once per tokenizer (the token trie and llguidance's parser factory);
+//! each constrained generation gets a [`Constraint`] of its own. After each token the constraint
+//! also knows the tokens the grammar forces next ([`Constraint::forced`]: braces, quotes, key
+//! names), which the scheduler verifies as drafts in the same forward step.
+
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::Value;
+
+use super::tokenizer::TextTokenizer;
+
+/// What a generation is constrained to.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GrammarSpec {
+    /// Text that is one JSON value valid under the schema, laid out as Python's `json.dumps`
+    /// does unless the schema's `x-guidance` options say otherwise. `strict`: keywords the
+    /// matcher cannot enforce are refused (otherwise ignored).
+    JsonSchema { schema: Value, strict: bool },
+    /// A grammar in llguidance's Lark dialect (`start` is the whole answer; `%json {...}` embeds
+    /// a schema; `<[ID]>` is one special token).
+    Lark(String),
+    /// A regular expression the whole answer matches.
+    Regex(String),
+}
+
+/// The tokenizer as llguidance sees it: each id's bytes (special tokens marked apart, so text
+/// never matches them), and the canonical tokenization of forced bytes.
+struct TokenizerBridge {
+    tok: tokenizers::Tokenizer,
+    trie: TokTrie,
+}
+
+impl TokenizerEnv for TokenizerBridge {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        self.trie.tokenize_with_greedy_fallback(s, |s| {
+            self.tok
+                .encode(s, false)
+                .map(|e| e.get_ids().to_vec())
+                .unwrap_or_default()
+        })
+    }
+}
+
+/// The grammar machinery of one model: its token trie and llguidance's parser factory (built
+/// once: about 0.4 s for a 150k vocabulary; a constraint then costs about a millisecond).
+pub struct Grammars {
+    factory: Arc<ParserFactory>,
+    /// Added tokens by their text (a tool-call marker that is one special token).
+    special: Vec<(String, u32)>,
+    /// The tokens that end a generation.
+    eos: Arc<[u32]>,
+}
+
+impl std::fmt::Debug for Grammars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Grammars")
+    }
+}
+
+impl Grammars {
+    /// The grammar machinery for `tok`, whose logits have `vocab` rows (the model's; past the
+    /// tokenizer's ids they are never allowed) and whose generations end at `stop_ids` (the
+    /// first is the primary end-of-sequence token).
+    pub fn new(tok: &TextTokenizer, vocab: usize, stop_ids: &[u32]) -> Result<Self, String> {
+        let json: Value =
+            serde_json::from_str(&tok.inner().to_string(false).map_err(|e| e.to_string())?)
+                .map_err(|e| e.to_string())?;
+        let mut words = llguidance::token_bytes_from_tokenizer_json(&json)
+            .map_err(|e| format!("the tokenizer cannot drive a grammar: {e}"))?;
+        let mut special = Vec::new();
+        for a in json["added_tokens"].as_array().into_iter().flatten() {
+            let (Some(id), Some(c)) = (a["id"].as_u64(), a["content"].as_str()) else {
+                continue;
+            };
+            let id = id as usize;
+            // added tokens shaped like markup (`<think>`, `<tool_call>`) never match plain text
+            if id < words.len()
+                && c.starts_with('<')
+                && c.ends_with('>')
+                && words[id].first() != Some(&TokTrie::SPECIAL_TOKEN_MARKER)
+            {
+                words[id].insert(0, TokTrie::SPECIAL_TOKEN_MARKER);
+            }
+            special.push((c.to_string(), id as u32));
+        }
+        if words.len() > vocab {
+            return Err(format!(
+                "the tokenizer has {} tokens, the model's head {vocab}",
+                words.len()
+            ));
+        }
+        while words.len() < vocab {
+            let mut w = format!(".<[{}]>", words.len()).into_bytes();
+            w[0] = TokTrie::SPECIAL_TOKEN_MARKER;
+            words.push(w);
+        }
+        let eos: Vec<u32> = stop_ids
+            .iter()
+            .copied()
+            .filter(|&t| (t as usize) < vocab)
+            .collect();
+        let first = eos.first().copied().unwrap_or(0);
+        let trie =
+            TokTrie::from(&TokRxInfo::new(vocab as u32, first), &words).with_eos_tokens(&eos);
+        let env: TokEnv = Arc::new(TokenizerBridge {
+            tok: tok.inner().clone(),
+            trie,
+        });
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+        factory.set_stderr_log_level(0);
+        factory.limits_mut().verbose_errors = false;
+        Ok(Self {
+            factory: Arc::new(factory),
+            special,
+            eos: eos.into(),
+        })
+    }
+
+    /// `text` as a Lark literal: the one special token it names (`<[ID]>`) when the tokenizer has
+    /// one with exactly that text, else the quoted string.
+    pub fn literal(&self, text: &str) -> String {
+        match self.special.iter().find(|(c, _)| c == text) {
+            Some((_, id)) => format!("<[{id}]>"),
+            None => Value::String(text.to_string()).to_string(),
+        }
+    }
+
+    /// A constraint for one generation, or why the grammar is refused.
+    pub fn constraint(&self, spec: &GrammarSpec) -> Result<Constraint, String> {
+        let g = match spec {
+            GrammarSpec::JsonSchema { schema, strict } => {
+                TopLevelGrammar::from_json_schema(json_layout(schema, *strict))
+            }
+            GrammarSpec::Lark(l) => TopLevelGrammar::from_lark(l.clone()),
+            GrammarSpec::Regex(r) => TopLevelGrammar::from_regex(r),
+        };
+        let m = Matcher::new(self.factory.create_parser(g));
+        if let Some(e) = m.get_error() {
+            return Err(e.trim().to_string());
+        }
+        Ok(Constraint {
+            m,
+            mask: None,
+            eos: self.eos.clone(),
+        })
+    }
+}
+
+/// `schema` with llguidance's layout options set where it does not set them: JSON laid out as
+/// Python's `json.dumps` does (`{"a": 1, "b": [2, 3]}`), since free whitespace lets a model pad
+/// without end; unsupported keywords refused when `strict`, else ignored.
+pub fn json_layout(schema: &Value, strict: bool) -> Value {
+    let mut schema = schema.clone();
+    if let Value::Object(o) = &mut schema {
+        let x = o
+            .entry("x-guidance")
+            .or_insert_with(|| serde_json::json!({}));
+        if let Some(x) = x.as_object_mut() {
+            for (k, v) in [
+                ("whitespace_flexible", Value::Bool(false)),
+                ("item_separator", Value::from(", ")),
+                ("key_separator", Value::from(": ")),
+                ("lenient", Value::Bool(!strict)),
+            ] {
+                x.entry(k).or_insert(v);
+            }
+        }
+    }
+    schema
+}
+
+/// One generation's grammar state: the mask of the next token, advanced token by token.
+#[derive(Clone)]
+pub struct Constraint {
+    m: Matcher,
+    /// The mask of the current state, when computed ahead ([`Self::prepare`]).
+    mask: Option<SimpleVob>,
+    eos: Arc<[u32]>,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint")
+            .field("stopped", &self.m.is_stopped())
+            .finish()
+    }
+}
+
+impl Constraint {
+    /// Computes the mask of the current state now (the scheduler does this on another thread
+    /// while the forward step runs), so [`Self::apply`] finds it ready.
+    pub fn prepare(&mut self) {
+        if self.mask.is_none() && !self.m.is_stopped() {
+            self.mask = self.m.compute_mask_or_eos().ok();
+        }
+    }
+
+    /// Sets every token the grammar does not allow next to minus infinity.
+    pub fn apply(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        let mask = match self.mask.take() {
+            Some(m) => m,
+            None => self.m.compute_mask_or_eos().map_err(|e| self.error(e))?,
+        };
+        let n = mask.len().min(logits.len());
+        for (t, l) in logits.iter_mut().enumerate().take(n) {
+            if !mask.is_allowed(t as u32) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        for l in logits.iter_mut().skip(n) {
+            *l = f32::NEG_INFINITY;
+        }
+        Ok(())
+    }
+
+    /// Takes `t` as the next token. An end-of-sequence token the grammar allowed ends the
+    /// generation and is not fed to it.
+    pub fn accept(&mut self, t: u32) -> Result<(), String> {
+        self.mask = None;
+        if self.m.is_stopped() {
+            return Ok(());
+        }
+        if self.eos.contains(&t) && self.m.is_accepting().unwrap_or(false) {
+            return Ok(());
+        }
+        self.m.consume_token(t).map_err(|e| self.error(e))
+    }
+
+    /// The tokens the grammar forces after the tokens taken so far (none when it leaves a
+    /// choice).
+    pub fn forced(&mut self) -> Vec<u32> {
+        if self.m.is_stopped() {
+            return Vec::new();
+        }
+        self.m.compute_ff_tokens()
+    }
+
+    /// The grammar is complete and admits nothing more: the generation is over.
+    pub fn finished(&self) -> bool {
+        self.m.is_stopped()
+    }
+
+    fn error(&self, e: impl std::fmt::Display) -> String {
+        format!(
+            "grammar: {}",
+            self.m.get_error().unwrap_or_else(|| e.to_string())
+        )
+    }
+}
