@@ -618,7 +618,7 @@ fn anthropic_messages_answer_whole_and_streamed() {
 /// server with a key. Needs a Python with both installed, named by `CHARM_TEST_PYTHON`: `.ci/run`
 /// makes one in a virtual environment and runs this test.
 #[test]
-#[ignore = "needs CHARM_TEST_PYTHON with the openai and anthropic packages (.ci/run sets it up)"]
+#[ignore = "needs CHARM_TEST_PYTHON with the openai, anthropic, pydantic and jsonschema packages (.ci/run sets it up)"]
 fn the_official_python_clients_drive_the_server() {
     let python = std::env::var("CHARM_TEST_PYTHON")
         .expect("CHARM_TEST_PYTHON: a python with `pip install openai anthropic`");

@@ -1,13 +1,18 @@
 """The official `openai` and `anthropic` Python clients against a running `charm serve`.
 
 usage: python official.py BASE_URL API_KEY
+(needs the openai, anthropic, pydantic and jsonschema packages)
 Exits non-zero (with the failing check) when an answer is not what the clients expect.
 """
 
+import json
 import sys
+from typing import List, Literal
 
 import anthropic
+import jsonschema
 import openai
+import pydantic
 
 base, key = sys.argv[1], sys.argv[2]
 oa = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
@@ -68,4 +73,78 @@ try:
     raise SystemExit("max_tokens 0 was accepted")
 except anthropic.BadRequestError:
     pass
+# structured output: the openai client's parse helper with a pydantic model
+class Pet(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=16)
+    kind: Literal["cat", "dog", "owl"]
+    age: int = pydantic.Field(ge=0, le=30)
+
+
+parse = getattr(oa.chat.completions, "parse", None) or oa.beta.chat.completions.parse
+for seed in range(3):
+    r = parse(model=name, messages=[{"role": "user", "content": "A pet, please."}],
+              response_format=Pet, max_tokens=120, temperature=1, seed=seed)
+    pet = r.choices[0].message.parsed
+    assert isinstance(pet, Pet), r
+    assert r.choices[0].finish_reason == "stop", r
+
+# 51 sampled answers to three schemas (nested objects, arrays with item bounds, enums, bounded
+# numbers, required fields): every one validates
+schemas = [
+    {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 24},
+        "act": {"type": "integer", "minimum": 1, "maximum": 5},
+        "speakers": {"type": "array", "items": {"enum": ["Romeo", "Juliet", "Nurse", "Tybalt"]},
+                     "minItems": 1, "maxItems": 3}},
+     "required": ["title", "act", "speakers"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "place": {"type": "object", "properties": {
+            "city": {"enum": ["Verona", "Mantua"]},
+            "room": {"type": "string", "maxLength": 12}},
+            "required": ["city"], "additionalProperties": False},
+        "weight": {"type": "number", "minimum": 0, "maximum": 50, "multipleOf": 0.25},
+        "lines": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                  "minItems": 2, "maxItems": 2}},
+     "required": ["place", "weight", "lines"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "ok": {"type": "boolean"},
+        "scores": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
+                   "maxItems": 4},
+        "note": {"type": ["string", "null"], "maxLength": 10}},
+     "required": ["ok", "scores"], "additionalProperties": False},
+]
+valid = 0
+for i in range(51):
+    schema = schemas[i % 3]
+    r = oa.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "Answer in JSON."}], max_tokens=300,
+        temperature=1, seed=1000 + i,
+        response_format={"type": "json_schema", "json_schema": {"name": f"s{i % 3}", "schema": schema, "strict": True}})
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+    valid += 1
+assert valid == 51
+
+# n choices: choice i is the request with seed + i
+three = oa.completions.create(model=name, prompt="ROMEO. ", max_tokens=10, temperature=1, seed=20, n=3)
+for i, c in enumerate(three.choices):
+    one = oa.completions.create(model=name, prompt="ROMEO. ", max_tokens=10, temperature=1, seed=20 + i)
+    assert c.index == i and c.text == one.choices[0].text, (i, c.text, one.choices[0].text)
+
+# echo with logprobs and no completion: the prompt's own log probabilities (the first is None)
+e = oa.completions.create(model=name, prompt="ROMEO. What light", max_tokens=0, echo=True, logprobs=1)
+lp = e.choices[0].logprobs
+assert e.choices[0].text == "ROMEO. What light", e
+assert lp.token_logprobs[0] is None and all(x < 0 for x in lp.token_logprobs[1:]), lp
+
+# a model the server does not serve
+try:
+    oa.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
+    raise SystemExit("an unknown model was answered")
+except openai.NotFoundError as err:
+    assert name in str(err), err
+
+# Anthropic's count_tokens: the input tokens of the same request
+counted = an.messages.count_tokens(model=name, system="Be brief.", messages=msgs)
+assert counted.input_tokens == m.usage.input_tokens, (counted, m.usage)
 print("ok")
