@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
 
@@ -150,8 +150,9 @@ impl Grammars {
         }
         Ok(Constraint {
             m,
-            mask: None,
             eos: self.eos.clone(),
+            busy: std::time::Duration::ZERO,
+            applied: 0,
         })
     }
 }
@@ -183,9 +184,11 @@ pub fn json_layout(schema: &Value, strict: bool) -> Value {
 #[derive(Clone)]
 pub struct Constraint {
     m: Matcher,
-    /// The mask of the current state, when computed ahead ([`Self::prepare`]).
-    mask: Option<SimpleVob>,
     eos: Arc<[u32]>,
+    /// Time spent in [`Self::apply`] and [`Self::accept`] (on the generating thread), and the
+    /// masks applied, since [`Self::take_busy`].
+    busy: std::time::Duration,
+    applied: u64,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -197,28 +200,37 @@ impl std::fmt::Debug for Constraint {
 }
 
 impl Constraint {
-    /// Computes the mask of the current state now (the scheduler does this on another thread
-    /// while the forward step runs), so [`Self::apply`] finds it ready.
-    pub fn prepare(&mut self) {
-        if self.mask.is_none() && !self.m.is_stopped() {
-            self.mask = self.m.compute_mask_or_eos().ok();
-        }
+    /// The time spent applying masks and taking tokens on the generating thread, and the masks
+    /// applied, since the last call (what the grammar added to the steps).
+    pub fn take_busy(&mut self) -> (std::time::Duration, u64) {
+        let r = (self.busy, self.applied);
+        (self.busy, self.applied) = (std::time::Duration::ZERO, 0);
+        r
     }
 
     /// Sets every token the grammar does not allow next to minus infinity.
     pub fn apply(&mut self, logits: &mut [f32]) -> Result<(), String> {
-        let mask = match self.mask.take() {
-            Some(m) => m,
-            None => self.m.compute_mask_or_eos().map_err(|e| self.error(e))?,
-        };
-        let n = mask.len().min(logits.len());
-        for (t, l) in logits.iter_mut().enumerate().take(n) {
-            if !mask.is_allowed(t as u32) {
-                *l = f32::NEG_INFINITY;
+        let t = std::time::Instant::now();
+        let r = self.apply_mask(logits);
+        self.busy += t.elapsed();
+        self.applied += 1;
+        r
+    }
+
+    fn apply_mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        let mask = self.m.compute_mask_or_eos().map_err(|e| self.error(e))?;
+        // 32 tokens per word of the mask: a full word leaves them, an empty one clears them
+        let words = mask.as_slice();
+        for (w, chunk) in logits.chunks_mut(32).enumerate() {
+            let bits = words.get(w).copied().unwrap_or(0);
+            if bits == u32::MAX && chunk.len() == 32 {
+                continue;
             }
-        }
-        for l in logits.iter_mut().skip(n) {
-            *l = f32::NEG_INFINITY;
+            for (b, l) in chunk.iter_mut().enumerate() {
+                if bits >> b & 1 == 0 {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
         }
         Ok(())
     }
@@ -226,7 +238,13 @@ impl Constraint {
     /// Takes `t` as the next token. An end-of-sequence token the grammar allowed ends the
     /// generation and is not fed to it.
     pub fn accept(&mut self, t: u32) -> Result<(), String> {
-        self.mask = None;
+        let start = std::time::Instant::now();
+        let r = self.take_token(t);
+        self.busy += start.elapsed();
+        r
+    }
+
+    fn take_token(&mut self, t: u32) -> Result<(), String> {
         if self.m.is_stopped() {
             return Ok(());
         }
