@@ -64,6 +64,17 @@ impl<'t> Sequence<'t> {
             .then(|| Drafter::new(&e.model, draft.source).ok())
             .flatten()
             .map(|d| (d, Adaptive::new(draft.max, draft.adaptive)));
+        Self::start(tok, job, cache, drafter, constraint)
+    }
+
+    /// A sequence of `job` that has generated nothing yet, from `cache`.
+    fn start(
+        tok: &'t TextTokenizer,
+        job: Queued,
+        cache: KvCache,
+        drafter: Option<(Drafter, Adaptive)>,
+        constraint: Option<Constraint>,
+    ) -> Self {
         Self {
             sampler: Sampler::new(job.params),
             job,
@@ -151,28 +162,15 @@ impl<'t> Sequence<'t> {
             forks: Vec::new(),
             queued: self.job.queued,
         };
-        Self {
-            sampler: Sampler::new(queued.job.params),
-            job: queued,
-            cache: self.cache.clone(),
-            next: None,
-            ids: Vec::new(),
-            stream: tok.stream(),
-            text: String::new(),
-            sent: 0,
-            lps: Vec::new(),
-            started: None,
-            finished: false,
-            lp_sent: 0,
-            origin: self.origin,
-            reused: self.reused,
-            drafter: self.drafter.clone(),
-            feed: Vec::new(),
-            drafted: 0,
-            accepted: 0,
-            constraint: self.constraint.clone(),
-            forced: false,
-        }
+        let mut f = Self::start(
+            tok,
+            queued,
+            self.cache.clone(),
+            self.drafter.clone(),
+            self.constraint.clone(),
+        );
+        (f.origin, f.reused) = (self.origin, self.reused);
+        f
     }
 
     /// Takes the logits of prompt rows `from..` (`[n, vocab]`): the log probability of the prompt
