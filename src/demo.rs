@@ -161,11 +161,17 @@ pub fn demo(a: &DemoArgs) -> Result<()> {
             addr,
             opts,
             |a| {
-                println!("serving the OpenAI-compatible API on http://{a} (Ctrl-C stops); try:");
-                println!(
-                    "curl http://{a}/v1/chat/completions -H 'Content-Type: application/json' -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Speak, Romeo.\"}}], \"max_tokens\": 60}}'"
-                );
+                // one write, errors ignored: whoever reads may close the pipe after a line
                 use std::io::Write;
+                let _ = std::io::stdout().write_all(
+                    format!(
+                        "serving the OpenAI-compatible API on http://{a} (Ctrl-C stops)\n\
+                         chat page and dashboard: http://{a}/ (open it in a browser)\n\
+                         or try:\n\
+                         curl http://{a}/v1/chat/completions -H 'Content-Type: application/json' -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Speak, Romeo.\"}}], \"max_tokens\": 60}}'\n"
+                    )
+                    .as_bytes(),
+                );
                 let _ = std::io::stdout().flush();
             },
         ));

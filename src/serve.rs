@@ -159,8 +159,12 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     raise_descriptor_limit(a.max_connections);
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(serve::serve(e, tok, template, addr, opts, |a| {
-        println!("listening on {a}");
-        let _ = std::io::stdout().flush();
+        // one write, errors ignored: a reader may close the pipe after the first line
+        let mut out = std::io::stdout();
+        let _ = out.write_all(
+            format!("listening on {a}\nchat page and dashboard: http://{a}/\n").as_bytes(),
+        );
+        let _ = out.flush();
     }))
     .map_err(anyhow::Error::msg)
 }

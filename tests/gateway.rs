@@ -2,61 +2,19 @@
 
 mod common;
 
+use common::http::{http, post, Reply};
+use common::server::{demo, Server};
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 
 use charm_coordinator::decode::generate::generate;
 use charm_coordinator::decode::sampling::{Sampler, SamplingParams};
 use charm_coordinator::decode::tokenizer::TextTokenizer;
 use charm_coordinator::{Engine, EngineOptions, ForwardOptions};
 use serde_json::{json, Value};
-
-fn demo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe")
-}
-
-/// A running `charm serve`, killed when dropped.
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Server {
-    fn start(extra: &[&str]) -> Self {
-        Self::start_model(&demo(), extra)
-    }
-
-    fn start_model(model: &Path, extra: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_charm"))
-            .args(["serve", "--model"])
-            .arg(model)
-            .args(["--listen", "127.0.0.1:0"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("server did not start: {line}"))
-            .to_string();
-        Self { child, addr }
-    }
-}
 
 /// A copy of the demo model (its files linked) whose chat template is `edit` of the demo's.
 fn demo_with_template(tag: &str, edit: impl FnOnce(&str) -> String) -> PathBuf {
@@ -72,91 +30,6 @@ fn demo_with_template(tag: &str, edit: impl FnOnce(&str) -> String) -> PathBuf {
     let t = std::fs::read_to_string(demo().join("chat_template.jinja")).unwrap();
     std::fs::write(d.join("chat_template.jinja"), edit(&t)).unwrap();
     d
-}
-
-/// An HTTP response: status, headers (lower-case names), body (de-chunked).
-struct Reply {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-impl Reply {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
-    }
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-fn dechunk(mut b: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    loop {
-        let Some(i) = b.windows(2).position(|w| w == b"\r\n") else {
-            return out;
-        };
-        let n = usize::from_str_radix(std::str::from_utf8(&b[..i]).unwrap().trim(), 16).unwrap();
-        if n == 0 {
-            return out;
-        }
-        out.extend_from_slice(&b[i + 2..i + 2 + n]);
-        b = &b[i + 2 + n + 2..];
-    }
-}
-
-/// One request on a fresh connection.
-fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
-    let mut s = TcpStream::connect(addr).unwrap();
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    for (k, v) in headers {
-        req += &format!("{k}: {v}\r\n");
-    }
-    req += &format!("Content-Length: {}\r\n\r\n", body.len());
-    s.write_all(req.as_bytes()).unwrap();
-    // a server refusing the body (too large) answers and closes before reading all of it: the
-    // rest of the write fails, and the answer is still there to read
-    let _ = s.write_all(body);
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    let end = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
-    let head = String::from_utf8_lossy(&raw[..end]).into_owned();
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .unwrap()
-        .split(' ')
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_lowercase(), v.trim().to_string()))
-        .collect();
-    let body = raw[end + 4..].to_vec();
-    let chunked = headers
-        .iter()
-        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
-    Reply {
-        status,
-        headers,
-        body: if chunked { dechunk(&body) } else { body },
-    }
-}
-
-fn post(addr: &str, path: &str, body: &Value) -> Reply {
-    http(
-        addr,
-        "POST",
-        path,
-        &[("Content-Type", "application/json")],
-        body.to_string().as_bytes(),
-    )
 }
 
 /// The `data:` payloads of a server-sent event stream.

@@ -2,6 +2,10 @@
 //! some files use only part of it).
 #![allow(dead_code)]
 
+pub mod cluster;
+pub mod http;
+pub mod server;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

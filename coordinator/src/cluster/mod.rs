@@ -261,7 +261,18 @@ impl Loopback {
             workers: vec![],
         };
         for name in &names {
-            let mut c = std::process::Command::new(exe)
+            let mut cmd = std::process::Command::new(exe);
+            // the workers end with this process however it ends (Ctrl-C, a kill): the kernel
+            // kills a child whose parent thread died (this one, which lives as long as the run)
+            // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+            unsafe {
+                use std::os::unix::process::CommandExt;
+                cmd.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                    Ok(())
+                });
+            }
+            let mut c = cmd
                 .args(["worker", "--listen", "127.0.0.1:0", "--model"])
                 .arg(model)
                 .args(["--node", name, "--cluster"])

@@ -404,6 +404,7 @@ impl Model {
                 if let Some(tr) = trace {
                     tr.router.push(picks);
                 }
+                self.expert_use.add(layer.index, &ids);
                 // Routed experts start first (they may run elsewhere); the shared expert
                 // computes meanwhile and is added after their sum, in that order everywhere.
                 let routed = self.experts.start(ExpertBatch {

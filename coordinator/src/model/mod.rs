@@ -7,6 +7,7 @@ pub mod cache;
 pub mod engine;
 pub mod forward;
 pub mod rope;
+pub mod usage;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -135,6 +136,8 @@ pub struct Model {
     /// Set when a DSA model was loaded without its indexer weights: attention is then dense,
     /// which is exact only up to this many tokens (`index_topk`); longer contexts are refused.
     pub dense_attention_limit: Option<usize>,
+    /// The router's picks per `(layer, expert)` since the load.
+    pub expert_use: std::sync::Arc<usage::ExpertUse>,
 }
 
 /// A directory made by colibrì's converter (see [`charm_shared::colibri`]).
@@ -597,8 +600,13 @@ impl Model {
                 layers: ram_experts,
             }),
         };
+        let expert_use = std::sync::Arc::new(usage::ExpertUse::new(
+            layers.len() + usize::from(mtp.is_some()),
+            spec.router.as_ref().map_or(0, |r| r.n_experts),
+        ));
         Ok(Self {
             dense_attention_limit,
+            expert_use,
             experts: executor,
             activations: act,
             steps: Default::default(),

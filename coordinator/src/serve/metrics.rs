@@ -25,7 +25,7 @@ pub(super) async fn prometheus(
     let secs = |x: &AtomicU64| format!("{:.6}", l(x) as f64 / 1e6);
     let hits = l(&m.expert_hits) as f64;
     let uses = hits + l(&m.expert_misses) as f64;
-    let rows: [(&str, &str, &str, String); 22] = [
+    let rows: [(&str, &str, &str, String); 23] = [
         (
             "charm_draft_tokens_total",
             "counter",
@@ -85,6 +85,12 @@ pub(super) async fn prometheus(
             "counter",
             "Generation requests accepted.",
             l(&m.requests).to_string(),
+        ),
+        (
+            "charm_requests_cancelled_total",
+            "counter",
+            "Generations stopped because their client went away (closed the connection).",
+            l(&m.cancelled).to_string(),
         ),
         (
             "charm_requests_rejected_total",

@@ -30,10 +30,12 @@ pub mod kvlog;
 pub mod listen;
 mod metrics;
 mod openai;
+mod page;
 mod request;
 pub mod scheduler;
 mod settings;
 mod sse;
+mod status;
 mod structured;
 mod tokens;
 
@@ -172,6 +174,8 @@ struct Shared {
     stop_ids: Vec<u32>,
     started: u64,
     next_id: AtomicU64,
+    /// What `/v1/status` reads beyond the scheduler's counters.
+    status: status::Sources,
 }
 
 fn now() -> u64 {
@@ -227,6 +231,7 @@ pub async fn serve(
     };
     let tok = Arc::new(tok);
     let remote = engine.remote.clone();
+    let sources = status::Sources::new(&engine);
     let vocab = engine.model.spec.vocab_size;
     let schedule = Schedule {
         max_active,
@@ -257,8 +262,14 @@ pub async fn serve(
         stop_ids,
         started: now(),
         next_id: AtomicU64::new(1),
+        status: sources,
     });
+    tokio::spawn(status::sample_every_second(Arc::downgrade(&s)));
     let app = Router::new()
+        .route("/", get(page::index))
+        .route("/page/{asset}", get(page::file))
+        .route("/v1/status", get(status::status))
+        .route("/v1/status/events", get(status::events))
         .route("/health", get(health))
         .route("/metrics", get(metrics::prometheus))
         .route("/v1/models", get(models))

@@ -328,6 +328,19 @@ impl StreamingExperts {
             .collect()
     }
 
+    /// The experts in the RAM cache now, `(layer, expert)`, sorted (those held only for the step
+    /// that uses them are not counted).
+    pub fn cached(&self) -> Vec<(usize, u32)> {
+        let mut k: Vec<(usize, u32)> = lock(&self.inner.state)
+            .entries
+            .iter()
+            .filter(|(_, e)| !e.transient)
+            .map(|(k, _)| *k)
+            .collect();
+        k.sort_unstable();
+        k
+    }
+
     /// Memory on top of the cache capacity the store may use at most: per reader the record it
     /// reads and decodes in place (held until there is room), one expert admitted for a single
     /// step or staged as a read-ahead, and one more expert's worth of margin.

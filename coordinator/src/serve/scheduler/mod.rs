@@ -108,6 +108,8 @@ impl std::ops::Deref for Queued {
 pub struct Metrics {
     pub requests: AtomicU64,
     pub rejected: AtomicU64,
+    /// Generations stopped because their client went away (a closed connection, a stop button).
+    pub cancelled: AtomicU64,
     pub tokens: AtomicU64,
     pub queued: AtomicU64,
     /// Sequences in the last forward step, and the most there were in one.
@@ -299,6 +301,7 @@ fn run_jobs(
         active.retain(|s| {
             let gone = s.job.gone();
             if gone {
+                metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(
                     completion_tokens = s.ids.len(),
                     "client went away: generation cancelled"
@@ -328,6 +331,14 @@ fn run_jobs(
             match r {
                 Ok(true) => true,
                 Ok(false) => {
+                    if !seq.finished {
+                        // (a sequence ends unfinished only when its client went away)
+                        metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(
+                            completion_tokens = seq.ids.len(),
+                            "client went away: generation cancelled"
+                        );
+                    }
                     if seq.finished {
                         // what the cache holds: the prompt, then the tokens fed back
                         let mut tokens = seq.job.prompt.clone();

@@ -1,0 +1,51 @@
+//! `charm serve` as a child process on loopback.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+/// The demo model shipped in the repository.
+pub fn demo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe")
+}
+
+/// A running `charm serve`, killed when dropped.
+pub struct Server {
+    pub child: Child,
+    pub addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    pub fn start(extra: &[&str]) -> Self {
+        Self::start_model(&demo(), extra)
+    }
+
+    pub fn start_model(model: &Path, extra: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_charm"))
+            .args(["serve", "--model"])
+            .arg(model)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("server did not start: {line}"))
+            .to_string();
+        Self { child, addr }
+    }
+}
