@@ -70,7 +70,8 @@ enum Cmd {
     /// Serves routed experts to a cluster's coordinator over QUIC with mutual TLS.
     Worker(cluster::WorkerArgs),
     /// OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions
-    /// (streaming with `"stream": true`), /health, /metrics. Prints `listening on ADDR`.
+    /// (streaming with `"stream": true`), /v1/messages, /health, /metrics, /v1/status, and a
+    /// chat page and dashboard at /. Prints `listening on ADDR`, then the page's URL.
     Serve(serve::ServeArgs),
     /// A conversation in the terminal with a model (--model) or a running server (--url):
     /// answers stream as they are generated, then a line of speed. `/reset` forgets the

@@ -324,51 +324,13 @@ fn api_answer(addr: &str, key: Option<&str>, prompt: &str, max_tokens: u32) -> S
         .to_string()
 }
 
-/// `charm demo --serve` on a free port (its two loopback workers die with it), killed when
-/// dropped.
-struct Demo {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Demo {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Demo {
-    fn start() -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_charm"))
-            .args(["demo", "--serve", "--listen", "127.0.0.1:0"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let out = BufReader::new(child.stdout.take().unwrap());
-        let mut said = Vec::new();
-        for line in out.lines() {
-            let line = line.unwrap();
-            if let Some(rest) = line.strip_prefix("serving the OpenAI-compatible API on http://") {
-                let addr = rest.split(' ').next().unwrap().to_string();
-                return Self { child, addr };
-            }
-            said.push(line);
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        panic!("charm demo --serve did not serve: {said:?}");
-    }
-}
-
 #[test]
 fn the_chat_page_streams_the_apis_answer_and_shows_markup_as_text() {
     let Some(d) = Driver::start("the_chat_page_streams_the_apis_answer_and_shows_markup_as_text")
     else {
         return;
     };
-    let srv = Demo::start();
+    let (srv, _) = Server::demo();
     let s = d.session();
     s.go(&format!("http://{}/", srv.addr));
     s.wait_for(

@@ -5,7 +5,7 @@ mod common;
 use common::http::{http, post, Reply};
 use common::server::{demo, Server};
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -30,6 +30,19 @@ fn demo_with_template(tag: &str, edit: impl FnOnce(&str) -> String) -> PathBuf {
     let t = std::fs::read_to_string(demo().join("chat_template.jinja")).unwrap();
     std::fs::write(d.join("chat_template.jinja"), edit(&t)).unwrap();
     d
+}
+
+/// The content of a streamed chat completion's deltas, joined.
+fn streamed_content(body: &[u8]) -> String {
+    events(body)
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .filter_map(|e| {
+            serde_json::from_str::<Value>(e).unwrap()["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect()
 }
 
 /// The `data:` payloads of a server-sent event stream.
@@ -127,16 +140,7 @@ fn completions_and_chat_answer_as_the_engine_generates_streamed_or_not() {
     assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 4);
     let mut c = chat.clone();
     c["stream"] = json!(true);
-    let ev = events(&post(&s.addr, "/v1/chat/completions", &c).body);
-    let deltas: String = ev
-        .iter()
-        .filter(|e| *e != "[DONE]")
-        .filter_map(|e| {
-            serde_json::from_str::<Value>(e).unwrap()["choices"][0]["delta"]["content"]
-                .as_str()
-                .map(String::from)
-        })
-        .collect();
+    let deltas = streamed_content(&post(&s.addr, "/v1/chat/completions", &c).body);
     assert_eq!(deltas, answer);
 }
 
@@ -516,35 +520,21 @@ fn the_official_python_clients_drive_the_server() {
 
 #[test]
 fn the_demo_serves_and_its_curl_line_works() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_charm"))
-        .args(["demo", "--serve", "--listen", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let (mut curl, mut seen) = (String::new(), String::new());
-    while curl.is_empty() {
-        let mut line = String::new();
-        if out.read_line(&mut line).unwrap() == 0 {
-            break;
-        }
-        seen += &line;
-        if line.starts_with("curl ") {
-            curl = line.trim().to_string();
-        }
-    }
-    assert!(!curl.is_empty(), "no curl line in: {seen}");
+    let (s, said) = Server::demo();
+    let seen = said.join("\n");
+    let curl = said.last().unwrap();
+    assert!(curl.starts_with("curl "), "no curl line in: {seen}");
     assert!(seen.contains("the same tokens"), "{seen}");
+    assert!(
+        seen.contains(&format!("chat page and dashboard: http://{}/", s.addr)),
+        "{seen}"
+    );
     // the line's request as curl sends it: its URL and its -d body
     let url = curl.split_whitespace().nth(1).unwrap();
     let rest = url.strip_prefix("http://").unwrap();
     let (addr, path) = rest.split_at(rest.find('/').unwrap());
+    assert_eq!(addr, s.addr);
     let body = curl.split(" -d '").nth(1).unwrap().trim_end_matches('\'');
-    let s = Server {
-        child,
-        addr: addr.to_string(),
-    };
     let r = http(
         &s.addr,
         "POST",
@@ -1015,15 +1005,7 @@ fn tools_reach_a_template_that_defines_tool_calls() {
     );
     // this model calls none: a plain answer, streamed the same
     assert!(with["choices"][0]["message"].get("tool_calls").is_none());
-    let streamed: String = events(&ask(Some(json!([tool])), true).body)
-        .iter()
-        .filter(|e| *e != "[DONE]")
-        .filter_map(|e| {
-            serde_json::from_str::<Value>(e).unwrap()["choices"][0]["delta"]["content"]
-                .as_str()
-                .map(String::from)
-        })
-        .collect();
+    let streamed = streamed_content(&ask(Some(json!([tool])), true).body);
     assert_eq!(
         streamed,
         with["choices"][0]["message"]["content"].as_str().unwrap()
@@ -1484,15 +1466,7 @@ fn structured_output_follows_schemas_grammars_and_regexes() {
         assert_eq!(r["choices"][0]["finish_reason"], "stop");
         let mut sb = body.clone();
         sb["stream"] = json!(true);
-        let streamed: String = events(&post(a, "/v1/chat/completions", &sb).body)
-            .iter()
-            .filter(|e| *e != "[DONE]")
-            .filter_map(|e| {
-                serde_json::from_str::<Value>(e).unwrap()["choices"][0]["delta"]["content"]
-                    .as_str()
-                    .map(String::from)
-            })
-            .collect();
+        let streamed = streamed_content(&post(a, "/v1/chat/completions", &sb).body);
         assert_eq!(streamed, text);
     }
     // json_object: some object

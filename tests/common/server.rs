@@ -48,4 +48,37 @@ impl Server {
             .to_string();
         Self { child, addr }
     }
+
+    /// `charm demo --serve` on a free port (its two loopback workers die with it), and what it
+    /// printed up to its `curl` line, the last.
+    pub fn demo() -> (Self, Vec<String>) {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_charm"))
+            .args(["demo", "--serve", "--listen", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut said = Vec::new();
+        let mut addr = None;
+        for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+            let line = line.unwrap();
+            if let Some(rest) = line.strip_prefix("serving the OpenAI-compatible API on http://") {
+                addr = rest.split(' ').next().map(String::from);
+            }
+            let last = line.starts_with("curl ");
+            said.push(line);
+            if last {
+                break;
+            }
+        }
+        let server = Self {
+            child,
+            addr: addr.unwrap_or_default(),
+        };
+        assert!(
+            !server.addr.is_empty(),
+            "charm demo --serve did not serve: {said:?}"
+        );
+        (server, said)
+    }
 }

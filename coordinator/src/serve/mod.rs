@@ -4,7 +4,9 @@
 //!   `POST /v1/chat/completions` (the model's chat template, see [`crate::decode::template`]),
 //!   `POST /v1/messages` (Anthropic's API) and `POST /v1/messages/count_tokens`,
 //!   `POST /tokenize` and `POST /detokenize` (llama-server's), streaming as server-sent events (OpenAI's with a final
-//!   usage chunk, Anthropic's event sequence), `GET /metrics` (Prometheus text).
+//!   usage chunk, Anthropic's event sequence), `GET /metrics` (Prometheus text), `GET /v1/status`
+//!   and `GET /v1/status/events` (the server's state as JSON, once and once a second: [`status`]),
+//!   and at `GET /` a chat page and dashboard over them ([`page`]).
 //! - A bearer key (compared in constant time) when one is configured; binding beyond loopback
 //!   without one is refused. Bodies are limited in size; a prompt that does not fit the context
 //!   is a 400 naming both numbers; fields charm does not support are a 400 naming them; errors
