@@ -6,8 +6,13 @@
 //!
 //! ```sh
 //! cargo bench --bench cluster -- --model DIR [--workers 2] [--tokens 32] [--delays 0,0.2,1]
-//!                                [--activations f32|int8] [--draft N] [--temperature T]
+//!                                [--activations f32|int8] [--draft N] [--temperature T] [--pin]
 //! ```
+//!
+//! `--pin` (one worker, two or more cores) measures the request overhead without two processes
+//! fighting for cores: this process (the coordinator, one compute thread) is pinned to core 0,
+//! the worker (`--threads 1`) to core 1 (`taskset`), and each layer request's round trip is set
+//! beside a raw UDP echo of the same sizes between the same two cores.
 //!
 //! Tokens are sampled (temperature 1, seed 1; `--temperature` to change) so that random synthetic
 //! weights do not repeat one token; every run decodes the same tokens (checked). With `--draft N`
@@ -30,6 +35,7 @@ use charm_coordinator::{Engine, EngineOptions, ForwardOptions, HistoryPolicy};
 use charm_shared::quant::Activations;
 
 struct Args {
+    pin: bool,
     model: PathBuf,
     workers: usize,
     tokens: usize,
@@ -41,6 +47,7 @@ struct Args {
 
 fn args() -> Args {
     let mut a = Args {
+        pin: false,
         model: PathBuf::new(),
         workers: 2,
         tokens: 32,
@@ -54,6 +61,11 @@ fn args() -> Args {
     while i < v.len() {
         let val = || v.get(i + 1).cloned().expect("flag without a value");
         match v[i].as_str() {
+            "--pin" => {
+                a.pin = true;
+                i += 1;
+                continue;
+            }
             "--model" => a.model = val().into(),
             "--workers" => a.workers = val().parse().expect("--workers N"),
             "--tokens" => a.tokens = val().parse().expect("--tokens N"),
@@ -187,14 +199,27 @@ impl Relay {
 
 /// Median round trip of a bare QUIC exchange on a fresh stream: `up` bytes out, `down` back,
 /// with the cluster's TLS identities and transport settings, to `server` or via `via`.
-fn quic_echo(dir: &std::path::Path, up: usize, down: usize, delay: Option<Duration>) -> f64 {
+fn quic_echo(
+    dir: &std::path::Path,
+    up: usize,
+    down: usize,
+    delay: Option<Duration>,
+    echo_cpu: Option<usize>,
+) -> f64 {
     use charm_worker::tls::Identity;
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        let server_id = Identity::load(dir, "w1").unwrap();
-        let ep = charm_worker::server::listen("127.0.0.1:0".parse().unwrap(), &server_id).unwrap();
-        let addr = ep.local_addr().unwrap();
-        tokio::spawn(async move {
+    // the echoing side on a runtime of its own (on `echo_cpu` when given), as a worker is
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    let server_dir = dir.to_path_buf();
+    std::thread::spawn(move || {
+        if let Some(c) = echo_cpu {
+            pin_to(c);
+        }
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async move {
+            let server_id = Identity::load(&server_dir, "w1").unwrap();
+            let ep =
+                charm_worker::server::listen("127.0.0.1:0".parse().unwrap(), &server_id).unwrap();
+            addr_tx.send(ep.local_addr().unwrap()).unwrap();
             while let Some(inc) = ep.accept().await {
                 tokio::spawn(async move {
                     let Ok(c) = inc.await else { return };
@@ -208,6 +233,10 @@ fn quic_echo(dir: &std::path::Path, up: usize, down: usize, delay: Option<Durati
                 });
             }
         });
+    });
+    let addr = addr_rx.recv().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
         let relay = delay.map(|d| Relay::start(addr, d / 2));
         let target = relay.as_ref().map_or(addr, |r| r.addr);
         let id = Identity::load(dir, "coordinator").unwrap();
@@ -235,6 +264,109 @@ fn quic_echo(dir: &std::path::Path, up: usize, down: usize, delay: Option<Durati
         times.sort_by(f64::total_cmp);
         times[times.len() / 2]
     })
+}
+
+/// Pins the calling thread (and the threads it starts later) to `cpu`.
+fn pin_to(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes within it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set),
+            0,
+            "pinning to core {cpu}"
+        );
+    }
+}
+
+/// Median round trip of a raw UDP exchange between two threads: `up` bytes out in datagrams of
+/// 1,200 bytes (QUIC's own size), `down` bytes back the same way; the echoing thread pinned to
+/// `echo_cpu` when given. Each datagram carries its exchange's number, so a lost one (the
+/// exchange is then not counted) cannot shift the ones after it.
+fn udp_echo(up: usize, down: usize, echo_cpu: Option<usize>) -> f64 {
+    const DGRAM: usize = 1200;
+    let sizes = |total: usize| -> Vec<usize> {
+        let n = total.max(8).div_ceil(DGRAM);
+        (0..n)
+            .map(|i| (total.max(8) - i * DGRAM).clamp(8, DGRAM))
+            .collect()
+    };
+    let (up_sizes, down_sizes) = (sizes(up), sizes(down));
+    let server = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let st = stop.clone();
+    server
+        .set_read_timeout(Some(Duration::from_millis(50)))
+        .unwrap();
+    let expect = up_sizes.len();
+    let replies = down_sizes.clone();
+    let echo = std::thread::spawn(move || {
+        if let Some(c) = echo_cpu {
+            pin_to(c);
+        }
+        let mut buf = vec![0u8; 65536];
+        let mut reply = vec![7u8; DGRAM];
+        let (mut seq, mut got) = (u64::MAX, 0);
+        while !st.load(Ordering::Relaxed) {
+            let Ok((n, from)) = server.recv_from(&mut buf) else {
+                continue;
+            };
+            if n < 8 {
+                continue;
+            }
+            let s = u64::from_le_bytes(buf[..8].try_into().unwrap());
+            if s != seq {
+                (seq, got) = (s, 0);
+            }
+            got += 1;
+            if got == expect {
+                reply[..8].copy_from_slice(&s.to_le_bytes());
+                for &m in &replies {
+                    let _ = server.send_to(&reply[..m], from);
+                }
+            }
+        }
+    });
+    let client = UdpSocket::bind("127.0.0.1:0").unwrap();
+    client.connect(addr).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut payload = vec![1u8; DGRAM];
+    let mut buf = vec![0u8; 65536];
+    let mut times = Vec::new();
+    let mut lost = 0;
+    for seq in 0u64.. {
+        if times.len() >= 400 || lost >= 50 {
+            break;
+        }
+        payload[..8].copy_from_slice(&seq.to_le_bytes());
+        let t = Instant::now();
+        for &m in &up_sizes {
+            client.send(&payload[..m]).unwrap();
+        }
+        let mut got = 0;
+        while got < down_sizes.len() {
+            match client.recv(&mut buf) {
+                Ok(n) if n >= 8 && buf[..8] == seq.to_le_bytes() => got += 1,
+                Ok(_) => {} // a late answer to an exchange given up on
+                Err(_) => break,
+            }
+        }
+        if got < down_sizes.len() {
+            lost += 1;
+            continue;
+        }
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    stop.store(true, Ordering::Relaxed);
+    echo.join().unwrap();
+    assert!(times.len() > 40, "the UDP echo lost {lost} exchanges");
+    let mut t: Vec<f64> = times.into_iter().skip(20).collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
 }
 
 struct Run {
@@ -273,6 +405,17 @@ fn decode(e: &Engine, prompt: &[u32], tokens: usize, temperature: f32, draft: us
 
 fn main() {
     let a = args();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if a.pin {
+        assert!(
+            a.workers == 1 && cores >= 2,
+            "--pin takes one worker and two cores"
+        );
+        // before any thread starts: the runtime's and the compute pool's threads inherit it
+        pin_to(0);
+        charm_shared::par::set_threads(1);
+        println!("pinned: this process (coordinator, 1 compute thread) on core 0, the worker (--threads 1) on core 1");
+    }
     let act = match a.act.as_str() {
         "int8" => Activations::Int8,
         _ => Activations::F32,
@@ -291,7 +434,7 @@ fn main() {
         a.workers,
         a.tokens,
         a.act,
-        std::thread::available_parallelism().map_or(1, |n| n.get())
+        cores
     );
 
     let single = Engine::load(&a.model, &opts).unwrap();
@@ -317,9 +460,18 @@ fn main() {
 
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_charm"));
     // the workers share this machine's cores: each gets its share of them
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let per = (cores / a.workers).max(1).to_string();
+    let per = if a.pin { 1 } else { (cores / a.workers).max(1) }.to_string();
     let lb = Loopback::start(&exe, &a.model, a.workers, &a.act, &["--threads", &per]).unwrap();
+    if a.pin {
+        for pid in lb.pids() {
+            let ok = std::process::Command::new("taskset")
+                .args(["-a", "-p", "-c", "1", &pid.to_string()])
+                .stdout(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(ok, "taskset could not pin the worker");
+        }
+    }
     for &delay_ms in &a.delays {
         let delay = (delay_ms > 0.0).then(|| Duration::from_secs_f64(delay_ms / 1e3));
         let relays: Vec<Relay> = match delay {
@@ -377,6 +529,12 @@ fn main() {
             (up as f64 / n) as usize,
             (down as f64 / n) as usize,
             delay,
+            a.pin.then_some(1),
+        );
+        let udp = udp_echo(
+            (up as f64 / n) as usize,
+            (down as f64 / n) as usize,
+            a.pin.then_some(1),
         );
         let wire = (up + down) as f64 / passes;
         // exact scheme's floor: top_k unweighted rows back, one activation row out (as int8
@@ -397,10 +555,11 @@ fn main() {
         // worker's compute; a token crosses `moe` layers
         let net = moe as f64 * (rtt - compute);
         println!(
-            "added RTT {delay_ms} ms: decode {:.2} tok/s = {:.2}x single | per layer request: round trip {rtt:.3} ms, worker compute {compute:.3} ms, rest {:.3} ms; bare QUIC echo of the same sizes {echo:.3} ms | wire {:.1} KB/token = {:.2}x the exact scheme's floor {:.1} KB | network per token {net:.2} ms vs {moe} MoE layers x RTT: {}",
+            "added RTT {delay_ms} ms: decode {:.2} tok/s = {:.2}x single | per layer request: round trip {rtt:.3} ms, worker compute {compute:.3} ms, rest {:.3} ms ({:.2}x the raw UDP echo); raw UDP echo of the same sizes {udp:.3} ms, bare QUIC echo {echo:.3} ms | wire {:.1} KB/token = {:.2}x the exact scheme's floor {:.1} KB | network per token {net:.2} ms vs {moe} MoE layers x RTT: {}",
             run.tok_s,
             run.tok_s / base_tok_s,
             rtt - compute,
+            (rtt - compute) / udp,
             wire / 1e3,
             wire / floor,
             floor / 1e3,

@@ -248,11 +248,19 @@ impl PendingExperts {
     pub fn wait(self) -> Result<Vec<f32>, ExpertError> {
         match self.0 {
             Pending::Ready(r) => r,
-            Pending::Running(rx) => rx.recv().unwrap_or_else(|_| {
-                Err(ExpertError::Internal(
-                    "expert work ended without a result".into(),
-                ))
-            }),
+            Pending::Running(rx) => {
+                if let Ok(r) = rx.try_recv() {
+                    return r;
+                }
+                // waiting on another thread (a round trip, a disk read): the compute helpers
+                // should not spin on the cores it needs
+                crate::par::rest();
+                rx.recv().unwrap_or_else(|_| {
+                    Err(ExpertError::Internal(
+                        "expert work ended without a result".into(),
+                    ))
+                })
+            }
         }
     }
 }

@@ -73,6 +73,8 @@ struct Pool {
     /// A loop is running (one caller at a time).
     busy: AtomicBool,
     sleepers: AtomicUsize,
+    /// Helpers park now instead of spinning: set by [`rest`], cleared by the next loop.
+    resting: AtomicBool,
     park: Mutex<()>,
     wake: Condvar,
 }
@@ -122,6 +124,7 @@ fn pool() -> &'static Pool {
             inside: AtomicUsize::new(0),
             busy: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
+            resting: AtomicBool::new(false),
             park: Mutex::new(()),
             wake: Condvar::new(),
         }));
@@ -151,7 +154,7 @@ impl Pool {
             let mut spins = 0;
             while self.epoch.load(SeqCst) == seen {
                 spins += 1;
-                if spins < SPIN_ROUNDS {
+                if spins < SPIN_ROUNDS && !self.resting.load(SeqCst) {
                     std::hint::spin_loop();
                     continue;
                 }
@@ -198,6 +201,7 @@ pub fn for_each(count: usize, f: impl Fn(usize) + Sync) {
         panic: Mutex::new(None),
     };
     p.job.store(&job as *const Job as *mut Job, SeqCst);
+    p.resting.store(false, SeqCst);
     p.epoch.fetch_add(1, SeqCst);
     if p.sleepers.load(SeqCst) > 0 {
         let _g = p.park.lock().unwrap_or_else(|e| e.into_inner());
@@ -211,6 +215,16 @@ pub fn for_each(count: usize, f: impl Fn(usize) + Sync) {
     let panic = job.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
     if let Some(payload) = panic {
         resume_unwind(payload);
+    }
+}
+
+/// Tells the helpers that no loop comes soon (the caller is about to wait for a network round
+/// trip or a disk read): they park now instead of spinning out their rounds, leaving the cores to
+/// the threads that do that work (on a machine whose cores a worker process or the network
+/// stack shares, a spinning helper delays them). The next loop wakes them as usual.
+pub fn rest() {
+    if let Some(p) = POOL.get() {
+        p.resting.store(true, SeqCst);
     }
 }
 
@@ -302,6 +316,22 @@ mod tests {
         });
         for (i, h) in hits.iter().enumerate() {
             assert_eq!(h.load(SeqCst), 200, "thread {} item {}", i / 10, i % 10);
+        }
+    }
+
+    #[test]
+    fn loops_after_a_rest_wake_the_parked_helpers() {
+        for round in 0..50 {
+            rest();
+            if round % 10 == 0 {
+                // long enough for a helper to have parked
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            let hits: Vec<AtomicUsize> = (0..64).map(|_| AtomicUsize::new(0)).collect();
+            for_each(64, |i| {
+                hits[i].fetch_add(1, SeqCst);
+            });
+            assert!(hits.iter().all(|h| h.load(SeqCst) == 1), "round {round}");
         }
     }
 

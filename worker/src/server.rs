@@ -401,13 +401,20 @@ async fn connection(conn: quinn::Connection, svc: Arc<Service>) {
                 }
                 Ok(Message::Compute(req)) => {
                     let svc2 = svc.clone();
-                    tokio::task::spawn_blocking(move || svc2.compute(&req))
-                        .await
-                        .unwrap_or_else(|e| Message::Failed {
-                            id: 0,
-                            class: FailureClass::Internal,
-                            message: format!("compute task: {e}"),
-                        })
+                    tokio::task::spawn_blocking(move || {
+                        let answer = svc2.compute(&req);
+                        // the next request is a round trip away: the compute helpers park
+                        // rather than spin on cores the network stack (or, on one machine, the
+                        // coordinator) needs meanwhile
+                        charm_shared::par::rest();
+                        answer
+                    })
+                    .await
+                    .unwrap_or_else(|e| Message::Failed {
+                        id: 0,
+                        class: FailureClass::Internal,
+                        message: format!("compute task: {e}"),
+                    })
                 }
                 Ok(Message::Ping { seq }) => Message::Pong { seq },
                 Ok(_) => Message::Failed {

@@ -297,6 +297,11 @@ impl Loopback {
         Ok(lb)
     }
 
+    /// The workers' process ids.
+    pub fn pids(&self) -> Vec<u32> {
+        self.children.iter().map(|c| c.id()).collect()
+    }
+
     /// Cluster options for these workers.
     pub fn options(&self) -> ClusterOptions {
         ClusterOptions::new(self.dir.clone(), "coordinator", self.workers.clone())
