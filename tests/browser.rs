@@ -153,6 +153,21 @@ impl Session<'_> {
         self.cmd("POST", "/url", json!({ "url": url }));
     }
 
+    /// Opens the page of the server at `addr` and waits until it has talked to the API.
+    fn open(&self, addr: &str) {
+        self.go(&format!("http://{addr}/"));
+        self.wait_ready();
+    }
+
+    /// Waits until the page has read the model's name from the API.
+    fn wait_ready(&self) {
+        self.wait_for(
+            "the page to be ready",
+            "return document.body.dataset.ready === 'true';",
+            Duration::from_secs(20),
+        );
+    }
+
     fn find(&self, css: &str) -> String {
         let v = self.cmd(
             "POST",
@@ -332,12 +347,7 @@ fn the_chat_page_streams_the_apis_answer_and_shows_markup_as_text() {
     };
     let (srv, _) = Server::demo();
     let s = d.session();
-    s.go(&format!("http://{}/", srv.addr));
-    s.wait_for(
-        "the page to be ready",
-        "return document.body.dataset.ready === 'true';",
-        Duration::from_secs(20),
-    );
+    s.open(&srv.addr);
     assert_eq!(s.text("#model-name"), "charm-bard-moe");
     set_sampling(&s, "0", "24");
     let prompt = "Speak, Romeo.";
@@ -461,11 +471,7 @@ fn with_an_api_key_the_page_asks_for_it_and_refuses_without_it() {
     );
     s.type_into("#key-input", "s3cret-key-of-the-page");
     s.click("#key-submit");
-    s.wait_for(
-        "the page to be ready",
-        "return document.body.dataset.ready === 'true';",
-        Duration::from_secs(20),
-    );
+    s.wait_ready();
     set_sampling(&s, "0", "12");
     let page = ask(&s, "Speak, Romeo.");
     assert_eq!(
@@ -521,12 +527,7 @@ fn the_dashboard_follows_workers_down_and_up_and_stop_cancels_on_the_server() {
     let srv = Server::start(&["--cluster", dir.to_str().unwrap(), "--workers", &list]);
 
     let s = d.session();
-    s.go(&format!("http://{}/", srv.addr));
-    s.wait_for(
-        "the page to be ready",
-        "return document.body.dataset.ready === 'true';",
-        Duration::from_secs(20),
-    );
+    s.open(&srv.addr);
     // a long answer, stopped once it streams: the server cancels it
     set_sampling(&s, "0", "1000");
     s.type_into("#prompt", "Speak, Romeo.");
