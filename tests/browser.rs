@@ -440,8 +440,13 @@ fn with_an_api_key_the_page_asks_for_it_and_refuses_without_it() {
     let key_file = dir.join("key");
     std::fs::write(&key_file, "s3cret-key-of-the-page\n").unwrap();
     let srv = Server::start(&["--api-key-file", key_file.to_str().unwrap()]);
-    // the page itself is served; nothing else is without the key
+    // the page itself is served; nothing else is without the key (`/health` says only that the
+    // server is up)
     assert_eq!(http(&srv.addr, "GET", "/", &[], b"").status, 200);
+    assert_eq!(
+        http(&srv.addr, "GET", "/health", &[], b"").json(),
+        json!({"status": "ok", "ready": true})
+    );
     assert_eq!(http(&srv.addr, "GET", "/page/app.js", &[], b"").status, 200);
     for path in ["/v1/status", "/v1/status/events", "/v1/models", "/metrics"] {
         assert_eq!(http(&srv.addr, "GET", path, &[], b"").status, 401, "{path}");

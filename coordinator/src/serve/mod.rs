@@ -294,7 +294,12 @@ pub async fn serve(
     listen::accept_loop(l, app, limits, metrics).await
 }
 
-async fn health(State(s): State<Arc<Shared>>) -> Response {
+async fn health(State(s): State<Arc<Shared>>, h: HeaderMap) -> Response {
+    // without the key (when there is one) only that the server is up: nothing of the model or
+    // the cluster reaches a client that has not authenticated
+    if auth::authorized(&s, &h).is_err() {
+        return axum::Json(json!({"status": "ok", "ready": true})).into_response();
+    }
     let workers = s.remote.as_ref().map(|r| {
         let st = r.status();
         json!({
