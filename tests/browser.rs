@@ -405,11 +405,26 @@ fn the_chat_page_streams_the_apis_answer_and_shows_markup_as_text() {
         json!([0, "undefined", 0, 1]),
         "no element came from the model's text but the bold"
     );
+    // reasoning in a `<think>` block is folded apart from the answer
+    s.js("const c = JSON.parse(localStorage.getItem('charm.conversations')); \
+          c[0].messages.push({role: 'user', content: 'Think first.'}, \
+                             {role: 'assistant', content: '<think>weighing it</think>The answer.', state: 'done'}); \
+          localStorage.setItem('charm.conversations', JSON.stringify(c));");
+    s.open(&srv.addr);
+    assert_eq!(
+        s.js(
+            "const m = [...document.querySelectorAll('.msg.assistant')].pop(); \
+              const d = m.querySelector('details.reasoning'); \
+              return [d !== null && !d.open, d && d.querySelector('div').textContent, \
+                      m.querySelector('.content').textContent];"
+        ),
+        json!([true, "weighing it", "The answer."])
+    );
     // the conversation is kept in the browser: a reload shows it again
     s.go(&format!("http://{}/", srv.addr));
     s.wait_for(
         "the kept conversation",
-        "return document.querySelectorAll('.msg').length === 4;",
+        "return document.querySelectorAll('.msg').length === 6;",
         Duration::from_secs(20),
     );
     let errors = s.console_errors();
@@ -495,11 +510,30 @@ fn with_an_api_key_the_page_asks_for_it_and_refuses_without_it() {
         "return document.body.dataset.statusMode === 'events' && document.body.dataset.statusAt;",
         Duration::from_secs(20),
     );
-    // the 401s the wrong key drew are the only console errors
+    // where the event stream cannot be opened (blocked here through the DevTools protocol) the
+    // dashboard polls /v1/status instead
+    s.cmd(
+        "POST",
+        "/goog/cdp/execute",
+        json!({"cmd": "Network.enable", "params": {}}),
+    );
+    s.cmd(
+        "POST",
+        "/goog/cdp/execute",
+        json!({"cmd": "Network.setBlockedURLs", "params": {"urls": ["*/v1/status/events*"]}}),
+    );
+    s.go("about:blank");
+    s.go(&format!("http://{}/#dashboard", srv.addr));
+    s.wait_for(
+        "a polled status",
+        "return document.body.dataset.statusMode === 'polling' && document.body.dataset.statusAt;",
+        Duration::from_secs(20),
+    );
+    // the 401s the wrong key drew and the blocked stream are the only console errors
     let errors: Vec<String> = s
         .console_errors()
         .into_iter()
-        .filter(|e| !e.contains("401"))
+        .filter(|e| !e.contains("401") && !e.contains("ERR_BLOCKED_BY_CLIENT"))
         .collect();
     assert!(errors.is_empty(), "console errors: {errors:?}");
 }

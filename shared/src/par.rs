@@ -183,7 +183,19 @@ impl Pool {
 /// all have run.
 pub fn for_each(count: usize, f: impl Fn(usize) + Sync) {
     let Some(p) = claim(count) else {
-        in_item(|| (0..count).for_each(&f));
+        // as on the pool: a panicking item does not stop the others; the first panic is the
+        // call's, after all have run
+        let mut first = None;
+        in_item(|| {
+            for i in 0..count {
+                if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(i))) {
+                    first.get_or_insert(p);
+                }
+            }
+        });
+        if let Some(p) = first {
+            resume_unwind(p);
+        }
         return;
     };
     let f: &(dyn Fn(usize) + Sync) = &f;
@@ -357,6 +369,23 @@ mod tests {
                 assert!(i != 17, "item 17 fails");
             })
         }));
+        assert!(r.is_err());
+        assert_eq!(ran.load(SeqCst), 64);
+        // the same where the loop runs inline (a one-thread rayon pool; also what happens when
+        // another thread's loop holds the pool)
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        ran.store(0, SeqCst);
+        let r = one.install(|| {
+            catch_unwind(AssertUnwindSafe(|| {
+                for_each(64, |i| {
+                    ran.fetch_add(1, SeqCst);
+                    assert!(i != 17, "item 17 fails");
+                })
+            }))
+        });
         assert!(r.is_err());
         assert_eq!(ran.load(SeqCst), 64);
         // the pool still works afterwards
