@@ -233,9 +233,10 @@ pub fn for_each(count: usize, f: impl Fn(usize) + Sync) {
 /// Tells the helpers that no loop comes soon (the caller is about to wait for a network round
 /// trip or a disk read): they park now instead of spinning out their rounds, leaving the cores to
 /// the threads that do that work (on a machine whose cores a worker process or the network
-/// stack shares, a spinning helper delays them). The next loop wakes them as usual.
+/// stack shares, a spinning helper delays them). The next loop wakes them as usual. A no-op while
+/// another thread's loop runs (a worker computing two requests at once): its next loop is near.
 pub fn rest() {
-    if let Some(p) = POOL.get() {
+    if let Some(p) = POOL.get().filter(|p| !p.busy.load(SeqCst)) {
         p.resting.store(true, SeqCst);
     }
 }
