@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{header, HeaderMap};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value as Json};
 
@@ -455,14 +455,7 @@ async fn answer(s: Arc<Shared>, req: Request) -> Result<Response, ApiError> {
             true,
         ),
     });
-    Ok((
-        [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        axum::body::Body::from_stream(stream),
-    )
-        .into_response())
+    Ok(stream)
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{header, HeaderMap};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value as Json};
 
@@ -491,14 +491,7 @@ async fn answer(s: Arc<Shared>, req: Request, echo: Option<String>) -> Result<Re
             }
         }
     });
-    Ok((
-        [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        axum::body::Body::from_stream(stream),
-    )
-        .into_response())
+    Ok(stream)
 }
 
 /// Chat's log probabilities: `{"content": [{token, logprob, bytes, top_logprobs}]}`.

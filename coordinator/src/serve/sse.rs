@@ -1,13 +1,30 @@
 //! Server-sent events: a generation's events framed as a byte stream.
 
 use axum::body::Bytes;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
 use tokio::sync::mpsc;
 
-/// A server-sent event stream: `prefix`, then `frame(event)` for each event of a generation
-/// (its [`super::scheduler::Event`]s, or those of several choices)
-/// until one says it is the last. Dropping the stream (the client went away) drops the receiver,
-/// which stops the generation.
+/// A `text/event-stream` response: `prefix`, then `frame(event)` for each event (a
+/// generation's [`super::scheduler::Event`]s, those of several choices, status documents) until
+/// one says it is the last. Dropping the stream (the client went away) drops the receiver, which
+/// stops whatever sends on it.
 pub(super) fn sse<E: Send + 'static>(
+    rx: mpsc::UnboundedReceiver<E>,
+    prefix: String,
+    frame: impl FnMut(E) -> (String, bool) + Send + 'static,
+) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        axum::body::Body::from_stream(events(rx, prefix, frame)),
+    )
+        .into_response()
+}
+
+fn events<E: Send + 'static>(
     mut rx: mpsc::UnboundedReceiver<E>,
     prefix: String,
     mut frame: impl FnMut(E) -> (String, bool) + Send + 'static,

@@ -17,13 +17,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::extract::{Query, State};
-use axum::http::{header, HeaderMap};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value as Json};
 
 use super::auth::authorized;
 use super::error::ApiError;
 use super::Shared;
+use crate::cluster::remote::WorkerStatus;
 use crate::model::usage::ExpertUse;
 use charm_shared::expert::{ExpertExecutor, ExpertStats};
 use charm_worker::store::StreamingExperts;
@@ -142,7 +143,7 @@ pub(super) async fn sample_every_second(s: std::sync::Weak<Shared>) {
 
 /// Where each expert of the MoE layers lives: the locations' names, and per layer and expert
 /// the indices of its holders, preferred first.
-fn locations(s: &Shared) -> (Vec<String>, Vec<Vec<Vec<usize>>>) {
+fn locations(s: &Shared, workers: &[WorkerStatus]) -> (Vec<String>, Vec<Vec<Vec<usize>>>) {
     let src = &s.status;
     let mut names = vec!["coordinator RAM".to_string()];
     let disk = src.store.as_ref().map(|st| {
@@ -158,7 +159,7 @@ fn locations(s: &Shared) -> (Vec<String>, Vec<Vec<Vec<usize>>>) {
     };
     let placement = s.remote.as_ref().map(|r| {
         let first = names.len();
-        names.extend(r.status().into_iter().map(|w| w.name));
+        names.extend(workers.iter().map(|w| w.name.clone()));
         (first, r.placement())
     });
     let per_layer = src
@@ -166,11 +167,14 @@ fn locations(s: &Shared) -> (Vec<String>, Vec<Vec<Vec<usize>>>) {
         .iter()
         .map(|&l| {
             (0..src.n_experts as u32)
-                .map(|e| match &placement {
-                    Some((first, p)) if !p.holders(l, e).is_empty() => {
-                        p.holders(l, e).iter().map(|w| first + w).collect()
+                .map(|e| {
+                    let held = placement.as_ref().map_or(&[][..], |(_, p)| p.holders(l, e));
+                    match &placement {
+                        Some((first, _)) if !held.is_empty() => {
+                            held.iter().map(|w| first + w).collect()
+                        }
+                        _ => vec![here(l, e)],
                     }
-                    _ => vec![here(l, e)],
                 })
                 .collect()
         })
@@ -198,29 +202,29 @@ pub(super) fn document(s: &Shared, heat: bool) -> Json {
     let uses = st.hits + st.misses;
     let ratio = |a: u64, b: u64| if b > 0 { a as f64 / b as f64 } else { 0.0 };
     let ttft_n = l(&m.ttft_n);
-    let workers: Vec<Json> = s.remote.as_ref().map_or_else(Vec::new, |r| {
-        r.status()
-            .into_iter()
-            .map(|w| {
-                json!({
-                    "name": w.name,
-                    "addr": w.addr,
-                    "up": w.connected,
-                    "error": w.error,
-                    "round_trip_ms": w.mean_rtt_ms,
-                    "compute_ms": w.mean_compute_ms,
-                    "heartbeat_ms": w.ping_ms,
-                    "requests": w.requests,
-                    "failures": w.failures,
-                    "joins": w.joins,
-                    "bytes_sent": w.bytes_sent,
-                    "bytes_received": w.bytes_received,
-                    "experts": w.experts,
-                    "ram_bytes": w.ram_bytes,
-                })
+    // (one status read for the table and the heat map's names: it walks the placement)
+    let worker_status = s.remote.as_ref().map_or_else(Vec::new, |r| r.status());
+    let workers: Vec<Json> = worker_status
+        .iter()
+        .map(|w| {
+            json!({
+                "name": w.name,
+                "addr": w.addr,
+                "up": w.connected,
+                "error": w.error,
+                "round_trip_ms": w.mean_rtt_ms,
+                "compute_ms": w.mean_compute_ms,
+                "heartbeat_ms": w.ping_ms,
+                "requests": w.requests,
+                "failures": w.failures,
+                "joins": w.joins,
+                "bytes_sent": w.bytes_sent,
+                "bytes_received": w.bytes_received,
+                "experts": w.experts,
+                "ram_bytes": w.ram_bytes,
             })
-            .collect()
-    });
+        })
+        .collect();
     let mut doc = json!({
         "model": {
             "name": s.opts.model_name,
@@ -278,7 +282,7 @@ pub(super) fn document(s: &Shared, heat: bool) -> Json {
         })),
     });
     if heat {
-        let (names, holders) = locations(s);
+        let (names, holders) = locations(s, &worker_status);
         let layers: Vec<Json> = src
             .moe_layers
             .iter()
@@ -327,15 +331,7 @@ pub(super) async fn events(
             }
         }
     });
-    let stream = super::sse::sse(rx, String::new(), |doc| {
+    Ok(super::sse::sse(rx, String::new(), |doc| {
         (format!("event: status\ndata: {doc}\n\n"), false)
-    });
-    Ok((
-        [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        axum::body::Body::from_stream(stream),
-    )
-        .into_response())
+    }))
 }

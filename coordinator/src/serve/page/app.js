@@ -114,7 +114,6 @@ const INLINE = /(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)|\*\*(\S[\s\S]*?)\*\*|\*(\S[^*
 function inline(parent, text) {
   let last = 0;
   let m;
-  INLINE.lastIndex = 0;
   const re = new RegExp(INLINE.source, 'g');
   while ((m = re.exec(text)) !== null) {
     addText(parent, text.slice(last, m.index));

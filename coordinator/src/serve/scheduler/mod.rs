@@ -301,11 +301,7 @@ fn run_jobs(
         active.retain(|s| {
             let gone = s.job.gone();
             if gone {
-                metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(
-                    completion_tokens = s.ids.len(),
-                    "client went away: generation cancelled"
-                );
+                cancelled(metrics, s);
             }
             !gone
         });
@@ -333,13 +329,8 @@ fn run_jobs(
                 Ok(false) => {
                     if !seq.finished {
                         // (a sequence ends unfinished only when its client went away)
-                        metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                        tracing::info!(
-                            completion_tokens = seq.ids.len(),
-                            "client went away: generation cancelled"
-                        );
-                    }
-                    if seq.finished {
+                        cancelled(metrics, seq);
+                    } else {
                         // what the cache holds: the prompt, then the tokens fed back
                         let mut tokens = seq.job.prompt.clone();
                         tokens.extend_from_slice(&seq.ids);
@@ -366,6 +357,15 @@ fn run_jobs(
             metrics.expert_misses.store(st.misses, Ordering::Relaxed);
         }
     }
+}
+
+/// Counts and logs a generation stopped because its client went away.
+fn cancelled(metrics: &Metrics, seq: &Sequence) {
+    metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+    tracing::info!(
+        completion_tokens = seq.ids.len(),
+        "client went away: generation cancelled"
+    );
 }
 
 /// How many tokens each sequence feeds this step: one for each decoding sequence, then its
