@@ -245,10 +245,30 @@ impl FormatArgs {
     }
 }
 
-/// The workers' view of `model` for `charm plan --cluster`: handshakes only, nothing loaded.
-pub fn plan_cluster(model: &Path, opts: &ClusterOptions, expert_bytes: u64) -> Result<ClusterPlan> {
-    let (r, spec, _) = probe(model, opts)?;
-    Ok(r.plan(&spec, expert_bytes))
+/// The workers' view of `model` for `charm plan --cluster`: handshakes in activation mode
+/// `act` (`None`: any, for a view that sends no expert work), nothing loaded; the connection
+/// stays open for the probe's requests (experts no worker answers are refused, never computed
+/// here).
+pub fn plan_cluster(
+    model: &Path,
+    opts: &ClusterOptions,
+    expert_bytes: u64,
+    act: Option<Activations>,
+) -> Result<(RemoteExperts, ClusterPlan)> {
+    let spec = ModelSpec::from_dir(model)?;
+    let fingerprint = model_fingerprint(model).map_err(anyhow::Error::msg)?;
+    let (r, _) = RemoteExperts::connect(
+        opts,
+        &fingerprint,
+        act.map(act_name),
+        &spec,
+        Default::default(),
+        Arc::new(charm_coordinator::cluster::remote::NoLocalExperts),
+        None,
+    )
+    .map_err(anyhow::Error::msg)?;
+    let plan = r.plan(&spec, expert_bytes);
+    Ok((r, plan))
 }
 
 /// Handshakes with every worker of `opts` for `model` (in whatever activation mode), without

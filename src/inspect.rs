@@ -5,16 +5,19 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use charm_coordinator::cluster::predict::{self, ModelCost as ClusterCost};
+use charm_coordinator::cluster::probe;
 use charm_coordinator::ops;
 use charm_coordinator::ops::info::ModelInfo;
 use charm_coordinator::ops::plan::{human, PlanInput};
 use charm_coordinator::ops::synth::SynthOptions;
 use charm_shared::container::StoreFormat;
+use charm_shared::quant::Activations;
 use charm_worker::io::Pages;
 use charm_worker::iobench;
 use clap::Args;
 
-use crate::common::{self, FormatArgs, StoreArgs, GIB};
+use crate::common::{self, Act, FormatArgs, StoreArgs, CLUSTER_DRAFT, GIB};
 
 /// The flags of `charm plan`.
 #[derive(Args, Debug)]
@@ -28,26 +31,112 @@ pub struct PlanArgs {
     /// Storage formats assumed for a checkpoint (a container has its own).
     #[command(flatten, next_help_heading = "Formats assumed for a checkpoint")]
     pub formats: FormatArgs,
+    /// With --cluster: the activation mode the speed is predicted for (the workers' mode).
+    #[arg(
+        long,
+        value_enum,
+        default_value = "f32",
+        help_heading = "Speed with --cluster"
+    )]
+    pub activations: Act,
+    /// With --cluster: also predict speculative decoding with this many drafts per step (0:
+    /// plain decoding only).
+    #[arg(long, default_value_t = CLUSTER_DRAFT, help_heading = "Speed with --cluster")]
+    pub draft: usize,
+    /// With --cluster: the share of drafts accepted, each independently.
+    #[arg(long, default_value_t = 0.7, help_heading = "Speed with --cluster")]
+    pub acceptance: f64,
+    /// With a live cluster: the workers' disk read speed for experts their RAM does not hold,
+    /// GB/s (not probed).
+    #[arg(long, default_value_t = 2.0, help_heading = "Speed with --cluster")]
+    pub worker_disk_gb_s: f64,
+    /// With a live cluster: show the workers and the placement only (no dense pass measured,
+    /// no requests sent).
+    #[arg(long, help_heading = "Speed with --cluster")]
+    pub no_probe: bool,
 }
 
-/// `charm plan`: the single-box memory plan (and the workers' view with `--cluster`). Exits 1
-/// when the model does not fit.
+/// `charm plan`: the single-box memory plan; with `--cluster`, the workers' view and the decode
+/// speed predicted from them (probed), or from a described set of machines (a JSON file with a
+/// `machines` list). Exits 1 when the model does not fit.
 pub fn plan(a: &PlanArgs) -> Result<()> {
     let (dir, args, json) = (&a.model, &a.store, a.json);
+    if !(a.acceptance >= 0.0 && a.acceptance < 1.0) {
+        bail!("--acceptance must be in [0, 1)");
+    }
+    if !(a.worker_disk_gb_s.is_finite() && a.worker_disk_gb_s > 0.0) {
+        bail!("--worker-disk-gb-s must be positive");
+    }
     let formats = &a.formats.policy()?;
-    let input = PlanInput {
+    let described = match &args.cluster {
+        Some(f) if f.is_file() => {
+            let text =
+                std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            match predict::is_described(&text) {
+                true => Some(
+                    predict::Described::parse(&text)
+                        .map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?,
+                ),
+                false => None,
+            }
+        }
+        _ => None,
+    };
+    // a described cluster is no cluster file: the store flags plan this machine alone
+    let args = &StoreArgs {
+        cluster: if described.is_some() {
+            None
+        } else {
+            args.cluster.clone()
+        },
+        ..args.clone()
+    };
+    let mut input = PlanInput {
         policy: formats.clone(),
         ..args.plan_input(dir, 4096)?
     };
+    if let Some(d) = &described {
+        // the plan is the coordinator's machine's
+        let c = &d.machines[0];
+        input.ram = Some(((c.ram_gib - d.reserve_gib).max(0.0) * GIB) as u64);
+        input.mem_bytes_s = c.mem_gb_s * 1e9;
+        input.disk_bytes_s = c.disk_gb_s * 1e9;
+    }
     let p = ops::plan::plan(dir, &input)?;
-    let cluster = match args.cluster_options()? {
-        Some(c) => Some(common::plan_cluster(dir, &c, p.expert_bytes)?),
-        None => None,
+    let spec = charm_shared::config::ModelSpec::from_dir(dir)?;
+    let act = Activations::from(a.activations);
+    let quantized = matches!(p.formats.experts, StoreFormat::Int8 | StoreFormat::Int4);
+    let (cluster, prediction) = match (&described, args.cluster_options()?) {
+        (Some(d), _) => {
+            let group = match act {
+                Activations::Int8 if quantized => p.formats.group,
+                _ => 0,
+            };
+            let m = ClusterCost::from_plan(&p, spec.hidden_size, group);
+            (
+                None,
+                Some(predict::predict(d.setup(&m), &m, a.draft, a.acceptance)),
+            )
+        }
+        (None, Some(c)) => {
+            let (r, cp) =
+                common::plan_cluster(dir, &c, p.expert_bytes, (!a.no_probe).then_some(act))?;
+            let prediction = if a.no_probe {
+                None
+            } else {
+                Some(probe_and_predict(dir, &r, &spec, &p, act, a)?)
+            };
+            (Some(cp), prediction)
+        }
+        (None, None) => (None, None),
     };
     if json {
         let mut v = serde_json::to_value(&p)?;
         if let Some(c) = &cluster {
             v["cluster"] = serde_json::to_value(c)?;
+        }
+        if let Some(pr) = &prediction {
+            v["prediction"] = serde_json::to_value(pr)?;
         }
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
@@ -55,11 +144,61 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
         if let Some(c) = &cluster {
             print!("{}", c.render());
         }
+        if let Some(pr) = &prediction {
+            print!("{}", pr.render());
+        }
     }
     if !p.fits {
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// The context position the dense pass is timed at: halfway through `--ctx` (default 512).
+fn args_ctx(a: &PlanArgs) -> usize {
+    a.store.ctx.unwrap_or(512) / 2
+}
+
+/// The live cluster measured (this machine's dense pass, each worker's requests) and its speed
+/// predicted.
+fn probe_and_predict(
+    dir: &std::path::Path,
+    r: &charm_coordinator::cluster::remote::RemoteExperts,
+    spec: &charm_shared::config::ModelSpec,
+    p: &ops::plan::Plan,
+    act: Activations,
+    a: &PlanArgs,
+) -> Result<predict::Prediction> {
+    let groups: Vec<u32> = r
+        .status()
+        .iter()
+        .filter(|w| w.connected)
+        .map(|w| w.act_group)
+        .collect();
+    let group = match act {
+        Activations::Int8
+            if !groups.is_empty() && groups.iter().all(|&g| g > 0 && g == groups[0]) =>
+        {
+            groups[0] as usize
+        }
+        _ => 0,
+    };
+    let m = ClusterCost::from_plan(p, spec.hidden_size, group);
+    let dense = probe::dense_speed(dir, act, a.draft, args_ctx(a)).map_err(|e| {
+        anyhow::anyhow!("measuring the dense pass needs the model's dense weights here: {e}")
+    })?;
+    let gap = dense.0 / m.moe_layers.max(1) as f64;
+    let disk_s = m.expert_bytes as f64 / (a.worker_disk_gb_s * 1e9);
+    let nodes = probe::probe_workers(r, spec, disk_s, gap);
+    if nodes.is_empty() {
+        bail!("no worker answered the probe's requests: nothing to predict the cluster's speed from (--no-probe shows the placement alone)");
+    }
+    Ok(predict::predict(
+        probe::live_setup(dense, &m, nodes),
+        &m,
+        a.draft,
+        a.acceptance,
+    ))
 }
 
 /// The flags of `charm doctor`.

@@ -459,6 +459,113 @@ fn the_deploy_kit_parses_with_charms_loader_and_its_unit_verifies() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A predicted time budget adds up: its parts (less what the shared expert hides) are its total.
+fn check_budget(b: &Value) {
+    let f = |k: &str| b[k].as_f64().unwrap_or_else(|| panic!("{k}: {b}"));
+    let sum = f("dense_ms")
+        + f("drafts_ms")
+        + f("round_trips_ms")
+        + f("transfer_ms")
+        + f("expert_compute_ms")
+        + f("expert_disk_ms")
+        - f("overlap_ms");
+    assert!(
+        f("total_ms") > 0.0 && (sum - f("total_ms")).abs() < 1e-9 * f("total_ms"),
+        "{b}"
+    );
+}
+
+#[test]
+fn a_described_cluster_is_planned_from_config_json_alone() {
+    // GLM-5.2 from its config.json, no weights: one machine streams experts from its disk, four
+    // hold them all in RAM between them
+    let dir = scratch("cl-described");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy("tests/data/glm-5.2-config.json", dir.join("config.json")).unwrap();
+    let machines = |n: usize, link: f64| {
+        let ms: Vec<Value> = (0..n)
+            .map(|i| {
+                serde_json::json!({"name": format!("m{i}"), "ram_gib": 128, "mem_gb_s": 60,
+                                   "disk_gb_s": 3, "link_gbit_s": link, "rtt_ms": 0.1})
+            })
+            .collect();
+        let f = dir.join(format!("machines-{n}-{link}.json"));
+        std::fs::write(&f, serde_json::json!({ "machines": ms }).to_string()).unwrap();
+        f
+    };
+    let run = |f: &Path| {
+        let (ok, out, err) = charm(&[
+            "plan",
+            "--model",
+            dir.to_str().unwrap(),
+            "--cluster",
+            f.to_str().unwrap(),
+            "--activations",
+            "int8",
+            "--json",
+        ]);
+        assert!(ok, "{err}");
+        json(&out)
+    };
+    let one = run(&machines(1, 10.0));
+    assert_eq!(one["source"], "config");
+    let p1 = &one["prediction"];
+    assert_eq!(p1["setup"]["source"], "described");
+    assert_eq!(p1["setup"]["nodes"][0]["in_process"], true);
+    assert_eq!(p1["token"]["round_trips_ms"].as_f64(), Some(0.0));
+    assert!(
+        p1["token"]["expert_disk_ms"].as_f64().unwrap() > 0.0,
+        "{p1}"
+    );
+    check_budget(&p1["token"]);
+    let four = run(&machines(4, 10.0));
+    let p4 = &four["prediction"];
+    assert_eq!(p4["setup"]["nodes"].as_array().unwrap().len(), 4);
+    check_budget(&p4["token"]);
+    assert!(p4["tok_s"].as_f64() > p1["tok_s"].as_f64(), "{p4} vs {p1}");
+    // the exact scheme's traffic: top_k result rows back per layer, an activation row (int8
+    // codes and a scale per 64) out to each machine a token's experts are on
+    let spec = charm_shared::config::ModelSpec::from_dir(&dir).unwrap();
+    let (h, k) = (
+        spec.hidden_size as f64,
+        spec.router.as_ref().unwrap().top_k as f64,
+    );
+    let layers = four["moe_layers"].as_f64().unwrap();
+    let bytes: f64 = p4["links"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["bytes_per_token"].as_f64().unwrap())
+        .sum();
+    let row_out = h * (1.0 + 4.0 / 64.0);
+    assert!(
+        bytes > layers * (k * 4.0 * h + row_out) && bytes < layers * (k * 4.0 * h + 4.0 * row_out),
+        "{bytes}"
+    );
+    // a slower link costs line-rate time
+    let slow = run(&machines(4, 1.0));
+    assert!(
+        slow["prediction"]["token"]["transfer_ms"].as_f64().unwrap()
+            > 5.0 * p4["token"]["transfer_ms"].as_f64().unwrap()
+    );
+    // a bad description: a clear error
+    let bad = dir.join("bad.json");
+    std::fs::write(
+        &bad,
+        r#"{"machines": [{"name": "a", "ram_gib": -1, "mem_gb_s": 60}]}"#,
+    )
+    .unwrap();
+    let (ok, _, err) = charm(&[
+        "plan",
+        "--model",
+        dir.to_str().unwrap(),
+        "--cluster",
+        bad.to_str().unwrap(),
+    ]);
+    assert!(!ok && err.contains("ram_gib"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn plan_and_status_show_the_cluster_without_loading_the_model() {
     let model = fixture("glm5-tiny");
@@ -484,9 +591,10 @@ fn plan_and_status_show_the_cluster_without_loading_the_model() {
     drop(dead);
     let m = model.to_str().unwrap();
     let f = file.to_str().unwrap();
-    let (ok, out, err) = charm(&["plan", "--model", m, "--cluster", f, "--json"]);
+    let (ok, out, err) = charm(&["plan", "--model", m, "--cluster", f, "--json", "--no-probe"]);
     assert!(ok, "{err}");
     let v = json(&out);
+    assert!(v.get("prediction").is_none(), "{v}");
     let c = &v["cluster"];
     let spec = charm_shared::config::ModelSpec::from_dir(&model).unwrap();
     let layers = moe_layers(&spec);
@@ -510,9 +618,46 @@ fn plan_and_status_show_the_cluster_without_loading_the_model() {
         (dense_moe * top_k * spec.hidden_size * 4) as u64,
         "{c}"
     );
-    let (ok, text, _) = charm(&["plan", "--model", m, "--cluster", f]);
+    let (ok, text, _) = charm(&["plan", "--model", m, "--cluster", f, "--no-probe"]);
     assert!(
         ok && text.contains("cluster:") && text.contains("round trips"),
+        "{text}"
+    );
+
+    // probed, in f32 (w2 computes in int8 and refuses): this machine's dense pass and w1's
+    // requests give the prediction
+    let (ok, out, err) = charm(&[
+        "plan",
+        "--model",
+        m,
+        "--cluster",
+        f,
+        "--json",
+        "--draft",
+        "2",
+    ]);
+    assert!(ok, "{err}");
+    let v = json(&out);
+    let pr = &v["prediction"];
+    assert_eq!(pr["setup"]["source"], "probed", "{pr}");
+    let nodes = pr["setup"]["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 1, "{pr}");
+    assert_eq!(nodes[0]["name"], "w1");
+    assert_eq!(nodes[0]["share"].as_f64(), Some(1.0));
+    for k in ["latency_s", "expert_s"] {
+        assert!(nodes[0][k].as_f64().unwrap() > 0.0, "{k}: {pr}");
+    }
+    assert!(pr["setup"]["dense_s"].as_f64().unwrap() > 0.0);
+    check_budget(&pr["token"]);
+    let t = pr["token"]["total_ms"].as_f64().unwrap();
+    assert!((pr["tok_s"].as_f64().unwrap() - 1e3 / t).abs() < 1e-6 * 1e3 / t);
+    let sp = &pr["speculative"];
+    assert_eq!(sp["draft"], 2);
+    assert!((sp["tokens_per_step"].as_f64().unwrap() - (1.0 + 0.7 + 0.49)).abs() < 1e-9);
+    check_budget(&sp["step"]);
+    let (ok, text, _) = charm(&["plan", "--model", m, "--cluster", f]);
+    assert!(
+        ok && text.contains("predicted") && text.contains("bottleneck"),
         "{text}"
     );
     assert!(

@@ -2,7 +2,9 @@
 //! wait for them, how many copies of the hot experts to keep) and the placement of routed experts
 //! on workers by capacity and heat. The sockets are in the submodules: [`remote`] is the expert
 //! executor that sends expert work to the workers; `workers`, `link` and `layer` keep the
-//! workers, talk to one, and serve one MoE layer across them; [`plan`] is `charm plan --cluster`.
+//! workers, talk to one, and serve one MoE layer across them; [`plan`] is what `charm plan
+//! --cluster` shows of the workers, [`predict`] the decode speed it predicts from the workers as
+//! [`probe`] measures them or from a described set of machines.
 //!
 //! A cluster file is JSON:
 //!
@@ -26,6 +28,8 @@
 mod layer;
 mod link;
 pub mod plan;
+pub mod predict;
+pub mod probe;
 pub mod remote;
 mod workers;
 

@@ -150,8 +150,7 @@ pub fn layout(
 ) -> Result<ContainerLayout, ConvertError> {
     check_policy(policy)?;
     let n = spec.layers.len();
-    let mut c = Cursor(0);
-    let mut dense = Vec::new();
+    let mut tensors = Vec::new();
     for name in ck.names() {
         if names::classify(name, n).kind == Kind::Routed || name.ends_with("_scale_inv") {
             continue;
@@ -163,7 +162,58 @@ pub fn layout(
                 info.dtype.name()
             )));
         }
-        let shape = info.shape.clone();
+        tensors.push((name.to_string(), info.shape.clone()));
+    }
+    let has = |t: &str| ck.has(t);
+    let mtp = names::has_mtp(spec, has) && names::Layer::new(n).expert_layout(has).is_some();
+    layout_of(spec, tensors, mtp, policy)
+}
+
+/// The layout a checkpoint of `spec` would get under `policy`, from `config.json` alone: the
+/// tensors the architecture names (an MTP layer's where the config announces one, with its own
+/// copies of the embedding and head, as DeepSeek-V3 and GLM checkpoints ship it).
+pub fn layout_from_spec(
+    spec: &ModelSpec,
+    policy: &Policy,
+) -> Result<ContainerLayout, ConvertError> {
+    check_policy(policy)?;
+    let n = spec.layers.len();
+    let mut tensors = names::dense_tensors(spec);
+    let mtp = spec.mtp_layers > 0 && spec.router.is_some();
+    if mtp {
+        let m = names::Layer::new(n);
+        let h = spec.hidden_size;
+        tensors.extend(names::layer_tensors(
+            spec,
+            n,
+            MlpKind::Moe,
+            spec.dsa.is_some(),
+        ));
+        tensors.extend([
+            (m.mtp_enorm(), vec![h]),
+            (m.mtp_hnorm(), vec![h]),
+            (m.mtp_eh_proj(), vec![h, 2 * h]),
+            (m.mtp_head_norm(), vec![h]),
+            (m.mtp_embed(), vec![spec.vocab_size, h]),
+            (m.mtp_head(), vec![spec.vocab_size, h]),
+        ]);
+    }
+    layout_of(spec, tensors, mtp, policy)
+}
+
+/// The layout of `tensors` (non-routed, with their shapes) and the routed experts of `spec`'s
+/// MoE layers (and of the MTP layer when `mtp`) under `policy`.
+fn layout_of(
+    spec: &ModelSpec,
+    tensors: Vec<(String, Vec<usize>)>,
+    mtp: bool,
+    policy: &Policy,
+) -> Result<ContainerLayout, ConvertError> {
+    let n = spec.layers.len();
+    let mut c = Cursor(0);
+    let mut dense = Vec::new();
+    for (name, shape) in tensors {
+        let name = name.as_str();
         let r = role(name, n);
         let part = match (shape.len(), r) {
             (1, _) | (_, Role::KeepF32) => c.part(StoreFormat::F32, shape, 0),
@@ -201,8 +251,7 @@ pub fn layout(
         .filter(|(_, l)| l.mlp == MlpKind::Moe)
         .map(|(k, _)| (k, policy.experts))
         .collect();
-    let has = |t: &str| ck.has(t);
-    if names::has_mtp(spec, has) && names::Layer::new(n).expert_layout(has).is_some() {
+    if mtp {
         moe.push((n, policy.mtp));
     }
     for (layer, want) in moe {

@@ -109,8 +109,9 @@ impl Default for PlanInput {
 #[derive(Debug, Clone, Serialize)]
 pub struct Plan {
     pub model: PathBuf,
-    /// `"container"`, or `"checkpoint"`: a Hugging Face checkpoint planned as `charm convert`
-    /// would store it with `formats`.
+    /// `"container"`; `"checkpoint"`: a Hugging Face checkpoint planned as `charm convert`
+    /// would store it with `formats`; `"config"`: the same from `config.json` alone (the tensor
+    /// shapes the architecture names).
     pub source: &'static str,
     /// Storage formats of the routed experts, dense weights, embeddings, MTP layer.
     pub formats: Policy,
@@ -152,6 +153,12 @@ pub struct Plan {
     /// Bytes read from RAM per token (dense skeleton minus the embedding table, plus the cached
     /// share of experts).
     pub resident_read_bytes_per_token: u64,
+    /// Of the dense skeleton, bytes one token reads (all but the embedding table), of it one MoE
+    /// layer's shared expert, and what one MTP draft reads (its layer, `top_k` of its experts,
+    /// an output head).
+    pub dense_read_bytes_per_token: u64,
+    pub shared_read_bytes_per_layer: u64,
+    pub mtp_read_bytes_per_draft: u64,
     pub disk_seconds_per_token: f64,
     pub memory_seconds_per_token: f64,
     /// `"disk"` or `"memory bandwidth"`.
@@ -187,20 +194,30 @@ fn dense_ram(name: &str, p: &Part) -> u64 {
 pub fn plan(dir: &Path, input: &PlanInput) -> Result<Plan, LoadError> {
     if !Container::is_container(dir) && dir.join("config.json").is_file() {
         let spec = ModelSpec::from_dir(dir)?;
-        let ck = Checkpoint::open(dir).map_err(|e| {
-            LoadError::config(
-                dir,
-                format!(
-                    "neither a charm container nor a checkpoint with its safetensors files ({e})"
-                ),
+        let (source, l) = if has_safetensors(dir) {
+            let ck = Checkpoint::open(dir).map_err(|e| {
+                LoadError::config(
+                    dir,
+                    format!(
+                        "neither a charm container nor a checkpoint with its safetensors files ({e})"
+                    ),
+                )
+            })?;
+            (
+                "checkpoint",
+                crate::ops::convert::layout(&spec, &ck, &input.policy),
             )
-        })?;
-        let l = crate::ops::convert::layout(&spec, &ck, &input.policy)
-            .map_err(|e| LoadError::config(dir, e.to_string()))?;
+        } else {
+            (
+                "config",
+                crate::ops::convert::layout_from_spec(&spec, &input.policy),
+            )
+        };
+        let l = l.map_err(|e| LoadError::config(dir, e.to_string()))?;
         let model = Stored {
             dir,
             spec: &spec,
-            source: "checkpoint",
+            source,
             formats: input.policy.clone(),
             dense_file_bytes: l.dense_bytes,
             dense: l.dense.iter().map(|(n, p)| (n.as_str(), p)).collect(),
@@ -211,6 +228,15 @@ pub fn plan(dir: &Path, input: &PlanInput) -> Result<Plan, LoadError> {
     }
     let (spec, c) = crate::model::open_container(dir)?;
     plan_container(dir, &spec, &c, input)
+}
+
+/// Whether `dir` holds any `.safetensors` file (else a `config.json` alone is planned from the
+/// architecture's tensor shapes).
+fn has_safetensors(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|rd| {
+        rd.flatten()
+            .any(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+    })
 }
 
 /// [`plan`] for an opened container.
@@ -260,8 +286,10 @@ impl Stored<'_> {
         let (dir, spec) = (self.dir, self.spec);
         let dense_bytes: u64 = self.dense.iter().map(|(n, p)| dense_ram(n, p)).sum();
         // Generation reserves the KV cache for its full context up front (no growth doubling).
-        let kv_bytes =
-            4 * (KvCache::floats_per_token(spec) as u64 + mtp_kv(spec)) * input.context as u64;
+        // (the MTP layer's own cache only where the model carries the layer)
+        let has_mtp = self.experts.iter().any(|l| l.layer >= spec.layers.len());
+        let mtp = if has_mtp { mtp_kv(spec) } else { 0 };
+        let kv_bytes = 4 * (KvCache::floats_per_token(spec) as u64 + mtp) * input.context as u64;
         let layers = &self.experts;
         let io = io_bytes(layers, input.readers);
         let (h, i) = (spec.hidden_size as u64, spec.moe_intermediate_size as u64);
@@ -356,6 +384,36 @@ impl Stored<'_> {
         let cold = (active as f64 * (1.0 - hit)) as u64;
         let dense_read = dense_bytes.saturating_sub(embed) + if tied { embed } else { 0 };
         let resident_read = dense_read + (active as f64 * hit) as u64;
+        let n_main = spec.layers.len();
+        let main_tensor = |n: &str| !names::classify(n, n_main).mtp;
+        let shared: u64 = self
+            .dense
+            .iter()
+            .filter(|(n, _)| main_tensor(n) && n.contains(".shared_experts."))
+            .map(|(n, p)| dense_ram(n, p))
+            .sum();
+        let mtp_all: u64 = self
+            .dense
+            .iter()
+            .filter(|(n, _)| !main_tensor(n))
+            .map(|(n, p)| dense_ram(n, p))
+            .sum();
+        let mtp_layer = layers.iter().find(|l| l.layer >= n_main);
+        let mtp_read = mtp_layer.map_or(0, |l| {
+            let own: u64 = self
+                .dense
+                .iter()
+                .filter(|(n, _)| {
+                    let c = names::classify(n, n_main);
+                    c.mtp && c.kind != names::Kind::Embedding && c.kind != names::Kind::Head
+                })
+                .map(|(n, p)| dense_ram(n, p))
+                .sum();
+            let head = tensor(names::HEAD)
+                .map(|p| dense_ram(names::HEAD, p))
+                .unwrap_or(embed);
+            own + head + top_k as u64 * expert_ram_bytes(l)
+        });
         let disk_s = cold as f64 / input.disk_bytes_s;
         let mem_s = resident_read as f64 / input.mem_bytes_s;
         Plan {
@@ -396,6 +454,9 @@ impl Stored<'_> {
             hit_rate_source: hit_source,
             expected_cold_bytes_per_token: cold,
             resident_read_bytes_per_token: resident_read,
+            dense_read_bytes_per_token: dense_read.saturating_sub(mtp_all),
+            shared_read_bytes_per_layer: shared / moe_layers.max(1) as u64,
+            mtp_read_bytes_per_draft: mtp_read,
             disk_seconds_per_token: disk_s,
             memory_seconds_per_token: mem_s,
             bottleneck: if disk_s > mem_s {
@@ -451,7 +512,12 @@ impl Plan {
             f.mtp.name(),
             f.group
         );
-        s += &if self.source == "checkpoint" {
+        s += &if self.source == "config" {
+            format!(
+                "config.json      planned from the architecture's shapes as `charm convert` would store it ({formats}): {} on disk\n",
+                g(self.container_bytes)
+            )
+        } else if self.source == "checkpoint" {
             format!(
                 "checkpoint       planned as `charm convert` would store it ({formats}): {} on disk\n",
                 g(self.container_bytes)

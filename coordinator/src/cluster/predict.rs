@@ -1,0 +1,854 @@
+//! Decode speed of a model on a cluster, predicted (`charm plan --cluster`): from the live
+//! workers, probed ([`super::probe`]), or from a described set of machines, so a user can plan
+//! before buying hardware or downloading weights.
+//!
+//! A token (batch 1) pays the coordinator's dense pass, then for each MoE layer the slowest
+//! worker its experts are on: that worker's fixed cost per request (round trip and software),
+//! the bytes both ways at its link's rate (and all workers' bytes of the layer at the coordinator's
+//! link's rate, which every one of them crosses), and its experts (read from RAM, or from its disk for the
+//! share its expert RAM does not hold). The coordinator computes the layer's shared expert while
+//! it waits, so that much of the wait is hidden. Routing is taken as uniform (each token's
+//! `top_k` experts drawn without replacement); the expected slowest worker per layer is averaged
+//! over a fixed sample of draws, so uneven draws count, not just the mean. With speculative
+//! decoding a step verifies `draft + 1` tokens at once: one dense pass, the MTP layer once per
+//! draft, the union of the tokens' experts, one round trip per layer; acceptance per draft is
+//! taken as independent, giving `(1 - a^(d+1)) / (1 - a)` tokens per step.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ops::plan::Plan;
+
+/// What a model costs per token, as the predictor needs it (from `charm plan`'s memory plan).
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCost {
+    pub moe_layers: usize,
+    pub n_experts: usize,
+    pub top_k: usize,
+    /// One routed expert of a main layer in RAM.
+    pub expert_bytes: u64,
+    /// Every main layer's routed experts.
+    pub experts_total_bytes: u64,
+    /// What the coordinator must hold before any expert: dense skeleton, KV cache, buffers.
+    pub coordinator_resident_bytes: u64,
+    /// Weight bytes one token reads on the coordinator (dense layers, attention, shared experts,
+    /// head), and of it the shared expert of one MoE layer.
+    pub dense_read_bytes: u64,
+    pub shared_read_bytes: u64,
+    /// Weight bytes one draft of the MTP layer reads (its dense part and `top_k` experts).
+    pub mtp_read_bytes: u64,
+    /// Bytes of one token's activation row out, and of one expert output row back.
+    pub row_out_bytes: f64,
+    pub row_back_bytes: f64,
+}
+
+impl ModelCost {
+    /// From the memory plan of the model; `coded_group`: activations go out as int8 codes with
+    /// a scale per group of this many (0: as f32).
+    pub fn from_plan(p: &Plan, hidden: usize, coded_group: usize) -> Self {
+        let moe = p.moe_layers.max(1) as u64;
+        // every main MoE layer stores its experts alike (the MTP layer's may differ)
+        let expert = p.active_expert_bytes_per_token / (p.top_k.max(1) as u64 * moe);
+        let h = hidden as f64;
+        Self {
+            moe_layers: p.moe_layers,
+            n_experts: p.experts_per_layer,
+            top_k: p.top_k,
+            expert_bytes: expert,
+            experts_total_bytes: expert * p.experts_per_layer as u64 * p.moe_layers as u64,
+            coordinator_resident_bytes: p.resident_bytes,
+            dense_read_bytes: p.dense_read_bytes_per_token,
+            shared_read_bytes: p.shared_read_bytes_per_layer,
+            mtp_read_bytes: p.mtp_read_bytes_per_draft,
+            row_out_bytes: if coded_group > 0 {
+                h * (1.0 + 4.0 / coded_group as f64)
+            } else {
+                4.0 * h
+            },
+            row_back_bytes: 4.0 * h,
+        }
+    }
+}
+
+/// A machine that computes experts, as the predictor sees it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Node {
+    pub name: String,
+    /// Share of each layer's experts placed on it.
+    pub share: f64,
+    /// RAM it gives experts (0: unknown, taken as holding all placed on it).
+    pub ram_bytes: u64,
+    /// Seconds to compute one expert for one token with the expert in RAM.
+    pub expert_s: f64,
+    /// Seconds to read one expert from its disk.
+    pub disk_s: f64,
+    /// Fixed seconds per request: the round trip and the software on both ends (the mean of
+    /// `latency_samples_s` where the probe measured them: each layer then draws one, so the
+    /// slowest of several workers' answers counts their spread, not only their means).
+    pub latency_s: f64,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub latency_samples_s: Vec<f64>,
+    /// Link bytes per second (infinite: no link).
+    pub bytes_s: f64,
+    /// Runs in the coordinator's process (single box): no request, nothing overlaps it.
+    pub in_process: bool,
+}
+
+/// Everything the prediction is made from.
+#[derive(Debug, Clone, Serialize)]
+pub struct Setup {
+    /// `"probed"` (live workers) or `"described"` (a machines file).
+    pub source: String,
+    /// The coordinator's dense pass for one token, and what each further token of a
+    /// speculative step adds to it.
+    pub dense_s: f64,
+    pub dense_extra_s: f64,
+    /// The shared expert of one MoE layer (overlaps the wait for the workers).
+    pub shared_s: f64,
+    /// One draft of the MTP layer on the coordinator.
+    pub mtp_s: f64,
+    /// The coordinator's own link, bytes per second: every worker's traffic crosses it
+    /// (infinite: not a limit, or measured into each worker's figures by the probe).
+    pub coordinator_bytes_s: f64,
+    pub nodes: Vec<Node>,
+}
+
+/// The time of one token (or one speculative step), split by what it is spent on; milliseconds.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Budget {
+    pub dense_ms: f64,
+    /// MTP drafts (speculative steps only).
+    pub drafts_ms: f64,
+    /// Summed over MoE layers, of the worker each layer waits for: fixed request cost, bytes at
+    /// line rate, experts from RAM, experts from disk.
+    pub round_trips_ms: f64,
+    pub transfer_ms: f64,
+    pub expert_compute_ms: f64,
+    pub expert_disk_ms: f64,
+    /// The part of the wait the shared expert's compute hides (subtracted).
+    pub overlap_ms: f64,
+    pub total_ms: f64,
+}
+
+/// One node's traffic per token.
+#[derive(Debug, Clone, Serialize)]
+pub struct LinkUse {
+    pub name: String,
+    pub experts_per_layer: f64,
+    /// Share of the experts placed on it its RAM holds.
+    pub resident_share: f64,
+    pub bytes_per_token: f64,
+    /// Those bytes at the link's rate, milliseconds (0 without a link).
+    pub line_ms_per_token: f64,
+    /// Layers that wait for this node, of all MoE layers a token passes.
+    pub critical_share: f64,
+}
+
+/// Speed with speculative decoding at a stated acceptance.
+#[derive(Debug, Clone, Serialize)]
+pub struct Speculative {
+    pub draft: usize,
+    pub acceptance: f64,
+    pub tokens_per_step: f64,
+    pub step: Budget,
+    pub tok_s: f64,
+}
+
+/// The prediction.
+#[derive(Debug, Clone, Serialize)]
+pub struct Prediction {
+    pub setup: Setup,
+    pub token: Budget,
+    pub tok_s: f64,
+    pub links: Vec<LinkUse>,
+    /// What most of a token's time goes to, in words.
+    pub bottleneck: String,
+    pub speculative: Option<Speculative>,
+}
+
+/// Layer draws averaged per prediction.
+const DRAWS: usize = 4096;
+
+/// SplitMix64: the draws are the same on every run.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        ((self.next() >> 11) as f64 / (1u64 << 53) as f64 * n as f64) as usize
+    }
+}
+
+/// `k` distinct experts of `n`, uniformly (Floyd's algorithm).
+fn draw(rng: &mut Rng, n: usize, k: usize, out: &mut Vec<usize>) {
+    out.clear();
+    for j in n - k..n {
+        let t = rng.below(j + 1);
+        out.push(if out.contains(&t) { j } else { t });
+    }
+}
+
+/// Per expert id, the node it is placed on: contiguous blocks sized by share.
+fn owners(nodes: &[Node], n: usize) -> Vec<usize> {
+    let total: f64 = nodes
+        .iter()
+        .map(|x| x.share)
+        .sum::<f64>()
+        .max(f64::MIN_POSITIVE);
+    let mut bounds = Vec::with_capacity(nodes.len());
+    let mut acc = 0.0;
+    for x in nodes {
+        acc += x.share / total;
+        bounds.push((acc * n as f64).round() as usize);
+    }
+    (0..n)
+        .map(|e| {
+            bounds
+                .iter()
+                .position(|&b| e < b)
+                .unwrap_or(nodes.len() - 1)
+        })
+        .collect()
+}
+
+impl Node {
+    /// Share of the experts placed on it that its RAM holds.
+    fn resident(&self, m: &ModelCost) -> f64 {
+        let placed = self.share * m.experts_total_bytes as f64;
+        if self.ram_bytes == 0 || placed <= 0.0 {
+            1.0
+        } else {
+            (self.ram_bytes as f64 / placed).min(1.0)
+        }
+    }
+}
+
+/// Expected time of one step of `tokens` tokens through the MoE layers, and each node's traffic.
+fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>) {
+    let nodes = &setup.nodes;
+    let mut b = Budget::default();
+    let mut links: Vec<LinkUse> = nodes
+        .iter()
+        .map(|x| LinkUse {
+            name: x.name.clone(),
+            experts_per_layer: 0.0,
+            resident_share: x.resident(m),
+            bytes_per_token: 0.0,
+            line_ms_per_token: 0.0,
+            critical_share: 0.0,
+        })
+        .collect();
+    if m.moe_layers == 0 || m.top_k == 0 || nodes.is_empty() {
+        return (b, links);
+    }
+    let owner = owners(nodes, m.n_experts);
+    let hit: Vec<f64> = nodes.iter().map(|x| x.resident(m)).collect();
+    let mut rng = Rng(0x5EED);
+    let mut picks = Vec::new();
+    let mut used = vec![false; m.n_experts];
+    let (mut toks, mut rows, mut distinct) = (
+        vec![0usize; nodes.len()],
+        vec![0usize; nodes.len()],
+        vec![0usize; nodes.len()],
+    );
+    let mut sum = [0.0f64; 5]; // latency, transfer, compute, disk, overlap
+    for _ in 0..DRAWS {
+        used.iter_mut().for_each(|u| *u = false);
+        toks.iter_mut().for_each(|t| *t = 0);
+        rows.iter_mut().for_each(|r| *r = 0);
+        distinct.iter_mut().for_each(|d| *d = 0);
+        for _ in 0..tokens {
+            draw(&mut rng, m.n_experts, m.top_k.min(m.n_experts), &mut picks);
+            let mut touched = vec![false; nodes.len()];
+            for &e in &picks {
+                let w = owner[e];
+                rows[w] += 1;
+                touched[w] = true;
+                if !used[e] {
+                    used[e] = true;
+                    distinct[w] += 1;
+                }
+            }
+            for (w, t) in touched.iter().enumerate() {
+                toks[w] += *t as usize;
+            }
+        }
+        // each node's parts; the remote ones run in parallel, in-process ones after them
+        let mut worst: Option<(f64, [f64; 4], usize)> = None;
+        let mut local = [0.0f64; 4];
+        let mut through = 0.0; // bytes over the coordinator's link
+        for (w, x) in nodes.iter().enumerate() {
+            if distinct[w] == 0 {
+                continue;
+            }
+            let u = distinct[w] as f64;
+            let bytes = toks[w] as f64 * m.row_out_bytes + rows[w] as f64 * m.row_back_bytes;
+            links[w].experts_per_layer += u;
+            links[w].bytes_per_token += if x.in_process { 0.0 } else { bytes };
+            let compute = u * x.expert_s;
+            let disk = u * (1.0 - hit[w]) * (x.disk_s - x.expert_s).max(0.0);
+            if x.in_process {
+                local[2] += compute;
+                local[3] += disk;
+                continue;
+            }
+            let transfer = if x.bytes_s.is_finite() {
+                through += bytes;
+                bytes / x.bytes_s
+            } else {
+                0.0
+            };
+            let latency = match x.latency_samples_s.len() {
+                0 => x.latency_s,
+                n => x.latency_samples_s[rng.below(n)],
+            };
+            let parts = [latency, transfer, compute, disk];
+            let t: f64 = parts.iter().sum();
+            if worst.is_none_or(|(wt, _, _)| t > wt) {
+                worst = Some((t, parts, w));
+            }
+        }
+        // the layer's bytes all cross the coordinator's link: the last answer waits for them
+        if let Some((t, parts, _)) = &mut worst {
+            let shared_link = through / setup.coordinator_bytes_s;
+            if shared_link > parts[1] {
+                *t += shared_link - parts[1];
+                parts[1] = shared_link;
+            }
+        }
+        if let Some((t, parts, w)) = worst {
+            for i in 0..4 {
+                sum[i] += parts[i];
+            }
+            sum[4] += setup.shared_s.min(t);
+            links[w].critical_share += 1.0;
+        }
+        for i in 0..4 {
+            sum[i] += local[i];
+        }
+    }
+    let per = m.moe_layers as f64 / DRAWS as f64 * 1e3;
+    b.round_trips_ms = sum[0] * per;
+    b.transfer_ms = sum[1] * per;
+    b.expert_compute_ms = sum[2] * per;
+    b.expert_disk_ms = sum[3] * per;
+    b.overlap_ms = sum[4] * per;
+    for (l, x) in links.iter_mut().zip(nodes) {
+        l.experts_per_layer /= DRAWS as f64;
+        l.bytes_per_token *= m.moe_layers as f64 / DRAWS as f64 / tokens as f64;
+        l.line_ms_per_token = if x.bytes_s.is_finite() && !x.in_process {
+            l.bytes_per_token / x.bytes_s * 1e3
+        } else {
+            0.0
+        };
+        l.critical_share /= DRAWS as f64;
+    }
+    (b, links)
+}
+
+impl Budget {
+    fn close(mut self) -> Self {
+        self.total_ms = self.dense_ms
+            + self.drafts_ms
+            + self.round_trips_ms
+            + self.transfer_ms
+            + self.expert_compute_ms
+            + self.expert_disk_ms
+            - self.overlap_ms;
+        self
+    }
+}
+
+/// Tokens a speculative step keeps on average with `draft` drafts each accepted with
+/// probability `a` (independently, the chain stopping at the first rejection).
+pub fn tokens_per_step(draft: usize, a: f64) -> f64 {
+    (0..=draft).map(|i| a.powi(i as i32)).sum()
+}
+
+/// Predicts `m` on `setup`, plain and (with `draft` > 0) speculative at `acceptance`.
+pub fn predict(setup: Setup, m: &ModelCost, draft: usize, acceptance: f64) -> Prediction {
+    let (lb, links) = layers(&setup, m, 1);
+    let token = Budget {
+        dense_ms: setup.dense_s * 1e3,
+        ..lb
+    }
+    .close();
+    let tok_s = 1e3 / token.total_ms.max(1e-9);
+    let speculative = (draft > 0).then(|| {
+        let (sb, _) = layers(&setup, m, draft + 1);
+        let step = Budget {
+            dense_ms: (setup.dense_s + draft as f64 * setup.dense_extra_s) * 1e3,
+            drafts_ms: draft as f64 * setup.mtp_s * 1e3,
+            ..sb
+        }
+        .close();
+        let tps = tokens_per_step(draft, acceptance);
+        Speculative {
+            draft,
+            acceptance,
+            tokens_per_step: tps,
+            tok_s: tps * 1e3 / step.total_ms.max(1e-9),
+            step,
+        }
+    });
+    let bottleneck = bottleneck(&token, &links);
+    Prediction {
+        setup,
+        token,
+        tok_s,
+        links,
+        bottleneck,
+        speculative,
+    }
+}
+
+/// The largest part of a token's time, named.
+fn bottleneck(t: &Budget, links: &[LinkUse]) -> String {
+    let critical = links
+        .iter()
+        .max_by(|a, b| a.critical_share.total_cmp(&b.critical_share))
+        .map_or("", |l| l.name.as_str());
+    let parts = [
+        (
+            t.dense_ms,
+            "the coordinator's dense pass (memory bandwidth)".to_string(),
+        ),
+        (
+            t.round_trips_ms,
+            "round trips (latency x MoE layers)".to_string(),
+        ),
+        (t.transfer_ms, format!("link bandwidth ({critical})")),
+        (
+            t.expert_compute_ms,
+            format!("expert compute from RAM ({critical})"),
+        ),
+        (
+            t.expert_disk_ms,
+            format!("experts read from disk ({critical})"),
+        ),
+    ];
+    let (ms, what) = parts
+        .into_iter()
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .expect("parts");
+    format!(
+        "{what}: {:.0}% of the token",
+        100.0 * ms / t.total_ms.max(1e-12)
+    )
+}
+
+/// A machine of a described cluster (all speeds the user's own figures or guesses).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Machine {
+    pub name: String,
+    /// RAM of the machine, GiB.
+    pub ram_gib: f64,
+    /// Memory read bandwidth, GB/s.
+    pub mem_gb_s: f64,
+    /// Sequential read speed of the disk holding the model, GB/s.
+    #[serde(default = "default_disk")]
+    pub disk_gb_s: f64,
+    /// Link to the coordinator's switch, Gbit/s, and the round trip to the coordinator, ms.
+    #[serde(default = "default_link")]
+    pub link_gbit_s: f64,
+    #[serde(default = "default_rtt")]
+    pub rtt_ms: f64,
+    /// Expert rows per second measured on it (a worker's hello, `charm cluster status`):
+    /// overrides the estimate from memory bandwidth.
+    #[serde(default)]
+    pub expert_rows_s: Option<f64>,
+}
+
+fn default_disk() -> f64 {
+    3.0
+}
+fn default_link() -> f64 {
+    10.0
+}
+fn default_rtt() -> f64 {
+    0.1
+}
+fn default_overhead() -> f64 {
+    0.1
+}
+fn default_dense_eff() -> f64 {
+    0.8
+}
+fn default_expert_eff() -> f64 {
+    0.5
+}
+fn default_reserve() -> f64 {
+    4.0
+}
+
+/// A cluster described by its machines: the first runs the coordinator (dense skeleton, KV
+/// cache) and, with more than one machine, every machine runs a worker (the coordinator's with
+/// the RAM the coordinator leaves), reached over loopback on the first.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Described {
+    pub machines: Vec<Machine>,
+    /// Software cost per request beyond the network round trip (QUIC, framing, thread
+    /// hand-offs), ms: measured 0.15 ms on loopback (docs/benchmarks.md, pinned).
+    #[serde(default = "default_overhead")]
+    pub request_overhead_ms: f64,
+    /// Share of the memory bandwidth the kernels read weights at: dense (int8) and experts.
+    #[serde(default = "default_dense_eff")]
+    pub dense_efficiency: f64,
+    #[serde(default = "default_expert_eff")]
+    pub expert_efficiency: f64,
+    /// GiB of each machine left to the system and charm's own buffers.
+    #[serde(default = "default_reserve")]
+    pub reserve_gib: f64,
+}
+
+/// Whether `text` is a described cluster (a `machines` list) rather than a cluster file.
+pub fn is_described(text: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(text)
+        .ok()
+        .is_some_and(|v| v.get("machines").is_some())
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+impl Described {
+    /// Parses and checks a described cluster.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let d: Described = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        if d.machines.is_empty() {
+            return Err("`machines` is empty: name at least the coordinator's".into());
+        }
+        let pos = |v: f64| v.is_finite() && v > 0.0;
+        for m in &d.machines {
+            if !(pos(m.ram_gib) && pos(m.mem_gb_s) && pos(m.disk_gb_s) && pos(m.link_gbit_s)) {
+                return Err(format!(
+                    "machine `{}`: ram_gib, mem_gb_s, disk_gb_s and link_gbit_s must be positive",
+                    m.name
+                ));
+            }
+            if !(m.rtt_ms.is_finite() && m.rtt_ms >= 0.0)
+                || m.expert_rows_s.is_some_and(|r| !pos(r))
+            {
+                return Err(format!(
+                    "machine `{}`: rtt_ms must be 0 or more, expert_rows_s positive",
+                    m.name
+                ));
+            }
+        }
+        for (v, what) in [
+            (d.dense_efficiency, "dense_efficiency"),
+            (d.expert_efficiency, "expert_efficiency"),
+        ] {
+            if !(v > 0.0 && v <= 1.0) {
+                return Err(format!("{what} must be in (0, 1]"));
+            }
+        }
+        if !(d.request_overhead_ms >= 0.0 && d.reserve_gib >= 0.0) {
+            return Err("request_overhead_ms and reserve_gib must be 0 or more".into());
+        }
+        Ok(d)
+    }
+
+    /// The predictor's view: placement by capacity (expert RAM times speed, as
+    /// [`super::Placement`] places), the coordinator's share of its machine subtracted.
+    pub fn setup(&self, m: &ModelCost) -> Setup {
+        let c = &self.machines[0];
+        let dense_bps = c.mem_gb_s * 1e9 * self.dense_efficiency;
+        let reserve = (self.reserve_gib * GIB) as u64;
+        let ram = |x: &Machine| (x.ram_gib * GIB) as u64;
+        let expert_s = |x: &Machine| match x.expert_rows_s {
+            Some(r) => 1.0 / r,
+            None => m.expert_bytes as f64 / (x.mem_gb_s * 1e9 * self.expert_efficiency),
+        };
+        let disk_s = |x: &Machine| m.expert_bytes as f64 / (x.disk_gb_s * 1e9);
+        let overhead = self.request_overhead_ms / 1e3;
+        let mut nodes: Vec<Node> = Vec::new();
+        let coordinator_left = ram(c).saturating_sub(m.coordinator_resident_bytes + reserve);
+        if self.machines.len() == 1 {
+            nodes.push(Node {
+                name: c.name.clone(),
+                share: 1.0,
+                ram_bytes: coordinator_left.max(1),
+                expert_s: expert_s(c),
+                disk_s: disk_s(c),
+                latency_s: 0.0,
+                latency_samples_s: vec![],
+                bytes_s: f64::INFINITY,
+                in_process: true,
+            });
+        } else {
+            for (i, x) in self.machines.iter().enumerate() {
+                let (ram_bytes, latency_s, bytes_s) = if i == 0 {
+                    // a worker beside the coordinator, over loopback
+                    (coordinator_left.max(1), overhead, f64::INFINITY)
+                } else {
+                    (
+                        ram(x).saturating_sub(reserve).max(1),
+                        overhead + x.rtt_ms / 1e3,
+                        x.link_gbit_s * 1e9 / 8.0,
+                    )
+                };
+                nodes.push(Node {
+                    name: x.name.clone(),
+                    share: 0.0,
+                    ram_bytes,
+                    expert_s: expert_s(x),
+                    disk_s: disk_s(x),
+                    latency_s,
+                    latency_samples_s: vec![],
+                    bytes_s,
+                    in_process: false,
+                });
+            }
+            let cap: Vec<f64> = nodes
+                .iter()
+                .map(|x| x.ram_bytes as f64 / x.expert_s)
+                .collect();
+            let total: f64 = cap.iter().sum();
+            for (x, c) in nodes.iter_mut().zip(cap) {
+                x.share = c / total;
+            }
+        }
+        Setup {
+            source: "described".into(),
+            dense_s: m.dense_read_bytes as f64 / dense_bps,
+            dense_extra_s: 0.0,
+            shared_s: m.shared_read_bytes as f64 / dense_bps,
+            mtp_s: m.mtp_read_bytes as f64 / dense_bps,
+            coordinator_bytes_s: c.link_gbit_s * 1e9 / 8.0,
+            nodes,
+        }
+    }
+}
+
+impl Prediction {
+    /// The prediction as text.
+    pub fn render(&self) -> String {
+        let t = &self.token;
+        let mut s = format!("speed ({}):\n", self.setup.source);
+        for (l, n) in self.links.iter().zip(&self.setup.nodes) {
+            s += &format!(
+                "  {:<12} {:>5.1}% of experts ({:>4.0}% in its RAM), {:.2} experts per layer, {}\n",
+                l.name,
+                100.0 * n.share,
+                100.0 * l.resident_share,
+                l.experts_per_layer,
+                if n.in_process {
+                    "in the coordinator's process".to_string()
+                } else {
+                    format!(
+                        "{:.1} KB per token = {:.2} ms at line rate, round trip {:.3} ms, waited for on {:.0}% of layers",
+                        l.bytes_per_token / 1e3,
+                        l.line_ms_per_token,
+                        n.latency_s * 1e3,
+                        100.0 * l.critical_share
+                    )
+                }
+            );
+        }
+        s += &format!(
+            "  per token: dense {:.2} ms + round trips {:.2} ms + transfer {:.2} ms + experts {:.2} ms (RAM) + {:.2} ms (disk) - {:.2} ms hidden behind the shared expert = {:.2} ms\n",
+            t.dense_ms,
+            t.round_trips_ms,
+            t.transfer_ms,
+            t.expert_compute_ms,
+            t.expert_disk_ms,
+            t.overlap_ms,
+            t.total_ms
+        );
+        s += &format!(
+            "  predicted {:.2} tok/s; bottleneck: {}\n",
+            self.tok_s, self.bottleneck
+        );
+        if let Some(sp) = &self.speculative {
+            s += &format!(
+                "  with --draft {} at {:.0}% acceptance per draft: {:.2} tokens per step of {:.2} ms (drafts {:.2} ms) = {:.2} tok/s\n",
+                sp.draft,
+                100.0 * sp.acceptance,
+                sp.tokens_per_step,
+                sp.step.total_ms,
+                sp.step.drafts_ms,
+                sp.tok_s
+            );
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> ModelCost {
+        ModelCost {
+            moe_layers: 10,
+            n_experts: 64,
+            top_k: 8,
+            expert_bytes: 1_000_000,
+            experts_total_bytes: 640_000_000,
+            coordinator_resident_bytes: GIB as u64,
+            dense_read_bytes: 2_000_000_000,
+            shared_read_bytes: 30_000_000,
+            mtp_read_bytes: 40_000_000,
+            row_out_bytes: 4096.0,
+            row_back_bytes: 4096.0,
+        }
+    }
+
+    fn node(name: &str, share: f64, latency_s: f64) -> Node {
+        Node {
+            name: name.into(),
+            share,
+            ram_bytes: 0,
+            expert_s: 1e-4,
+            disk_s: 1e-3,
+            latency_s,
+            latency_samples_s: vec![],
+            bytes_s: 1e9,
+            in_process: false,
+        }
+    }
+
+    fn setup(nodes: Vec<Node>) -> Setup {
+        Setup {
+            source: "test".into(),
+            dense_s: 0.01,
+            dense_extra_s: 0.0,
+            shared_s: 0.0,
+            mtp_s: 0.001,
+            coordinator_bytes_s: f64::INFINITY,
+            nodes,
+        }
+    }
+
+    #[test]
+    fn one_worker_is_exact_arithmetic() {
+        // every layer: all 8 experts on the one worker
+        let p = predict(setup(vec![node("w", 1.0, 5e-4)]), &model(), 0, 0.0);
+        let t = &p.token;
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9 * b.max(1.0);
+        assert!(close(t.dense_ms, 10.0));
+        assert!(close(t.round_trips_ms, 10.0 * 0.5));
+        assert!(close(t.transfer_ms, 10.0 * (4096.0 * 9.0) / 1e9 * 1e3));
+        assert!(close(t.expert_compute_ms, 10.0 * 8.0 * 0.1));
+        assert_eq!(t.expert_disk_ms, 0.0);
+        assert!(close(t.total_ms, 10.0 + 5.0 + 0.36864 + 8.0));
+        assert!(close(p.tok_s, 1e3 / t.total_ms));
+        assert!(close(p.links[0].bytes_per_token, 10.0 * 9.0 * 4096.0));
+        assert!(
+            p.bottleneck.starts_with("the coordinator's dense pass"),
+            "{}",
+            p.bottleneck
+        );
+    }
+
+    #[test]
+    fn disk_share_and_overlap() {
+        let mut m = model();
+        m.experts_total_bytes = 1_000_000_000;
+        let mut n = node("w", 1.0, 1e-4);
+        n.ram_bytes = 250_000_000; // a quarter resident
+        let mut s = setup(vec![n]);
+        s.shared_s = 5e-5;
+        let t = predict(s, &m, 0, 0.0).token;
+        // 8 experts, 3/4 of them read at 1 ms (less the 0.1 ms of compute counted apart)
+        assert!((t.expert_disk_ms - 10.0 * 8.0 * 0.75 * 0.9).abs() < 1e-9);
+        assert!((t.overlap_ms - 10.0 * 0.05).abs() < 1e-9);
+    }
+
+    #[test]
+    fn two_workers_wait_for_the_slower_and_touch_both() {
+        let m = model();
+        let p = predict(
+            setup(vec![node("a", 0.5, 1e-3), node("b", 0.5, 2e-3)]),
+            &m,
+            0,
+            0.0,
+        );
+        // b is slower whenever it is touched (almost always with 8 of 64 experts)
+        let touched_b = 1.0
+            - (32.0 * 31.0 * 30.0 * 29.0 * 28.0 * 27.0 * 26.0 * 25.0)
+                / (64.0 * 63.0 * 62.0 * 61.0 * 60.0 * 59.0 * 58.0 * 57.0);
+        assert!(
+            (p.links[1].critical_share - touched_b).abs() < 0.01,
+            "{:?}",
+            p.links
+        );
+        // experts per layer split about evenly and sum to top_k
+        let e: f64 = p.links.iter().map(|l| l.experts_per_layer).sum();
+        assert!((e - 8.0).abs() < 1e-9);
+        assert!((p.links[0].experts_per_layer - 4.0).abs() < 0.15);
+        // more workers cut compute per layer, not the latency floor
+        let one = predict(setup(vec![node("w", 1.0, 2e-3)]), &m, 0, 0.0);
+        assert!(p.token.expert_compute_ms < one.token.expert_compute_ms);
+    }
+
+    #[test]
+    fn every_workers_bytes_cross_the_coordinators_link() {
+        let m = model();
+        let two = || vec![node("a", 0.5, 1e-3), node("b", 0.5, 1e-3)];
+        let free = predict(setup(two()), &m, 0, 0.0);
+        let mut s = setup(two());
+        s.coordinator_bytes_s = 1e7; // far slower than the workers' links
+        let slow = predict(s, &m, 0, 0.0);
+        let bytes: f64 = slow.links.iter().map(|l| l.bytes_per_token).sum();
+        assert!((slow.token.transfer_ms - bytes / 1e7 * 1e3).abs() < 1e-6 * slow.token.transfer_ms);
+        assert!(slow.token.transfer_ms > 10.0 * free.token.transfer_ms);
+    }
+
+    #[test]
+    fn speculation_pays_once_per_step() {
+        let m = model();
+        let p = predict(setup(vec![node("w", 1.0, 1e-3)]), &m, 3, 0.8);
+        let sp = p.speculative.unwrap();
+        assert!((sp.tokens_per_step - (1.0 + 0.8 + 0.64 + 0.512)).abs() < 1e-12);
+        assert!((sp.step.round_trips_ms - p.token.round_trips_ms).abs() < 1e-9);
+        assert!((sp.step.drafts_ms - 3.0).abs() < 1e-9);
+        assert!(sp.step.expert_compute_ms > p.token.expert_compute_ms);
+        assert!(sp.tok_s > p.tok_s, "{} vs {}", sp.tok_s, p.tok_s);
+        assert_eq!(tokens_per_step(0, 0.5), 1.0);
+    }
+
+    #[test]
+    fn described_clusters() {
+        let m = model();
+        assert!(Described::parse(r#"{"machines": []}"#).is_err());
+        assert!(
+            Described::parse(r#"{"machines": [{"name": "a", "ram_gib": 0, "mem_gb_s": 1}]}"#)
+                .is_err()
+        );
+        assert!(Described::parse(
+            r#"{"machines": [{"name": "a", "ram_gib": 8, "mem_gb_s": 1, "bogus": 1}]}"#
+        )
+        .is_err());
+        assert!(is_described(r#"{"machines": []}"#) && !is_described(r#"{"workers": []}"#));
+        let one =
+            Described::parse(r#"{"machines": [{"name": "a", "ram_gib": 64, "mem_gb_s": 50}]}"#)
+                .unwrap();
+        let s = one.setup(&m);
+        assert_eq!(s.nodes.len(), 1);
+        assert!(s.nodes[0].in_process);
+        let p = predict(s, &m, 0, 0.0);
+        assert_eq!(p.token.round_trips_ms, 0.0);
+        assert_eq!(p.links[0].bytes_per_token, 0.0);
+        let two = Described::parse(
+            r#"{"machines": [{"name": "a", "ram_gib": 64, "mem_gb_s": 50},
+                             {"name": "b", "ram_gib": 64, "mem_gb_s": 50, "link_gbit_s": 1, "rtt_ms": 0.2}]}"#,
+        )
+        .unwrap();
+        let s = two.setup(&m);
+        // the coordinator's machine keeps less RAM for experts, so a smaller share
+        assert!(s.nodes[0].share < s.nodes[1].share);
+        assert!((s.nodes[1].latency_s - 3e-4).abs() < 1e-12);
+        assert_eq!(s.nodes[1].bytes_s, 1.25e8);
+        let p = predict(s, &m, 0, 0.0);
+        assert!(p.token.round_trips_ms > 0.0 && p.links[1].line_ms_per_token > 0.0);
+    }
+}

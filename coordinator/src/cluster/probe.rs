@@ -1,0 +1,349 @@
+//! Measuring a live cluster for the predictor ([`super::predict`]): the coordinator's dense pass
+//! (this machine running the model's own dense skeleton, expert outputs left at zero) and, per
+//! worker, what a layer request costs, with real requests through the same client the forward
+//! pass uses: its fixed part, its part per byte, and the worker's compute per expert.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use charm_shared::config::ModelSpec;
+use charm_shared::container::Container;
+use charm_shared::expert::{ExpertBatch, ExpertError, ExpertExecutor, PendingExperts};
+use charm_shared::quant::Activations;
+use charm_shared::LoadError;
+
+use super::predict::{ModelCost, Node, Setup};
+use super::remote::{moe_layers, RemoteExperts};
+use crate::decode::sampling::{Sampler, SamplingParams};
+use crate::model::cache::KvCache;
+use crate::model::{open_container, open_source, Model};
+use crate::ForwardOptions;
+
+/// Routed experts that contribute nothing, answered at once or, like a worker, from another
+/// thread `delay` after the layer asked (the forward thread computes its shared expert and then
+/// waits as it does for a real round trip).
+#[derive(Debug)]
+struct ZeroExperts {
+    hidden: usize,
+    delay_ns: AtomicU64,
+    jobs: Mutex<mpsc::Sender<Job>>,
+}
+
+type Job = (
+    Instant,
+    usize,
+    mpsc::SyncSender<Result<Vec<f32>, ExpertError>>,
+);
+
+impl ZeroExperts {
+    fn new(hidden: usize) -> Arc<Self> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        std::thread::spawn(move || {
+            while let Ok((due, n, reply)) = rx.recv() {
+                // sleep most of the way, spin the last stretch (timer slack)
+                loop {
+                    let now = Instant::now();
+                    if now >= due {
+                        break;
+                    }
+                    let left = due - now;
+                    if left > Duration::from_micros(120) {
+                        std::thread::sleep(left - Duration::from_micros(100));
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+                let _ = reply.send(Ok(vec![0.0; n]));
+            }
+        });
+        Arc::new(Self {
+            hidden,
+            delay_ns: AtomicU64::new(0),
+            jobs: Mutex::new(tx),
+        })
+    }
+}
+
+impl ExpertExecutor for ZeroExperts {
+    fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
+        self.start(batch).wait()
+    }
+
+    fn start(&self, batch: ExpertBatch<'_>) -> PendingExperts {
+        let n = batch.n_tokens * self.hidden;
+        let d = self.delay_ns.load(Ordering::Relaxed);
+        if d == 0 {
+            return PendingExperts::ready(Ok(vec![0.0; n]));
+        }
+        let (tx, pending) = PendingExperts::channel();
+        let due = Instant::now() + Duration::from_nanos(d);
+        let sent = self.jobs.lock().expect("jobs lock").send((due, n, tx));
+        match sent {
+            Ok(()) => pending,
+            Err(_) => PendingExperts::ready(Ok(vec![0.0; n])),
+        }
+    }
+}
+
+/// The coordinator's dense pass measured on this machine, as it runs between waits for the
+/// workers: seconds per decoded token after a prompt of `position` tokens, and what each
+/// further token of a `1 + draft`-token step adds. Loads the dense skeleton of `dir` (a
+/// container or checkpoint), not its experts.
+///
+/// Each MoE layer's experts answer from another thread after a fixed delay (longer than the
+/// shared expert), so the pass pays what waiting costs it (the compute helpers parked and woken,
+/// the thread hand-off); the delay less the shared expert's share of the dense time (the part of
+/// the wait it hides) comes off again.
+pub fn dense_speed(
+    dir: &Path,
+    act: Activations,
+    draft: usize,
+    position: usize,
+) -> Result<(f64, f64), String> {
+    let err = |e: LoadError| e.to_string();
+    let (model, zero) = if Container::is_container(dir) {
+        let (spec, c) = open_container(dir).map_err(err)?;
+        let zero = ZeroExperts::new(spec.hidden_size);
+        (
+            Model::build(spec, &c, Some(zero.clone()), act).map_err(err)?,
+            zero,
+        )
+    } else {
+        let (spec, src) = open_source(dir).map_err(err)?;
+        let zero = ZeroExperts::new(spec.hidden_size);
+        (
+            Model::build(spec, &*src, Some(zero.clone()), act).map_err(err)?,
+            zero,
+        )
+    };
+    let spec = &model.spec;
+    let moe = moe_layers(spec)
+        .iter()
+        .filter(|l| l.0 < spec.layers.len())
+        .count();
+    let vocab = spec.vocab_size as u32;
+    let tok = |i: usize| (i as u32 * 37 + 11) % vocab.max(2);
+    let (warm, steps, wide) = (4, 32, 8);
+    let mut cache = KvCache::new(spec);
+    let prompt: Vec<u32> = (0..position.max(1)).map(tok).collect();
+    cache.reserve(
+        prompt.len() + 2 * (warm + steps) + wide * (draft + 1) + 8,
+        spec,
+    );
+    let h = spec.hidden_size;
+    let sampler = Mutex::new(Sampler::new(SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 1,
+        ..Default::default()
+    }));
+    let fwd = |ids: &[u32], cache: &mut KvCache| -> Result<(), String> {
+        let normed = model
+            .forward(ids, cache, ForwardOptions::default(), None)
+            .map_err(|e| e.to_string())?;
+        let rows = ids.len();
+        // a step's logits: every row of a speculative step is checked against its token,
+        // sampled (temperature 1)
+        let logits = model
+            .logits(&normed[..rows * h], rows)
+            .map_err(|e| e.to_string())?;
+        let v = logits.len() / rows;
+        for r in 0..rows {
+            sampler
+                .lock()
+                .expect("sampler")
+                .sample(&logits[r * v..(r + 1) * v]);
+        }
+        Ok(())
+    };
+    fwd(&prompt, &mut cache)?;
+    let time = |n: usize, width: usize, cache: &mut KvCache| -> Result<f64, String> {
+        let t = Instant::now();
+        for i in 0..n {
+            let ids: Vec<u32> = (0..width).map(|j| tok(100 + i * width + j)).collect();
+            fwd(&ids, cache)?;
+        }
+        Ok(t.elapsed().as_secs_f64() / n as f64)
+    };
+    time(warm, 1, &mut cache)?;
+    let plain = time(steps, 1, &mut cache)?;
+    let extra = if draft > 0 {
+        let step = time(wide, draft + 1, &mut cache)?;
+        ((step - plain) / draft as f64).max(0.0)
+    } else {
+        0.0
+    };
+    if moe == 0 {
+        return Ok((plain, extra));
+    }
+    let report = crate::ops::plan::plan(dir, &Default::default()).map_err(err)?;
+    let shared = plain * report.shared_read_bytes_per_layer as f64
+        / report.dense_read_bytes_per_token.max(1) as f64;
+    let delay = (2.0 * shared).max(300e-6);
+    zero.delay_ns.store((delay * 1e9) as u64, Ordering::Relaxed);
+    time(warm, 1, &mut cache)?;
+    let waiting = time(steps, 1, &mut cache)?;
+    zero.delay_ns.store(0, Ordering::Relaxed);
+    let dense = (waiting - moe as f64 * (delay - shared)).max(plain);
+    Ok((dense, extra))
+}
+
+/// Requests of each size timed per worker.
+const REPS: usize = 40;
+
+/// Per connected worker with experts placed on it: the predictor's view from real requests.
+/// Each worker gets, alone, requests of one token and of 8 tokens, each to its share of `top_k`
+/// experts of one MoE layer drawn afresh from the experts only it holds (as routing does, so
+/// its caches are not warmer than in use), with this machine's compute threads busy for `gap_s`
+/// before each (the dense work between two MoE layers, which competes for the cores and lets the
+/// worker go idle as in use). The worker's own compute (it reports it) comes off the round trip
+/// seen by this thread, and the rest against the bytes moved gives the fixed cost and the
+/// link's rate. `disk_s`: seconds to read one expert from a worker's disk (not probed).
+pub fn probe_workers(r: &RemoteExperts, spec: &ModelSpec, disk_s: f64, gap_s: f64) -> Vec<Node> {
+    let p = r.placement();
+    let status = r.status();
+    let h = spec.hidden_size;
+    let top_k = spec.router.as_ref().map_or(0, |r| r.top_k);
+    let layers: Vec<(usize, usize)> = moe_layers(spec)
+        .into_iter()
+        .filter(|l| l.0 < spec.layers.len())
+        .collect();
+    let total: usize = (0..status.len()).map(|i| p.count(i)).sum();
+    let mut nodes = Vec::new();
+    let mut step = 1u64 << 40;
+    for (i, w) in status.iter().enumerate() {
+        if !w.connected || p.count(i) == 0 || top_k == 0 {
+            continue;
+        }
+        let share = p.count(i) as f64 / total.max(1) as f64;
+        let want = ((top_k as f64 * share).round() as usize).clamp(1, top_k);
+        // the layer with the most experts held by this worker alone
+        let pick = layers
+            .iter()
+            .map(|&(l, n)| {
+                let ids: Vec<u32> = (0..n as u32).filter(|&e| p.holders(l, e) == [i]).collect();
+                (l, ids)
+            })
+            .max_by_key(|(_, ids)| ids.len());
+        let Some((layer, pool)) = pick.filter(|(_, ids)| !ids.is_empty()) else {
+            continue;
+        };
+        let k = want.min(pool.len());
+        let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ i as u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let mut measure = |tokens: usize| -> Option<(Vec<f64>, f64, f64)> {
+            let x: Vec<f32> = (0..tokens * h).map(|j| ((j as f32) * 0.37).sin()).collect();
+            let wts = vec![1.0 / k as f32; tokens * k];
+            let before = r.status()[i].clone();
+            let mut walls = Vec::with_capacity(REPS);
+            for rep in 0..REPS + 4 {
+                // each token's experts drawn from the pool, ascending and distinct
+                let mut all = Vec::with_capacity(tokens * k);
+                for _ in 0..tokens {
+                    let mut ids: Vec<u32> = Vec::with_capacity(k);
+                    while ids.len() < k {
+                        let e = pool[(next() % pool.len() as u64) as usize];
+                        if !ids.contains(&e) {
+                            ids.push(e);
+                        }
+                    }
+                    ids.sort_unstable();
+                    all.extend(ids);
+                }
+                busy(gap_s);
+                step += 1;
+                let t = Instant::now();
+                r.run(ExpertBatch {
+                    step,
+                    layer,
+                    x: &x,
+                    n_tokens: tokens,
+                    ids: &all,
+                    weights: &wts,
+                    top_k: k,
+                })
+                .ok()?;
+                if rep >= 4 {
+                    walls.push(t.elapsed().as_secs_f64());
+                }
+            }
+            let after = r.status()[i].clone();
+            let n = (after.requests - before.requests) as f64;
+            let compute = (after.mean_compute_ms * after.requests as f64
+                - before.mean_compute_ms * before.requests as f64)
+                / n.max(1.0)
+                / 1e3;
+            let bytes = (after.bytes_sent + after.bytes_received
+                - before.bytes_sent
+                - before.bytes_received) as f64
+                / n.max(1.0);
+            Some((walls, compute, bytes))
+        };
+        let (Some((walls1, compute1, bytes1)), Some((walls8, compute8, bytes8))) =
+            (measure(1), measure(8))
+        else {
+            continue;
+        };
+        let mean = |w: &[f64]| w.iter().sum::<f64>() / w.len().max(1) as f64;
+        let (wall1, wall8) = (mean(&walls1), mean(&walls8));
+        let (rest1, rest8) = (wall1 - compute1, wall8 - compute8);
+        let per_byte = if bytes8 > bytes1 {
+            ((rest8 - rest1) / (bytes8 - bytes1)).max(0.0)
+        } else {
+            0.0
+        };
+        let fixed = |wall: f64| (wall - compute1 - per_byte * bytes1).max(0.0);
+        nodes.push(Node {
+            name: w.name.clone(),
+            share,
+            ram_bytes: w.ram_bytes,
+            expert_s: compute1 / k as f64,
+            disk_s,
+            latency_s: fixed(wall1),
+            latency_samples_s: walls1.iter().map(|&w| fixed(w)).collect(),
+            bytes_s: if per_byte > 0.0 {
+                1.0 / per_byte
+            } else {
+                f64::INFINITY
+            },
+            in_process: false,
+        });
+    }
+    nodes
+}
+
+/// Keeps every compute thread of this process busy for `s` seconds.
+fn busy(s: f64) {
+    if s <= 0.0 {
+        return;
+    }
+    let until = Instant::now() + Duration::from_secs_f64(s);
+    charm_shared::par::for_each(charm_shared::par::threads(), |_| {
+        while Instant::now() < until {
+            std::hint::spin_loop();
+        }
+    });
+}
+
+/// The predictor's input for a probed cluster: the dense pass as measured (`dense`: per token,
+/// per further token of a step), the shared expert and an MTP draft in proportion to their bytes.
+pub fn live_setup(dense: (f64, f64), m: &ModelCost, nodes: Vec<Node>) -> Setup {
+    let frac = |b: u64| b as f64 / m.dense_read_bytes.max(1) as f64;
+    Setup {
+        source: "probed".into(),
+        dense_s: dense.0,
+        dense_extra_s: dense.1,
+        shared_s: dense.0 * frac(m.shared_read_bytes),
+        mtp_s: dense.0 * frac(m.mtp_read_bytes),
+        coordinator_bytes_s: f64::INFINITY,
+        nodes,
+    }
+}
