@@ -42,19 +42,7 @@ impl ZeroExperts {
         let (tx, rx) = mpsc::channel::<Job>();
         std::thread::spawn(move || {
             while let Ok((due, n, reply)) = rx.recv() {
-                // sleep most of the way, spin the last stretch (timer slack)
-                loop {
-                    let now = Instant::now();
-                    if now >= due {
-                        break;
-                    }
-                    let left = due - now;
-                    if left > Duration::from_micros(120) {
-                        std::thread::sleep(left - Duration::from_micros(100));
-                    } else {
-                        std::hint::spin_loop();
-                    }
-                }
+                sleep_until(due);
                 let _ = reply.send(Ok(vec![0.0; n]));
             }
         });
@@ -318,6 +306,23 @@ pub fn probe_workers(r: &RemoteExperts, spec: &ModelSpec, disk_s: f64, gap_s: f6
         });
     }
     nodes
+}
+
+/// Returns at `due`, to within a few microseconds: sleeps most of the way and spins the last
+/// stretch (a sleep's timer slack is ~50 us).
+pub fn sleep_until(due: Instant) {
+    loop {
+        let now = Instant::now();
+        if now >= due {
+            return;
+        }
+        let left = due - now;
+        if left > Duration::from_micros(120) {
+            std::thread::sleep(left - Duration::from_micros(100));
+        } else {
+            std::hint::spin_loop();
+        }
+    }
 }
 
 /// Keeps every compute thread of this process busy for `s` seconds.
