@@ -91,7 +91,8 @@ pub struct StoreArgs {
     pub io_trace: Option<PathBuf>,
     /// Cluster file (JSON: workers, certificates, deadline, replicas; see deploy/cluster.json)
     /// or a cluster directory made by `charm cluster init` (its cluster.json). Routed experts go
-    /// to the workers; what none answers runs here.
+    /// to the workers; what none answers runs here. `charm plan` also takes a described cluster
+    /// (a JSON file with a `machines` list, see deploy/machines.json) to predict its speed.
     #[arg(long)]
     pub cluster: Option<PathBuf>,
     /// Expert workers, `NAME@HOST:PORT,...` (instead of the cluster file's list).

@@ -518,12 +518,21 @@ pub fn is_described(text: &str) -> bool {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// Most machines a described cluster may name.
+const MAX_MACHINES: usize = 1024;
+
 impl Described {
     /// Parses and checks a described cluster.
     pub fn parse(text: &str) -> Result<Self, String> {
         let d: Described = serde_json::from_str(text).map_err(|e| e.to_string())?;
         if d.machines.is_empty() {
             return Err("`machines` is empty: name at least the coordinator's".into());
+        }
+        if d.machines.len() > MAX_MACHINES {
+            return Err(format!(
+                "{} machines: at most {MAX_MACHINES} are planned",
+                d.machines.len()
+            ));
         }
         let pos = |v: f64| v.is_finite() && v > 0.0;
         for m in &d.machines {
@@ -829,6 +838,11 @@ mod tests {
         )
         .is_err());
         assert!(is_described(r#"{"machines": []}"#) && !is_described(r#"{"workers": []}"#));
+        let many: Vec<String> = (0..=MAX_MACHINES)
+            .map(|i| format!(r#"{{"name": "m{i}", "ram_gib": 8, "mem_gb_s": 1}}"#))
+            .collect();
+        let e = Described::parse(&format!(r#"{{"machines": [{}]}}"#, many.join(","))).unwrap_err();
+        assert!(e.contains("at most"), "{e}");
         let one =
             Described::parse(r#"{"machines": [{"name": "a", "ram_gib": 64, "mem_gb_s": 50}]}"#)
                 .unwrap();
