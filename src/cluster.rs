@@ -248,11 +248,12 @@ fn status(model: &Path, args: &StoreArgs, json: bool) -> Result<()> {
                 (None, false) => "down".to_string(),
             };
             println!(
-                "  {:<12} {:<22} {health}; {} experts placed, {:.1} GiB expert RAM, {:.0} GiB disk free, ping {}",
+                "  {:<12} {:<22} {health}; {} experts placed, {:.1} GiB expert RAM, {:.0} expert rows/s, {:.0} GiB disk free, ping {}",
                 w.name,
                 w.addr,
                 w.experts,
                 w.ram_bytes as f64 / (1u64 << 30) as f64,
+                w.expert_rate,
                 w.disk_free_bytes as f64 / (1u64 << 30) as f64,
                 w.ping_ms.map_or("-".into(), |p| format!("{p:.2} ms"))
             );
