@@ -7,6 +7,7 @@
 //! ```sh
 //! cargo bench --bench cluster -- --model DIR [--workers 2] [--tokens 32] [--delays 0,0.2,1]
 //!                                [--activations f32|int8] [--draft N] [--temperature T] [--pin]
+//!                                [--predict]
 //! ```
 //!
 //! `--predict` checks `charm plan --cluster`'s prediction: before each delay's decode it probes
@@ -30,9 +31,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use charm_coordinator::cluster::predict::{self, ModelCost, Prediction};
 use charm_coordinator::cluster::probe;
-use charm_coordinator::cluster::remote::{moe_layers, RemoteExperts};
+use charm_coordinator::cluster::remote::moe_layers;
 use charm_coordinator::cluster::{Loopback, WorkerAddr};
 use charm_coordinator::decode::generate::generate_with_drafts;
 use charm_coordinator::decode::sampling::{Sampler, SamplingParams};
@@ -223,7 +223,7 @@ fn quic_echo(
     // the echoing side on a runtime of its own (on `echo_cpu` when given), as a worker is
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let server_dir = dir.to_path_buf();
-    std::thread::spawn(move || {
+    let echo = std::thread::spawn(move || {
         if let Some(c) = echo_cpu {
             pin_to(c);
         }
@@ -232,7 +232,10 @@ fn quic_echo(
             let server_id = Identity::load(&server_dir, "w1").unwrap();
             let ep =
                 charm_worker::server::listen("127.0.0.1:0".parse().unwrap(), &server_id).unwrap();
-            addr_tx.send(ep.local_addr().unwrap()).unwrap();
+            // (the endpoint goes along, so the caller can close it and end this thread)
+            addr_tx
+                .send((ep.local_addr().unwrap(), ep.clone()))
+                .unwrap();
             while let Some(inc) = ep.accept().await {
                 tokio::spawn(async move {
                     let Ok(c) = inc.await else { return };
@@ -247,9 +250,9 @@ fn quic_echo(
             }
         });
     });
-    let addr = addr_rx.recv().unwrap();
+    let (addr, server) = addr_rx.recv().unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
+    let median = rt.block_on(async {
         let relay = delay.map(|d| Relay::start(addr, d / 2));
         let target = relay.as_ref().map_or(addr, |r| r.addr);
         let id = Identity::load(dir, "coordinator").unwrap();
@@ -276,7 +279,10 @@ fn quic_echo(
         drop(relay);
         times.sort_by(f64::total_cmp);
         times[times.len() / 2]
-    })
+    });
+    server.close(0u32.into(), b"");
+    echo.join().unwrap();
+    median
 }
 
 /// Pins the calling thread (and the threads it starts later) to `cpu`.
@@ -420,24 +426,6 @@ fn decode(e: &Engine, prompt: &[u32], tokens: usize, temperature: f32, draft: us
     }
 }
 
-/// `charm plan --cluster`'s prediction for this cluster, probed through `r` with the dense pass
-/// timed at `position`.
-fn predict(a: &Args, r: &RemoteExperts, act: Activations, position: usize) -> Prediction {
-    let spec = charm_shared::config::ModelSpec::from_dir(&a.model).unwrap();
-    let plan = charm_coordinator::ops::plan::plan(&a.model, &Default::default()).unwrap();
-    let groups: Vec<u32> = r.status().iter().map(|w| w.act_group).collect();
-    let group = match act {
-        Activations::Int8 if groups.iter().all(|&g| g > 0 && g == groups[0]) => groups[0] as usize,
-        _ => 0,
-    };
-    let m = ModelCost::from_plan(&plan, spec.hidden_size, group);
-    let dense = probe::dense_speed(&a.model, act, 0, position).unwrap();
-    let gap = dense.0 / m.moe_layers.max(1) as f64;
-    let nodes = probe::probe_workers(r, &spec, m.expert_bytes as f64 / 2e9, gap);
-    assert!(!nodes.is_empty(), "no worker answered the probe");
-    predict::predict(probe::live_setup(dense, &m, nodes), &m, 0, 0.0)
-}
-
 fn main() {
     let a = args();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -474,6 +462,9 @@ fn main() {
 
     let single = Engine::load(&a.model, &opts).unwrap();
     let spec = single.model.spec.clone();
+    let plan = a
+        .predict
+        .then(|| charm_coordinator::ops::plan::plan(&a.model, &Default::default()).unwrap());
     let moe = moe_layers(&spec)
         .iter()
         .filter(|l| l.0 < spec.layers.len())
@@ -540,9 +531,18 @@ fn main() {
         assert!(e.warnings.is_empty(), "{:?}", e.warnings);
         let r = e.remote.clone().unwrap();
         decode(&e, &prompt, 4, temp, 0);
-        let predicted = a
-            .predict
-            .then(|| predict(&a, &r, act, prompt.len() + a.tokens / 2));
+        // `charm plan --cluster`'s prediction, probed through the same client, the dense pass
+        // timed halfway through the decode
+        let predicted = plan.as_ref().map(|plan| {
+            let o = probe::LiveOptions {
+                act,
+                draft: 0,
+                acceptance: 0.0,
+                position: prompt.len() + a.tokens / 2,
+                worker_disk_bytes_s: probe::WORKER_DISK_BYTES_S,
+            };
+            probe::predict_live(&a.model, &r, &spec, plan, o).unwrap()
+        });
         let s0 = r.status();
         let run = decode(&e, &prompt, a.tokens, temp, 0);
         assert_eq!(run.ids, base.ids, "the cluster changed the tokens");

@@ -226,7 +226,7 @@ fn status(model: &Path, args: &StoreArgs, json: bool) -> Result<()> {
     let Some(opts) = args.cluster_options()? else {
         bail!("give --cluster");
     };
-    let (r, _, warnings) = common::probe(model, &opts)?;
+    let (r, _, warnings) = common::probe(model, &opts, None)?;
     let fingerprint = model_fingerprint(model).map_err(anyhow::Error::msg)?;
     // one heartbeat, for a round-trip figure
     std::thread::sleep(opts.heartbeat + std::time::Duration::from_millis(50));

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use charm_coordinator::cluster::remote::{ClusterPlan, RemoteExperts};
+use charm_coordinator::cluster::remote::RemoteExperts;
 use charm_coordinator::cluster::{model_fingerprint, ClusterOptions, WorkerAddr};
 use charm_coordinator::decode::speculative::{DraftOptions, DraftSource};
 use charm_coordinator::ops::plan::PlanInput;
@@ -246,50 +246,23 @@ impl FormatArgs {
     }
 }
 
-/// The workers' view of `model` for `charm plan --cluster`: handshakes in activation mode
-/// `act` (`None`: any, for a view that sends no expert work), nothing loaded; the connection
-/// stays open for the probe's requests (experts no worker answers are refused, never computed
-/// here).
-pub fn plan_cluster(
+/// Handshakes with every worker of `opts` for `model`, without loading it, in activation mode
+/// `act` (`None`: any, for a view that sends no expert work); experts no worker answers are
+/// refused, never computed here. Returns the warnings of workers that did not answer.
+pub fn probe(
     model: &Path,
     opts: &ClusterOptions,
-    expert_bytes: u64,
     act: Option<Activations>,
-) -> Result<(RemoteExperts, ClusterPlan)> {
+) -> Result<(RemoteExperts, ModelSpec, Vec<String>)> {
     let spec = ModelSpec::from_dir(model)?;
     let fingerprint = model_fingerprint(model).map_err(anyhow::Error::msg)?;
-    let (r, _) = RemoteExperts::connect(
+    let (r, warnings) = RemoteExperts::connect(
         opts,
         &fingerprint,
         act.map(act_name),
         &spec,
         Default::default(),
         Arc::new(charm_coordinator::cluster::remote::NoLocalExperts),
-        None,
-    )
-    .map_err(anyhow::Error::msg)?;
-    let plan = r.plan(&spec, expert_bytes);
-    Ok((r, plan))
-}
-
-/// Handshakes with every worker of `opts` for `model` (in whatever activation mode), without
-/// loading it; returns the warnings of workers that did not answer.
-pub fn probe(
-    model: &Path,
-    opts: &ClusterOptions,
-) -> Result<(RemoteExperts, ModelSpec, Vec<String>)> {
-    let spec = ModelSpec::from_dir(model)?;
-    let fingerprint = model_fingerprint(model).map_err(anyhow::Error::msg)?;
-    // never asked to compute: nothing here sends expert work
-    let none: Arc<dyn charm_shared::expert::ExpertExecutor> =
-        Arc::new(charm_worker::RamExperts::default());
-    let (r, warnings) = RemoteExperts::connect(
-        opts,
-        &fingerprint,
-        None,
-        &spec,
-        Default::default(),
-        none,
         None,
     )
     .map_err(anyhow::Error::msg)?;

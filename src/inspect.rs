@@ -48,7 +48,7 @@ pub struct PlanArgs {
     pub acceptance: f64,
     /// With a live cluster: the workers' disk read speed for experts their RAM does not hold,
     /// GB/s (not probed).
-    #[arg(long, default_value_t = 2.0, help_heading = "Speed with --cluster")]
+    #[arg(long, default_value_t = probe::WORKER_DISK_BYTES_S / 1e9, help_heading = "Speed with --cluster")]
     pub worker_disk_gb_s: f64,
     /// With a live cluster: show the workers and the placement only (no dense pass measured,
     /// no requests sent).
@@ -119,13 +119,23 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
             )
         }
         (None, Some(c)) => {
-            let (r, cp) =
-                common::plan_cluster(dir, &c, p.expert_bytes, (!a.no_probe).then_some(act))?;
-            let prediction = if a.no_probe {
-                None
-            } else {
-                Some(probe_and_predict(dir, &r, &spec, &p, act, a)?)
-            };
+            let (r, _, _) = common::probe(dir, &c, (!a.no_probe).then_some(act))?;
+            let cp = r.plan(&spec, p.expert_bytes);
+            let prediction =
+                if a.no_probe {
+                    None
+                } else {
+                    let o = probe::LiveOptions {
+                        act,
+                        draft: a.draft,
+                        acceptance: a.acceptance,
+                        position: args_ctx(a),
+                        worker_disk_bytes_s: a.worker_disk_gb_s * 1e9,
+                    };
+                    Some(probe::predict_live(dir, &r, &spec, &p, o).map_err(|e| {
+                        anyhow::anyhow!("{e} (--no-probe shows the placement alone)")
+                    })?)
+                };
             (Some(cp), prediction)
         }
         (None, None) => (None, None),
@@ -157,48 +167,6 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
 /// The context position the dense pass is timed at: halfway through `--ctx` (default 512).
 fn args_ctx(a: &PlanArgs) -> usize {
     a.store.ctx.unwrap_or(512) / 2
-}
-
-/// The live cluster measured (this machine's dense pass, each worker's requests) and its speed
-/// predicted.
-fn probe_and_predict(
-    dir: &std::path::Path,
-    r: &charm_coordinator::cluster::remote::RemoteExperts,
-    spec: &charm_shared::config::ModelSpec,
-    p: &ops::plan::Plan,
-    act: Activations,
-    a: &PlanArgs,
-) -> Result<predict::Prediction> {
-    let groups: Vec<u32> = r
-        .status()
-        .iter()
-        .filter(|w| w.connected)
-        .map(|w| w.act_group)
-        .collect();
-    let group = match act {
-        Activations::Int8
-            if !groups.is_empty() && groups.iter().all(|&g| g > 0 && g == groups[0]) =>
-        {
-            groups[0] as usize
-        }
-        _ => 0,
-    };
-    let m = ClusterCost::from_plan(p, spec.hidden_size, group);
-    let dense = probe::dense_speed(dir, act, a.draft, args_ctx(a)).map_err(|e| {
-        anyhow::anyhow!("measuring the dense pass needs the model's dense weights here: {e}")
-    })?;
-    let gap = dense.0 / m.moe_layers.max(1) as f64;
-    let disk_s = m.expert_bytes as f64 / (a.worker_disk_gb_s * 1e9);
-    let nodes = probe::probe_workers(r, spec, disk_s, gap);
-    if nodes.is_empty() {
-        bail!("no worker answered the probe's requests: nothing to predict the cluster's speed from (--no-probe shows the placement alone)");
-    }
-    Ok(predict::predict(
-        probe::live_setup(dense, &m, nodes),
-        &m,
-        a.draft,
-        a.acceptance,
-    ))
 }
 
 /// The flags of `charm doctor`.

@@ -644,9 +644,10 @@ fn plan_and_status_show_the_cluster_without_loading_the_model() {
     assert_eq!(nodes.len(), 1, "{pr}");
     assert_eq!(nodes[0]["name"], "w1");
     assert_eq!(nodes[0]["share"].as_f64(), Some(1.0));
-    for k in ["latency_s", "expert_s"] {
-        assert!(nodes[0][k].as_f64().unwrap() > 0.0, "{k}: {pr}");
-    }
+    // (measured times: present and sane, not compared with any figure)
+    let latency = nodes[0]["latency_s"].as_f64().unwrap();
+    assert!(latency.is_finite() && latency >= 0.0, "{pr}");
+    assert!(nodes[0]["expert_s"].as_f64().unwrap() > 0.0, "{pr}");
     assert!(pr["setup"]["dense_s"].as_f64().unwrap() > 0.0);
     check_budget(&pr["token"]);
     let t = pr["token"]["total_ms"].as_f64().unwrap();

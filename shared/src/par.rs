@@ -333,7 +333,9 @@ mod tests {
     }
 
     #[test]
-    fn loops_after_a_rest_wake_the_parked_helpers() {
+    fn loops_after_a_rest_run_every_item_once() {
+        // (a parked helper that took an item and never ran it, or a loop waiting on helpers
+        // that never wake, fails or hangs here; whether a helper ran any item is not checked)
         for round in 0..50 {
             rest();
             if round % 10 == 0 {

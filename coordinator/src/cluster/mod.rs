@@ -244,7 +244,9 @@ pub struct Loopback {
 
 impl Loopback {
     /// Starts `n` workers (`exe worker ...`, the `charm` binary) serving `model` in activation
-    /// mode `act` with `extra` arguments.
+    /// mode `act` with `extra` arguments. The workers get SIGKILL when the *thread* that calls
+    /// this ends (`PR_SET_PDEATHSIG`), so call it from a thread that outlives them (the main
+    /// thread), not from a short-lived or pooled one.
     pub fn start(
         exe: &Path,
         model: &Path,

@@ -42,6 +42,11 @@ pub struct ModelCost {
 }
 
 impl ModelCost {
+    /// `bytes` as a share of the dense pass's weight bytes.
+    pub fn dense_share(&self, bytes: u64) -> f64 {
+        bytes as f64 / self.dense_read_bytes.max(1) as f64
+    }
+
     /// From the memory plan of the model; `coded_group`: activations go out as int8 codes with
     /// a scale per group of this many (0: as f32).
     pub fn from_plan(p: &Plan, hidden: usize, coded_group: usize) -> Self {
@@ -257,6 +262,7 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
         vec![0usize; nodes.len()],
         vec![0usize; nodes.len()],
     );
+    let mut touched = vec![false; nodes.len()];
     let mut sum = [0.0f64; 5]; // latency, transfer, compute, disk, overlap
     for _ in 0..DRAWS {
         used.iter_mut().for_each(|u| *u = false);
@@ -265,7 +271,7 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
         distinct.iter_mut().for_each(|d| *d = 0);
         for _ in 0..tokens {
             draw(&mut rng, m.n_experts, m.top_k.min(m.n_experts), &mut picks);
-            let mut touched = vec![false; nodes.len()];
+            touched.iter_mut().for_each(|t| *t = false);
             for &e in &picks {
                 let w = owner[e];
                 rows[w] += 1;
@@ -653,7 +659,7 @@ impl Prediction {
                     "in the coordinator's process".to_string()
                 } else {
                     format!(
-                        "{:.1} KB per token = {:.2} ms at line rate, round trip {:.3} ms, waited for on {:.0}% of layers",
+                        "{:.1} KB per token = {:.2} ms at line rate, {:.3} ms per request (round trip and software), waited for on {:.0}% of layers",
                         l.bytes_per_token / 1e3,
                         l.line_ms_per_token,
                         n.latency_s * 1e3,

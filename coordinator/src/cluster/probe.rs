@@ -14,11 +14,12 @@ use charm_shared::expert::{ExpertBatch, ExpertError, ExpertExecutor, PendingExpe
 use charm_shared::quant::Activations;
 use charm_shared::LoadError;
 
-use super::predict::{ModelCost, Node, Setup};
+use super::predict::{predict, ModelCost, Node, Prediction, Setup};
 use super::remote::{moe_layers, RemoteExperts};
 use crate::decode::sampling::{Sampler, SamplingParams};
 use crate::model::cache::KvCache;
 use crate::model::{open_container, open_source, Model};
+use crate::ops::plan::Plan;
 use crate::ForwardOptions;
 
 /// Routed experts that contribute nothing, answered at once or, like a worker, from another
@@ -83,12 +84,13 @@ impl ExpertExecutor for ZeroExperts {
 /// Each MoE layer's experts answer from another thread after a fixed delay (longer than the
 /// shared expert), so the pass pays what waiting costs it (the compute helpers parked and woken,
 /// the thread hand-off); the delay less the shared expert's share of the dense time (the part of
-/// the wait it hides) comes off again.
+/// the wait it hides; `shared_share`: its bytes over the dense pass's) comes off again.
 pub fn dense_speed(
     dir: &Path,
     act: Activations,
     draft: usize,
     position: usize,
+    shared_share: f64,
 ) -> Result<(f64, f64), String> {
     let err = |e: LoadError| e.to_string();
     let (model, zero) = if Container::is_container(dir) {
@@ -167,9 +169,7 @@ pub fn dense_speed(
     if moe == 0 {
         return Ok((plain, extra));
     }
-    let report = crate::ops::plan::plan(dir, &Default::default()).map_err(err)?;
-    let shared = plain * report.shared_read_bytes_per_layer as f64
-        / report.dense_read_bytes_per_token.max(1) as f64;
+    let shared = plain * shared_share;
     let delay = (2.0 * shared).max(300e-6);
     zero.delay_ns.store((delay * 1e9) as u64, Ordering::Relaxed);
     time(warm, 1, &mut cache)?;
@@ -340,15 +340,80 @@ fn busy(s: f64) {
 
 /// The predictor's input for a probed cluster: the dense pass as measured (`dense`: per token,
 /// per further token of a step), the shared expert and an MTP draft in proportion to their bytes.
-pub fn live_setup(dense: (f64, f64), m: &ModelCost, nodes: Vec<Node>) -> Setup {
-    let frac = |b: u64| b as f64 / m.dense_read_bytes.max(1) as f64;
+fn live_setup(dense: (f64, f64), m: &ModelCost, nodes: Vec<Node>) -> Setup {
     Setup {
         source: "probed".into(),
         dense_s: dense.0,
         dense_extra_s: dense.1,
-        shared_s: dense.0 * frac(m.shared_read_bytes),
-        mtp_s: dense.0 * frac(m.mtp_read_bytes),
+        shared_s: dense.0 * m.dense_share(m.shared_read_bytes),
+        mtp_s: dense.0 * m.dense_share(m.mtp_read_bytes),
         coordinator_bytes_s: f64::INFINITY,
         nodes,
     }
+}
+
+/// The workers' disk read speed a live prediction assumes unless told (not probed), bytes/s.
+pub const WORKER_DISK_BYTES_S: f64 = 2e9;
+
+/// What a live prediction is asked for.
+#[derive(Debug, Clone, Copy)]
+pub struct LiveOptions {
+    pub act: Activations,
+    /// Drafts per speculative step (0: plain decoding only) and their acceptance.
+    pub draft: usize,
+    pub acceptance: f64,
+    /// Context position the dense pass is timed at.
+    pub position: usize,
+    /// The workers' disk read speed for experts their RAM does not hold, bytes/s.
+    pub worker_disk_bytes_s: f64,
+}
+
+/// `charm plan --cluster`'s prediction for the live cluster `r` serving the model in `dir`
+/// (planned as `plan`): this machine's dense pass measured, then each worker probed.
+pub fn predict_live(
+    dir: &Path,
+    r: &RemoteExperts,
+    spec: &ModelSpec,
+    plan: &Plan,
+    o: LiveOptions,
+) -> Result<Prediction, String> {
+    // requests carry int8 codes when every connected worker takes them in one group
+    let groups: Vec<u32> = r
+        .status()
+        .iter()
+        .filter(|w| w.connected)
+        .map(|w| w.act_group)
+        .collect();
+    let group = match o.act {
+        Activations::Int8
+            if !groups.is_empty() && groups.iter().all(|&g| g > 0 && g == groups[0]) =>
+        {
+            groups[0] as usize
+        }
+        _ => 0,
+    };
+    let m = ModelCost::from_plan(plan, spec.hidden_size, group);
+    let dense = dense_speed(
+        dir,
+        o.act,
+        o.draft,
+        o.position,
+        m.dense_share(m.shared_read_bytes),
+    )
+    .map_err(|e| format!("measuring the dense pass needs the model's dense weights here: {e}"))?;
+    let gap = dense.0 / m.moe_layers.max(1) as f64;
+    let disk_s = m.expert_bytes as f64 / o.worker_disk_bytes_s;
+    let nodes = probe_workers(r, spec, disk_s, gap);
+    if nodes.is_empty() {
+        return Err(
+            "no worker answered the probe's requests: nothing to predict the cluster's speed from"
+                .into(),
+        );
+    }
+    Ok(predict(
+        live_setup(dense, &m, nodes),
+        &m,
+        o.draft,
+        o.acceptance,
+    ))
 }

@@ -286,11 +286,12 @@ impl Stored<'_> {
         let (dir, spec) = (self.dir, self.spec);
         let dense_bytes: u64 = self.dense.iter().map(|(n, p)| dense_ram(n, p)).sum();
         // Generation reserves the KV cache for its full context up front (no growth doubling).
-        // (the MTP layer's own cache only where the model carries the layer)
-        let has_mtp = self.experts.iter().any(|l| l.layer >= spec.layers.len());
-        let mtp = if has_mtp { mtp_kv(spec) } else { 0 };
-        let kv_bytes = 4 * (KvCache::floats_per_token(spec) as u64 + mtp) * input.context as u64;
         let layers = &self.experts;
+        let n_main = spec.layers.len();
+        let mtp_layer = layers.iter().find(|l| l.layer >= n_main);
+        // (the MTP layer's own cache only where the model carries the layer)
+        let mtp = if mtp_layer.is_some() { mtp_kv(spec) } else { 0 };
+        let kv_bytes = 4 * (KvCache::floats_per_token(spec) as u64 + mtp) * input.context as u64;
         let io = io_bytes(layers, input.readers);
         let (h, i) = (spec.hidden_size as u64, spec.moe_intermediate_size as u64);
         let top_k = spec.router.as_ref().map_or(0, |r| r.top_k);
@@ -384,7 +385,6 @@ impl Stored<'_> {
         let cold = (active as f64 * (1.0 - hit)) as u64;
         let dense_read = dense_bytes.saturating_sub(embed) + if tied { embed } else { 0 };
         let resident_read = dense_read + (active as f64 * hit) as u64;
-        let n_main = spec.layers.len();
         let main_tensor = |n: &str| !names::classify(n, n_main).mtp;
         let shared: u64 = self
             .dense
@@ -398,7 +398,6 @@ impl Stored<'_> {
             .filter(|(n, _)| !main_tensor(n))
             .map(|(n, p)| dense_ram(n, p))
             .sum();
-        let mtp_layer = layers.iter().find(|l| l.layer >= n_main);
         let mtp_read = mtp_layer.map_or(0, |l| {
             let own: u64 = self
                 .dense

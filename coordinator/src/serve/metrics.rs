@@ -144,7 +144,7 @@ pub(super) async fn prometheus(
             "charm_expert_hit_rate",
             "gauge",
             "Routed-expert uses served from memory without waiting, since start (1 when none ran).",
-            format!("{:.6}", if uses > 0.0 { hits / uses } else { 1.0 }),
+            format!("{:.6}", hit_rate(hits, uses)),
         ),
         (
             "charm_time_to_first_token_seconds_sum",
@@ -180,4 +180,13 @@ pub(super) async fn prometheus(
         }
     }
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], t).into_response())
+}
+
+/// Share of routed-expert uses served from memory; 1 when none ran (nothing waited).
+pub(super) fn hit_rate(hits: f64, uses: f64) -> f64 {
+    if uses > 0.0 {
+        hits / uses
+    } else {
+        1.0
+    }
 }

@@ -267,7 +267,7 @@ pub(super) fn document(s: &Shared, heat: bool) -> Json {
         "experts": {
             "uses": uses,
             "hits": st.hits,
-            "hit_rate": if uses > 0 { st.hits as f64 / uses as f64 } else { 1.0 },
+            "hit_rate": super::metrics::hit_rate(st.hits as f64, uses as f64),
             "disk_reads": st.reads,
             "disk_bytes_read": st.bytes_read,
             "cache_bytes": src.cache_bytes,
@@ -321,17 +321,28 @@ pub(super) async fn events(
     let heat = q.heat.unwrap_or(true);
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let weak = Arc::downgrade(&s);
+    // a document waits for the stream to take it: a client that stops reading gets no more
+    // built for it (the stream's own buffer bounds what it holds)
+    let waiting = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let taken = waiting.clone();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
             tick.tick().await;
             let Some(s) = weak.upgrade() else { return };
+            if tx.is_closed() {
+                return;
+            }
+            if waiting.swap(true, Ordering::AcqRel) {
+                continue;
+            }
             if tx.send(document(&s, heat)).is_err() {
                 return;
             }
         }
     });
-    Ok(super::sse::sse(rx, String::new(), |doc| {
+    Ok(super::sse::sse(rx, String::new(), move |doc| {
+        taken.store(false, Ordering::Release);
         (format!("event: status\ndata: {doc}\n\n"), false)
     }))
 }
