@@ -1,10 +1,13 @@
 //! Structured output: what grammar masks cost against a forward step, and what forced drafts buy.
 //!
 //! 1. A JSON-schema extraction workload (fixed keys, enums, bounded values) through the batch
-//!    scheduler, as `charm serve` runs it: with forced drafts off, on, and (`--draft K`) on with
-//!    the model's own drafter as well. Per mode: tokens per forward step, grammar-mask time per
-//!    constrained token against the mean step time (masks of a step's first rows are computed
-//!    beside the forward step; the others are in the verify path), tokens per second.
+//!    scheduler, as `charm serve` runs it: without a grammar (the plain step), then constrained
+//!    with forced drafts off, on, and (`--draft K`) on with the model's own drafter as well. Per
+//!    mode: tokens per forward step, the time the generating thread spends on grammar masks per
+//!    constrained token against the mean step time (a step's first mask per sequence is computed
+//!    by the compute pool's helpers beside the forward step; the others in the verify path),
+//!    tokens per second. Then what a constrained token costs, step and mask, against the plain
+//!    step.
 //! 2. `--mask-tokenizer DIR`: the mask of every position of a canned answer to the same schema
 //!    under a real tokenizer (e.g. `../shared/models/glm-5.2`, 155k tokens): microseconds per mask,
 //!    the part that grows with the vocabulary.
@@ -53,12 +56,14 @@ fn main() {
     let max_tokens: usize = arg("--max-tokens").map_or(120, |s| s.parse().unwrap());
     let draft: usize = arg("--draft").map_or(0, |s| s.parse().unwrap());
     let tok = Arc::new(TextTokenizer::load(&tok_dir).unwrap());
+    // (name, forced drafts, model drafts, constrained)
     let mut modes = vec![
-        ("forced drafts off", false, 0),
-        ("forced drafts on", true, 0),
+        ("forced drafts off", false, 0, true),
+        ("no grammar", false, 0, false),
+        ("forced drafts on", true, 0, true),
     ];
     if draft > 0 {
-        modes.push(("forced on + --draft", true, draft));
+        modes.push(("forced on + --draft", true, draft, true));
     }
     println!(
         "model {} (tokenizer {}), {requests} requests, max {max_tokens} tokens, sampled at T=0.8",
@@ -70,7 +75,12 @@ fn main() {
         "mode", "tokens", "steps", "tok/step", "mask us/t", "step ms", "mask/step", "tok/s"
     );
     let mut texts: Vec<Vec<String>> = Vec::new();
-    for (name, forced, k) in modes {
+    // the constrained answers' lengths (the plain run decodes as many tokens per request, so
+    // that its steps see the same context lengths), the constrained step + mask and the plain
+    // step, ms
+    let mut lengths: Vec<usize> = Vec::new();
+    let (mut constrained_ms, mut plain_ms) = (0.0, 0.0);
+    for (name, forced, k, constrained) in modes {
         let e = Engine::load(&model, &EngineOptions::default()).unwrap();
         let vocab = e.model.spec.vocab_size;
         let stop_ids = e.model.spec.eos_token_ids.clone();
@@ -107,13 +117,14 @@ fn main() {
         for i in 0..requests {
             let job = Job {
                 prompt: prompt.clone(),
-                max_tokens,
+                max_tokens: if constrained { max_tokens } else { lengths[i] },
+                ignore_eos: !constrained,
                 params: SamplingParams {
                     temperature: 0.8,
                     seed: i as u64,
                     ..SamplingParams::default()
                 },
-                constraint: Some(grammars.constraint(&spec).unwrap()),
+                constraint: constrained.then(|| grammars.constraint(&spec).unwrap()),
                 ..Job::default()
             };
             if i == 0 {
@@ -128,6 +139,9 @@ fn main() {
                         completion_tokens, ..
                     } => {
                         tokens += completion_tokens;
+                        if constrained && !forced && k == 0 {
+                            lengths.push(completion_tokens);
+                        }
                         break;
                     }
                     Event::Failed(m) => panic!("{m}"),
@@ -154,10 +168,22 @@ fn main() {
             100.0 * mask_us / 1e3 / steps as f64 / step_ms,
             tokens as f64 / secs
         );
+        if !constrained {
+            plain_ms = step_ms;
+            continue;
+        }
+        if k == 0 && !forced {
+            // (a step's time runs from its first token to its last: masks and sampling included)
+            constrained_ms = step_ms;
+        }
         texts.push(out);
     }
+    println!(
+        "a constrained token (forced drafts off), step with its mask: {constrained_ms:.3} ms, {:+.1}% against a plain step over as many tokens ({plain_ms:.3} ms)",
+        100.0 * (constrained_ms / plain_ms - 1.0)
+    );
     let same = texts.windows(2).all(|w| w[0] == w[1]);
-    println!("same answers in every mode: {same}");
+    println!("same answers in every constrained mode: {same}");
     println!("first answer: {}", texts[0][0]);
 }
 

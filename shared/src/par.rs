@@ -16,12 +16,18 @@
 //!   items in order on the calling thread.
 //! - A panicking item is finished as a panic of the call, after every other item has run.
 //!
+//! A task handed over with [`beside`] runs on a helper that has no loop item to run (between
+//! the loops of a step, where one thread does the serial work), or on the caller when it asks
+//! for the result first: work that must not wait for the step, such as the next token's grammar
+//! mask, fills the helpers' idle time instead of a core of its own.
+//!
 //! Threads: `RAYON_NUM_THREADS` if set, else one per core, or [`set_threads`] before first use.
 
 use std::cell::Cell;
+use std::collections::VecDeque;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering::SeqCst};
-use std::sync::{Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 /// Rounds a helper spins (each a `spin_loop` hint and a look at the loop counter) after a loop
 /// before it parks: some 100-300 microseconds, longer than the gaps between the loops of one
@@ -77,6 +83,9 @@ struct Pool {
     resting: AtomicBool,
     park: Mutex<()>,
     wake: Condvar,
+    /// Tasks handed over with [`beside`], and how many are queued.
+    side: Mutex<VecDeque<Arc<dyn SideTask>>>,
+    side_queued: AtomicUsize,
 }
 
 static THREADS: OnceLock<usize> = OnceLock::new();
@@ -127,6 +136,8 @@ fn pool() -> &'static Pool {
             resting: AtomicBool::new(false),
             park: Mutex::new(()),
             wake: Condvar::new(),
+            side: Mutex::new(VecDeque::new()),
+            side_queued: AtomicUsize::new(0),
         }));
         let mut started = 0;
         for i in 0..p.helpers {
@@ -153,6 +164,10 @@ impl Pool {
         loop {
             let mut spins = 0;
             while self.epoch.load(SeqCst) == seen {
+                if self.side_queued.load(SeqCst) > 0 {
+                    self.run_side();
+                    continue;
+                }
                 spins += 1;
                 if spins < SPIN_ROUNDS && !self.resting.load(SeqCst) {
                     std::hint::spin_loop();
@@ -160,11 +175,11 @@ impl Pool {
                 }
                 let mut g = self.park.lock().unwrap_or_else(|e| e.into_inner());
                 self.sleepers.fetch_add(1, SeqCst);
-                while self.epoch.load(SeqCst) == seen {
+                while self.epoch.load(SeqCst) == seen && self.side_queued.load(SeqCst) == 0 {
                     g = self.wake.wait(g).unwrap_or_else(|e| e.into_inner());
                 }
                 self.sleepers.fetch_sub(1, SeqCst);
-                break;
+                spins = 0;
             }
             seen = self.epoch.load(SeqCst);
             self.inside.fetch_add(1, SeqCst);
@@ -175,6 +190,26 @@ impl Pool {
                 unsafe { &*j }.work();
             }
             self.inside.fetch_sub(1, SeqCst);
+        }
+    }
+
+    /// Runs the oldest task handed over with [`beside`], if another helper has not taken it.
+    fn run_side(&self) {
+        let task = self
+            .side
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop_front();
+        if let Some(t) = task {
+            self.side_queued.fetch_sub(1, SeqCst);
+            in_item(|| t.run());
+        }
+    }
+
+    fn wake_sleepers(&self) {
+        if self.sleepers.load(SeqCst) > 0 {
+            let _g = self.park.lock().unwrap_or_else(|e| e.into_inner());
+            self.wake.notify_all();
         }
     }
 }
@@ -215,10 +250,7 @@ pub fn for_each(count: usize, f: impl Fn(usize) + Sync) {
     p.job.store(&job as *const Job as *mut Job, SeqCst);
     p.resting.store(false, SeqCst);
     p.epoch.fetch_add(1, SeqCst);
-    if p.sleepers.load(SeqCst) > 0 {
-        let _g = p.park.lock().unwrap_or_else(|e| e.into_inner());
-        p.wake.notify_all();
-    }
+    p.wake_sleepers();
     job.work();
     wait_until(|| job.done.load(SeqCst) == count);
     p.job.store(std::ptr::null_mut(), SeqCst);
@@ -238,6 +270,134 @@ pub fn for_each(count: usize, f: impl Fn(usize) + Sync) {
 pub fn rest() {
     if let Some(p) = POOL.get().filter(|p| !p.busy.load(SeqCst)) {
         p.resting.store(true, SeqCst);
+    }
+}
+
+/// A task handed over with [`beside`]: its result once [`Beside::join`] asks for it.
+pub struct Beside<T> {
+    slot: Arc<Slot<T>>,
+}
+
+type SideFn<T> = Box<dyn FnOnce() -> T + Send>;
+
+enum SideState<T> {
+    Waiting(SideFn<T>),
+    Running,
+    Done(std::thread::Result<T>),
+    /// Joined or dropped.
+    Gone,
+}
+
+struct Slot<T> {
+    state: Mutex<SideState<T>>,
+}
+
+trait SideTask: Send + Sync {
+    /// Runs the task unless it has been started, joined or dropped already.
+    fn run(&self);
+}
+
+impl<T: Send> SideTask for Slot<T> {
+    fn run(&self) {
+        let f = {
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            match std::mem::replace(&mut *st, SideState::Running) {
+                SideState::Waiting(f) => f,
+                other => {
+                    *st = other;
+                    return;
+                }
+            }
+        };
+        let r = catch_unwind(AssertUnwindSafe(f));
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if matches!(*st, SideState::Running) {
+            *st = SideState::Done(r);
+        }
+    }
+}
+
+/// Hands `f` to the pool's helpers: the first that is idle (between the loops of the caller's
+/// step, or parked) runs it, marked as inside an item (loops it starts run inline). Where the
+/// pool has no helpers, `f` waits for [`Beside::join`], which runs it on the joining thread.
+pub fn beside<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Beside<T> {
+    let slot = Arc::new(Slot {
+        state: Mutex::new(SideState::Waiting(Box::new(f) as SideFn<T>)),
+    });
+    let p = POOL.get().copied().or_else(|| (threads() > 1).then(pool));
+    if let Some(p) = p.filter(|p| p.helpers > 0) {
+        p.side
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(slot.clone());
+        p.side_queued.fetch_add(1, SeqCst);
+        p.wake_sleepers();
+    }
+    Beside { slot }
+}
+
+impl<T> std::fmt::Debug for Beside<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Beside")
+    }
+}
+
+impl<T: Send> Beside<T> {
+    /// The task's result: run here if no helper has started it, else waited for. A panic in the
+    /// task is resumed here.
+    pub fn join(self) -> T {
+        let taken = {
+            let mut st = self.slot.state.lock().unwrap_or_else(|e| e.into_inner());
+            match std::mem::replace(&mut *st, SideState::Gone) {
+                SideState::Waiting(f) => Some(f),
+                other => {
+                    *st = other;
+                    None
+                }
+            }
+        };
+        let r = match taken {
+            Some(f) => catch_unwind(AssertUnwindSafe(f)),
+            None => {
+                let mut spins = 0u32;
+                loop {
+                    {
+                        let mut st = self.slot.state.lock().unwrap_or_else(|e| e.into_inner());
+                        if matches!(*st, SideState::Done(_)) {
+                            match std::mem::replace(&mut *st, SideState::Gone) {
+                                SideState::Done(r) => break r,
+                                _ => unreachable!("checked Done"),
+                            }
+                        }
+                    }
+                    spins = spins.wrapping_add(1);
+                    if spins.is_multiple_of(64) {
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+            }
+        };
+        r.unwrap_or_else(|p| resume_unwind(p))
+    }
+
+    /// Whether a helper has finished the task.
+    pub fn is_done(&self) -> bool {
+        matches!(
+            *self.slot.state.lock().unwrap_or_else(|e| e.into_inner()),
+            SideState::Done(_)
+        )
+    }
+}
+
+impl<T> Drop for Beside<T> {
+    /// A task nobody started is dropped unrun; one running finishes on its helper, unread.
+    fn drop(&mut self) {
+        let mut st = self.slot.state.lock().unwrap_or_else(|e| e.into_inner());
+        if !matches!(*st, SideState::Running) {
+            *st = SideState::Gone;
+        }
     }
 }
 
@@ -392,6 +552,50 @@ mod tests {
         assert!(r.is_err());
         assert_eq!(ran.load(SeqCst), 64);
         // the pool still works afterwards
+        assert_eq!(map(4, |i| i + 1), vec![1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn tasks_handed_beside_run_once_and_join_with_their_result() {
+        let runs = Arc::new(AtomicUsize::new(0));
+        for round in 0..200 {
+            let r = runs.clone();
+            let t = beside(move || {
+                r.fetch_add(1, SeqCst);
+                round * 3
+            });
+            if round % 3 == 0 {
+                // a loop of the caller's beside the task
+                assert_eq!(map(16, |i| i).len(), 16);
+            }
+            assert_eq!(t.join(), round * 3);
+        }
+        assert_eq!(runs.load(SeqCst), 200);
+        // a dropped task runs at most once and never after its drop returned unstarted
+        let dropped = Arc::new(AtomicUsize::new(0));
+        for _ in 0..100 {
+            let d = dropped.clone();
+            drop(beside(move || d.fetch_add(1, SeqCst)));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(dropped.load(SeqCst) <= 100);
+        // a panic in the task is the joiner's
+        let t = beside(|| -> usize { panic!("side task fails") });
+        assert!(catch_unwind(AssertUnwindSafe(|| t.join())).is_err());
+        // and the helpers still take tasks and loops afterwards
+        assert_eq!(beside(|| 7).join(), 7);
+        if threads() > 1 {
+            // with helpers, a task runs without anyone joining it (also after they parked)
+            rest();
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            let t = beside(|| 11);
+            let start = std::time::Instant::now();
+            while !t.is_done() {
+                assert!(start.elapsed().as_secs() < 30, "no helper took the task");
+                std::thread::yield_now();
+            }
+            assert_eq!(t.join(), 11);
+        }
         assert_eq!(map(4, |i| i + 1), vec![1, 2, 3, 4]);
     }
 }

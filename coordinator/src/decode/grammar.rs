@@ -6,9 +6,11 @@
 //! also knows the tokens the grammar forces next ([`Constraint::forced`]: braces, quotes, key
 //! names), which the scheduler verifies as drafts in the same forward step.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
+use charm_shared::par;
 use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::SimpleVob;
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
@@ -149,7 +151,8 @@ impl Grammars {
             return Err(e.trim().to_string());
         }
         Ok(Constraint {
-            m,
+            m: Arc::new(Mutex::new(m)),
+            next: None,
             eos: self.eos.clone(),
             busy: std::time::Duration::ZERO,
             applied: 0,
@@ -181,31 +184,64 @@ pub fn json_layout(schema: &Value, strict: bool) -> Value {
 }
 
 /// One generation's grammar state: the mask of the next token, advanced token by token.
-#[derive(Clone)]
 pub struct Constraint {
-    m: Matcher,
+    m: Arc<Mutex<Matcher>>,
+    /// The next mask, being computed beside the forward step ([`Self::prepare`]).
+    next: Option<par::Beside<Result<SimpleVob, String>>>,
     eos: Arc<[u32]>,
-    /// Time spent in [`Self::apply`] and [`Self::accept`] (on the generating thread), and the
-    /// masks applied, since [`Self::take_busy`].
+    /// Time spent in [`Self::apply`] and [`Self::accept`] (on the generating thread, waiting for
+    /// a mask computed beside included), and the masks applied, since [`Self::take_busy`].
     busy: std::time::Duration,
     applied: u64,
+}
+
+impl Clone for Constraint {
+    /// The same grammar state, with no mask under way.
+    fn clone(&self) -> Self {
+        Self {
+            m: Arc::new(Mutex::new(self.matcher().clone())),
+            next: None,
+            eos: self.eos.clone(),
+            busy: self.busy,
+            applied: self.applied,
+        }
+    }
 }
 
 impl std::fmt::Debug for Constraint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Constraint")
-            .field("stopped", &self.m.is_stopped())
+            .field("stopped", &self.matcher().is_stopped())
             .finish()
     }
 }
 
 impl Constraint {
+    fn matcher(&self) -> MutexGuard<'_, Matcher> {
+        self.m.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The time spent applying masks and taking tokens on the generating thread, and the masks
     /// applied, since the last call (what the grammar added to the steps).
     pub fn take_busy(&mut self) -> (std::time::Duration, u64) {
         let r = (self.busy, self.applied);
         (self.busy, self.applied) = (std::time::Duration::ZERO, 0);
         r
+    }
+
+    /// Starts computing the mask [`Self::apply`] takes next on an idle helper of the compute
+    /// pool (`par::beside`), so that it is ready when the forward step's logits are: called
+    /// before the step, once the token it feeds has been taken ([`Self::accept`]). Taking
+    /// another token first drops it.
+    pub fn prepare(&mut self) {
+        if self.next.is_some() || self.matcher().is_stopped() {
+            return;
+        }
+        let m = self.m.clone();
+        self.next = Some(par::beside(move || {
+            let mut m = m.lock().unwrap_or_else(|e| e.into_inner());
+            m.compute_mask_or_eos().map_err(|e| grammar_error(&m, e))
+        }));
     }
 
     /// Sets every token the grammar does not allow next to minus infinity.
@@ -218,7 +254,13 @@ impl Constraint {
     }
 
     fn apply_mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
-        let mask = self.m.compute_mask_or_eos().map_err(|e| self.error(e))?;
+        let mask = match self.next.take() {
+            Some(next) => next.join()?,
+            None => {
+                let mut m = self.matcher();
+                m.compute_mask_or_eos().map_err(|e| grammar_error(&m, e))?
+            }
+        };
         // 32 tokens per word of the mask: a full word leaves them, an empty one clears them
         let words = mask.as_slice();
         for (w, chunk) in logits.chunks_mut(32).enumerate() {
@@ -245,33 +287,38 @@ impl Constraint {
     }
 
     fn take_token(&mut self, t: u32) -> Result<(), String> {
-        if self.m.is_stopped() {
+        // a mask under way is for the state before `t`
+        self.next = None;
+        let mut m = self.matcher();
+        if m.is_stopped() {
             return Ok(());
         }
-        if self.eos.contains(&t) && self.m.is_accepting().unwrap_or(false) {
+        if self.eos.contains(&t) && m.is_accepting().unwrap_or(false) {
             return Ok(());
         }
-        self.m.consume_token(t).map_err(|e| self.error(e))
+        m.consume_token(t).map_err(|e| grammar_error(&m, e))
     }
 
     /// The tokens the grammar forces after the tokens taken so far (none when it leaves a
     /// choice).
     pub fn forced(&mut self) -> Vec<u32> {
-        if self.m.is_stopped() {
+        let mut m = self.matcher();
+        if m.is_stopped() {
             return Vec::new();
         }
-        self.m.compute_ff_tokens()
+        m.compute_ff_tokens()
     }
 
     /// The grammar is complete and admits nothing more: the generation is over.
     pub fn finished(&self) -> bool {
-        self.m.is_stopped()
+        self.matcher().is_stopped()
     }
+}
 
-    fn error(&self, e: impl std::fmt::Display) -> String {
-        format!(
-            "grammar: {}",
-            self.m.get_error().unwrap_or_else(|| e.to_string())
-        )
-    }
+/// A grammar failure as the client reads it: the matcher's own error where it has one.
+fn grammar_error(m: &Matcher, e: impl std::fmt::Display) -> String {
+    format!(
+        "grammar: {}",
+        m.get_error().unwrap_or_else(|| e.to_string())
+    )
 }

@@ -146,6 +146,15 @@ impl<'t> Sequence<'t> {
         Ok(())
     }
 
+    /// Starts the grammar mask of this step's one row beside the forward step
+    /// ([`Constraint::prepare`]): a decoding sequence feeding its chosen token and no drafts.
+    /// Its drafted rows' masks are computed as they are verified.
+    pub(super) fn prepare_mask(&mut self) {
+        if let (Some(_), 1, Some(c)) = (self.next, self.feed.len(), self.constraint.as_mut()) {
+            c.prepare();
+        }
+    }
+
     /// Choice `index` of the job, forked from this sequence once its prompt is read: the same
     /// KV (copied) and drafter, the sampler seeded with `seed + index`, its events on `tx`.
     pub(super) fn fork(

@@ -1,0 +1,69 @@
+//! Grammar masks computed beside the forward step (`Constraint::prepare`) are the masks computed
+//! in line, also when a token is taken before the prepared mask is read.
+
+use std::path::Path;
+
+use charm_coordinator::decode::grammar::{GrammarSpec, Grammars};
+use charm_coordinator::decode::tokenizer::TextTokenizer;
+use serde_json::json;
+
+#[test]
+fn prepared_masks_equal_masks_computed_in_line() {
+    let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/charm-bard-moe");
+    let tok = TextTokenizer::load(&demo).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(demo.join("config.json")).unwrap()).unwrap();
+    let vocab = cfg["vocab_size"].as_u64().unwrap() as usize;
+    let eos = cfg["eos_token_id"].as_u64().unwrap() as u32;
+    let g = Grammars::new(&tok, vocab, &[eos]).unwrap();
+    let spec = GrammarSpec::JsonSchema {
+        schema: json!({"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "act": {"type": "integer", "minimum": 1, "maximum": 5},
+            "mood": {"enum": ["comic", "tragic"]}},
+            "required": ["name", "act", "mood"], "additionalProperties": false}),
+        strict: true,
+    };
+    let answer = tok
+        .encode(r#"{"name": "Romeo", "act": 2, "mood": "tragic"}"#)
+        .unwrap();
+    let mask = |c: &mut charm_coordinator::decode::grammar::Constraint| {
+        let mut l = vec![0.0f32; vocab];
+        c.apply(&mut l).unwrap();
+        l.iter().map(|x| x.is_finite()).collect::<Vec<bool>>()
+    };
+    let (mut inline, mut prepared, mut skipping) = (
+        g.constraint(&spec).unwrap(),
+        g.constraint(&spec).unwrap(),
+        g.constraint(&spec).unwrap(),
+    );
+    for (i, &t) in answer.iter().enumerate() {
+        let want = mask(&mut inline);
+        assert!(want[t as usize], "token {i} of the answer is allowed");
+        assert!(
+            want.iter().filter(|&&a| a).count() < vocab,
+            "token {i}: a mask"
+        );
+        prepared.prepare();
+        assert_eq!(mask(&mut prepared), want, "token {i}, prepared");
+        if i % 2 == 0 {
+            // a mask prepared and never read is dropped when the token is taken
+            skipping.prepare();
+        } else {
+            assert_eq!(
+                mask(&mut skipping),
+                want,
+                "token {i}, read every other token"
+            );
+        }
+        for c in [&mut inline, &mut prepared, &mut skipping] {
+            c.accept(t).unwrap();
+        }
+    }
+    for c in [&mut inline, &mut prepared, &mut skipping] {
+        // the answer is complete: only the end of the sequence is left
+        c.prepare();
+        let m = mask(c);
+        assert!(m[eos as usize] && m.iter().filter(|&&a| a).count() == 1);
+    }
+}
