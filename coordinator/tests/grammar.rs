@@ -1,5 +1,6 @@
 //! Grammar masks computed beside the forward step (`Constraint::prepare`) are the masks computed
-//! in line, also when a token is taken before the prepared mask is read.
+//! in line: also when a token is taken before the prepared mask is read, and along drafts, taken
+//! or not.
 
 use std::path::Path;
 
@@ -32,7 +33,9 @@ fn prepared_masks_equal_masks_computed_in_line() {
         c.apply(&mut l).unwrap();
         l.iter().map(|x| x.is_finite()).collect::<Vec<bool>>()
     };
-    let (mut inline, mut prepared, mut skipping) = (
+    let (mut inline, mut prepared, mut skipping, mut drafted, mut misdrafted) = (
+        g.constraint(&spec).unwrap(),
+        g.constraint(&spec).unwrap(),
         g.constraint(&spec).unwrap(),
         g.constraint(&spec).unwrap(),
         g.constraint(&spec).unwrap(),
@@ -44,11 +47,11 @@ fn prepared_masks_equal_masks_computed_in_line() {
             want.iter().filter(|&&a| a).count() < vocab,
             "token {i}: a mask"
         );
-        prepared.prepare();
+        prepared.prepare(&[]);
         assert_eq!(mask(&mut prepared), want, "token {i}, prepared");
         if i % 2 == 0 {
             // a mask prepared and never read is dropped when the token is taken
-            skipping.prepare();
+            skipping.prepare(&[]);
         } else {
             assert_eq!(
                 mask(&mut skipping),
@@ -56,13 +59,33 @@ fn prepared_masks_equal_masks_computed_in_line() {
                 "token {i}, read every other token"
             );
         }
-        for c in [&mut inline, &mut prepared, &mut skipping] {
+        // drafts: the three tokens the answer takes from here (all taken; a prepare while masks
+        // for them are left is a no-op), or three tokens it does not take
+        let ahead = &answer[i..(i + 3).min(answer.len())];
+        drafted.prepare(ahead);
+        assert_eq!(mask(&mut drafted), want, "token {i}, drafted");
+        let wrong: Vec<u32> = ahead.iter().map(|&d| (d + 1) % vocab as u32).collect();
+        misdrafted.prepare(&wrong);
+        assert_eq!(mask(&mut misdrafted), want, "token {i}, other drafts");
+        for c in [
+            &mut inline,
+            &mut prepared,
+            &mut skipping,
+            &mut drafted,
+            &mut misdrafted,
+        ] {
             c.accept(t).unwrap();
         }
     }
-    for c in [&mut inline, &mut prepared, &mut skipping] {
+    for c in [
+        &mut inline,
+        &mut prepared,
+        &mut skipping,
+        &mut drafted,
+        &mut misdrafted,
+    ] {
         // the answer is complete: only the end of the sequence is left
-        c.prepare();
+        c.prepare(&[eos]);
         let m = mask(c);
         assert!(m[eos as usize] && m.iter().filter(|&&a| a).count() == 1);
     }

@@ -6,6 +6,7 @@
 //! also knows the tokens the grammar forces next ([`Constraint::forced`]: braces, quotes, key
 //! names), which the scheduler verifies as drafts in the same forward step.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use charm_shared::par;
@@ -153,6 +154,8 @@ impl Grammars {
         Ok(Constraint {
             m: Arc::new(Mutex::new(m)),
             next: None,
+            ready: VecDeque::new(),
+            assumed: VecDeque::new(),
             eos: self.eos.clone(),
             busy: std::time::Duration::ZERO,
             applied: 0,
@@ -186,8 +189,13 @@ pub fn json_layout(schema: &Value, strict: bool) -> Value {
 /// One generation's grammar state: the mask of the next token, advanced token by token.
 pub struct Constraint {
     m: Arc<Mutex<Matcher>>,
-    /// The next mask, being computed beside the forward step ([`Self::prepare`]).
-    next: Option<par::Beside<Result<SimpleVob, String>>>,
+    /// Masks being computed beside the forward step ([`Self::prepare`]): the next token's, then
+    /// the one after each draft.
+    next: Option<par::Beside<Prepared>>,
+    /// Prepared masks: the front one is the current state's; each after it assumes the draft
+    /// at the same place in `assumed` taken.
+    ready: VecDeque<Result<SimpleVob, String>>,
+    assumed: VecDeque<u32>,
     eos: Arc<[u32]>,
     /// Time spent in [`Self::apply`] and [`Self::accept`] (on the generating thread, waiting for
     /// a mask computed beside included), and the masks applied, since [`Self::take_busy`].
@@ -201,6 +209,8 @@ impl Clone for Constraint {
         Self {
             m: Arc::new(Mutex::new(self.matcher().clone())),
             next: None,
+            ready: VecDeque::new(),
+            assumed: VecDeque::new(),
             eos: self.eos.clone(),
             busy: self.busy,
             applied: self.applied,
@@ -229,18 +239,33 @@ impl Constraint {
         r
     }
 
-    /// Starts computing the mask [`Self::apply`] takes next on an idle helper of the compute
-    /// pool (`par::beside`), so that it is ready when the forward step's logits are: called
-    /// before the step, once the token it feeds has been taken ([`Self::accept`]). Taking
-    /// another token first drops it.
-    pub fn prepare(&mut self) {
-        if self.next.is_some() || self.matcher().is_stopped() {
+    /// Starts computing the masks [`Self::apply`] takes next on an idle helper of the compute
+    /// pool (`par::beside`), so that they are ready when the forward step's logits are: the
+    /// current state's, then the state's after each of `drafts` (the step's other rows), on a
+    /// copy of the grammar state. Called before the step, once the token it feeds has been
+    /// taken. A mask prepared for a draft is used only if that draft is taken
+    /// ([`Self::accept`]); taking another token drops the rest.
+    pub fn prepare(&mut self, drafts: &[u32]) {
+        if self.next.is_some() || !self.ready.is_empty() || self.matcher().is_stopped() {
             return;
         }
-        let m = self.m.clone();
+        let (m, eos) = (self.m.clone(), self.eos.clone());
+        let chain = drafts.to_vec();
         self.next = Some(par::beside(move || {
-            let mut m = m.lock().unwrap_or_else(|e| e.into_inner());
-            m.compute_mask_or_eos().map_err(|e| grammar_error(&m, e))
+            // a copy shares the lexer's caches, not the parser's state
+            let mut c = m.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let mut masks = vec![c.compute_mask_or_eos().map_err(|e| grammar_error(&c, e))];
+            for &d in &chain {
+                if c.is_stopped() || eos.contains(&d) || c.consume_token(d).is_err() {
+                    break;
+                }
+                masks.push(c.compute_mask_or_eos().map_err(|e| grammar_error(&c, e)));
+            }
+            let n = masks.len() - 1;
+            Prepared {
+                masks,
+                assumed: chain[..n].to_vec(),
+            }
         }));
     }
 
@@ -254,11 +279,18 @@ impl Constraint {
     }
 
     fn apply_mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
-        let mask = match self.next.take() {
-            Some(next) => next.join()?,
+        if let Some(next) = self.next.take() {
+            let p = next.join();
+            (self.ready, self.assumed) = (p.masks.into(), p.assumed.into());
+        }
+        let computed;
+        let mask = match self.ready.front() {
+            Some(Ok(m)) => m,
+            Some(Err(e)) => return Err(e.clone()),
             None => {
                 let mut m = self.matcher();
-                m.compute_mask_or_eos().map_err(|e| grammar_error(&m, e))?
+                computed = m.compute_mask_or_eos().map_err(|e| grammar_error(&m, e))?;
+                &computed
             }
         };
         // 32 tokens per word of the mask: a full word leaves them, an empty one clears them
@@ -287,8 +319,16 @@ impl Constraint {
     }
 
     fn take_token(&mut self, t: u32) -> Result<(), String> {
-        // a mask under way is for the state before `t`
-        self.next = None;
+        // the current state's prepared mask is spent; the next one holds if it assumed `t`
+        if self.next.take().is_some() || self.ready.pop_front().is_none() {
+            self.ready.clear();
+            self.assumed.clear();
+        } else if self.assumed.front() == Some(&t) {
+            self.assumed.pop_front();
+        } else {
+            self.ready.clear();
+            self.assumed.clear();
+        }
         let mut m = self.matcher();
         if m.is_stopped() {
             return Ok(());
@@ -313,6 +353,12 @@ impl Constraint {
     pub fn finished(&self) -> bool {
         self.matcher().is_stopped()
     }
+}
+
+/// The masks a [`Constraint::prepare`] computed, and the drafts they assume taken.
+struct Prepared {
+    masks: Vec<Result<SimpleVob, String>>,
+    assumed: Vec<u32>,
 }
 
 /// A grammar failure as the client reads it: the matcher's own error where it has one.

@@ -146,12 +146,12 @@ impl<'t> Sequence<'t> {
         Ok(())
     }
 
-    /// Starts the grammar mask of this step's one row beside the forward step
-    /// ([`Constraint::prepare`]): a decoding sequence feeding its chosen token and no drafts.
-    /// Its drafted rows' masks are computed as they are verified.
+    /// Starts the grammar masks of this step's rows beside the forward step
+    /// ([`Constraint::prepare`]): a decoding sequence's, after the token it feeds and after
+    /// each of its drafts.
     pub(super) fn prepare_mask(&mut self) {
-        if let (Some(_), 1, Some(c)) = (self.next, self.feed.len(), self.constraint.as_mut()) {
-            c.prepare();
+        if let (Some(_), Some(c)) = (self.next, self.constraint.as_mut()) {
+            c.prepare(&self.feed[1..]);
         }
     }
 
@@ -237,7 +237,6 @@ impl<'t> Sequence<'t> {
         let mut failed = None;
         // the kept tokens after which the grammar was complete, if it was before the last
         let mut complete_at = None;
-        let t = Instant::now();
         let got = verify(&self.sampler, self.sampler.drawn(), &drafts, |i, kept| {
             let row = &logits[i * vocab..(i + 1) * vocab];
             if !job.penalties.active() && constraint.is_none() {
@@ -264,15 +263,10 @@ impl<'t> Sequence<'t> {
             Cow::Owned(l)
         });
         if let Some(c) = self.constraint.as_mut() {
+            // (the masks and their time reach the metrics through `Constraint::take_busy`)
             if complete_at.is_none() {
                 c.accept(got.next)?;
             }
-            metrics
-                .masks
-                .fetch_add(1 + got.accepted.len() as u64, Ordering::Relaxed);
-            metrics
-                .mask_us
-                .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
         }
         if let Some(e) = failed {
             return Err(e);
