@@ -3,8 +3,9 @@
 //! measured in the same run.
 //!
 //! `cargo bench --bench kernels` (criterion's report) and, for the summary table with ratios to the
-//! memory bandwidth, `cargo bench --bench kernels -- --summary`; `-- --compute` measures the
-//! integer path with the weights cache-resident (compute, not memory, as the limit).
+//! memory bandwidth, `cargo bench --bench kernels -- --summary [--quick] [--tokens 1,2,4,6,8]`
+//! (token counts; default 1 and 8); `-- --compute` measures the integer path with the weights
+//! cache-resident (compute, not memory, as the limit).
 
 use std::time::{Duration, Instant};
 
@@ -105,9 +106,9 @@ fn time_it(f: impl Fn()) -> f64 {
     runs[runs.len() / 2]
 }
 
-/// The table: every shape, format, ISA path, activation mode and token count, on 1 and 2 threads.
-/// `quick` keeps the first shape and int4/int8 only.
-fn summary(quick: bool) {
+/// The table: every shape, format, ISA path, activation mode and token count in `tokens`, on 1
+/// and 2 threads. `quick` keeps the first shape and int4/int8 only.
+fn summary(quick: bool, tokens: &[usize]) {
     let kinds = [
         QuantKind::Int4,
         QuantKind::Int8,
@@ -160,7 +161,7 @@ fn summary(quick: bool) {
                             layouts.push(("lanes", &lanes));
                         }
                         for (layout, mats) in layouts {
-                            for n in [1usize, 8] {
+                            for &n in tokens {
                                 let x = data(n * c, 3);
                                 let before = pool.install(|| probe.measure(2));
                                 let s = pool.install(|| {
@@ -271,7 +272,17 @@ fn main() {
         return;
     }
     if std::env::args().any(|a| a == "--summary") {
-        summary(std::env::args().any(|a| a == "--quick"));
+        let args: Vec<String> = std::env::args().collect();
+        let tokens: Vec<usize> = args
+            .iter()
+            .position(|a| a == "--tokens")
+            .and_then(|i| args.get(i + 1))
+            .map_or(vec![1, 8], |s| {
+                s.split(',')
+                    .map(|t| t.parse().expect("--tokens N,N,.."))
+                    .collect()
+            });
+        summary(std::env::args().any(|a| a == "--quick"), &tokens);
         return;
     }
     let mut c = Criterion::default().configure_from_args();

@@ -171,15 +171,15 @@ fn lane_layout_is_a_lossless_permutation_with_bit_identical_products() {
                 assert_eq!(l.dequantize_row(row), q.dequantize_row(row));
             }
             assert_eq!(l.dequantize(), q.dequantize());
-            // 1 to 9 tokens (fours, then three, two or one), on 1 and 2 threads, against the scalar
+            // 1 to 9 tokens (tiles of up to eight, and what is left), on 1 and 2 threads, against the scalar
             // twin on the row-major matrix, bit for bit; every other path converts back
-            let x = data(9, 9 * c);
+            let x = data(9, 17 * c);
             for threads in [1, 2] {
                 let pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(threads)
                     .build()
                     .unwrap();
-                for n in [1, 2, 3, 4, 5, 6, 7, 9] {
+                for n in [1, 2, 3, 4, 5, 6, 7, 8, 9, 17] {
                     let x = &x[..n * c];
                     let want = q.matmul_with(x, n, Isa::Scalar, Activations::Int8);
                     for isa in Isa::available() {
