@@ -216,10 +216,14 @@ impl MtpDrafter {
 /// Chooses how many tokens to draft: the number that maximises expected tokens per second, from
 /// the acceptance seen so far (each draft taken as accepted with the same probability, given the
 /// ones before it were) and the measured time of a step with that many drafts. Plain steps are
-/// measured first, then one step with the most drafts; sizes not measured are estimated on the
+/// measured first ([`Self::WARMUP`] of them), then one step with the most drafts; sizes not measured are estimated on the
 /// line between those. The runner-up is tried again after [`Self::REVISIT`] steps, then after
 /// twice as many each time the choice stays (back to the start when it changes), since costs and
-/// acceptance drift. Once drafting has lost for [`Self::GIVE_UP`] steps in a row it stops for the
+/// acceptance drift. Drafting is chosen only when it promises [`Self::MARGIN`] times the plain
+/// rate: where the two are close, timing noise would otherwise pick drafting as often as not, and
+/// a wrong pick costs more than a right one gains. A step time more than half again the mean
+/// so far counts as half again the mean (a page fault or a descheduled thread, not the cost of
+/// the step). Once drafting has lost for [`Self::GIVE_UP`] steps in a row it stops for the
 /// sequence ([`Self::stopped`]): keeping a drafter in step costs something even when it drafts
 /// nothing.
 #[derive(Debug, Clone)]
@@ -228,8 +232,9 @@ pub struct Adaptive {
     adaptive: bool,
     accepted: f64,
     rejected: f64,
-    /// Mean seconds of a step with `i` drafts (decayed).
+    /// Mean seconds of a step with `i` drafts (decayed), and the steps measured.
     time: Vec<Option<f64>>,
+    count: Vec<u32>,
     steps: u64,
     /// The step of the next try of the runner-up, the wait after it, and the last choice.
     revisit_at: u64,
@@ -244,6 +249,12 @@ impl Adaptive {
     pub const REVISIT: u64 = 32;
     /// Stop drafting after this many steps in a row where no drafts was best.
     pub const GIVE_UP: u64 = 128;
+    /// Drafting must promise this many times the plain step's tokens per second.
+    pub const MARGIN: f64 = 1.05;
+    /// Plain steps measured before drafting is tried; the first steps of each size count by
+    /// their fastest (a sequence's first decode steps pay one-time costs: allocations, page
+    /// faults, cold caches).
+    pub const WARMUP: u32 = 4;
 
     pub fn new(max: usize, adaptive: bool) -> Self {
         Self {
@@ -252,6 +263,7 @@ impl Adaptive {
             accepted: 0.0,
             rejected: 0.0,
             time: vec![None; max + 1],
+            count: vec![0; max + 1],
             steps: 0,
             revisit_at: Self::REVISIT,
             wait: Self::REVISIT,
@@ -291,7 +303,7 @@ impl Adaptive {
         if self.stopped() {
             return 0;
         }
-        if self.time[0].is_none() {
+        if self.count[0] < Self::WARMUP {
             return 0;
         }
         if (1..=self.max).all(|k| self.time[k].is_none()) {
@@ -303,8 +315,12 @@ impl Adaptive {
             tokens / self.estimate(k).unwrap_or(f64::INFINITY).max(1e-12)
         };
         let mut order: Vec<usize> = (0..=self.max).collect();
-        // fastest first; among equals the fewer drafts
+        // fastest first; among equals the fewer drafts; plain first unless beaten by the margin
         order.sort_by(|&x, &y| rate(y).total_cmp(&rate(x)).then(x.cmp(&y)));
+        if rate(order[0]) < Self::MARGIN * rate(0) {
+            let plain = order.iter().position(|&k| k == 0).expect("0 is a choice");
+            order[..=plain].rotate_right(1);
+        }
         let best = order[0];
         self.plain_run = if best == 0 { self.plain_run + 1 } else { 0 };
         if best != self.last {
@@ -328,8 +344,10 @@ impl Adaptive {
             self.rejected += 1.0;
         }
         let k = drafted.min(self.max);
+        self.count[k] += 1;
         self.time[k] = Some(match self.time[k] {
-            Some(m) => 0.8 * m + 0.2 * seconds,
+            Some(m) if self.count[k] <= Self::WARMUP => m.min(seconds),
+            Some(m) => 0.8 * m + 0.2 * seconds.min(1.5 * m),
             None => seconds,
         });
     }
@@ -530,13 +548,13 @@ mod tests {
     fn adaptive_drafting_measures_plain_and_most_then_prefers_the_fastest_per_token() {
         let mut a = Adaptive::new(3, true);
         let mut tried = Vec::new();
-        for _ in 0..2 {
+        for _ in 0..5 {
             let k = a.choose();
             tried.push(k);
             // drafts always accepted; a step costs 1 + 0.1 per draft
             a.record(k, k, 1.0 + 0.1 * k as f64);
         }
-        assert_eq!(tried, vec![0, 3]);
+        assert_eq!(tried, vec![0, 0, 0, 0, 3]);
         for _ in 0..10 {
             a.record(3, 3, 1.3);
         }
@@ -545,7 +563,9 @@ mod tests {
         // nothing accepted and drafting costs: no drafts, the runner-up tried at longer and
         // longer intervals, then drafting stops
         let mut b = Adaptive::new(3, true);
-        b.record(0, 0, 1.0);
+        for _ in 0..Adaptive::WARMUP {
+            b.record(0, 0, 1.0);
+        }
         b.record(3, 0, 2.5);
         let mut picks = Vec::new();
         for _ in 0..(2 * Adaptive::GIVE_UP) {
@@ -563,6 +583,28 @@ mod tests {
         );
         assert!(b.stopped());
         assert_eq!(b.choose(), 0);
+        // drafting ahead by less than the margin: plain; ahead by more: drafting
+        for (ahead, want) in [(1.03, 0), (1.10, 1)] {
+            let mut c = Adaptive::new(1, true);
+            for _ in 0..Adaptive::WARMUP {
+                c.record(0, 0, 1.0);
+            }
+            // the draft accepted: 1 + acceptance tokens expected from a drafted step
+            let tokens = 1.0 + (1.0 + 1.0) / (1.0 + 2.0);
+            c.record(1, 1, tokens / ahead);
+            assert_eq!(c.choose(), want, "drafting {ahead}x as fast");
+        }
+        // the first steps count by their fastest (a slow first step does not make plain look
+        // slow); after them one slow sample moves the estimate by at most a tenth
+        let mut d = Adaptive::new(1, true);
+        d.record(0, 0, 5.0);
+        for _ in 1..Adaptive::WARMUP {
+            d.record(0, 0, 1.0);
+        }
+        assert_eq!(d.estimate(0), Some(1.0));
+        assert_eq!(d.choose(), 1, "plain measured: drafting is tried");
+        d.record(0, 0, 100.0);
+        assert!((d.estimate(0).unwrap() - 1.1).abs() < 1e-12);
         // not adaptive: always the most
         assert_eq!(Adaptive::new(4, false).choose(), 4);
     }
