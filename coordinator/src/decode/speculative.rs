@@ -216,7 +216,7 @@ impl MtpDrafter {
 /// Chooses how many tokens to draft: the number that maximises expected tokens per second, from
 /// the acceptance seen so far (each draft taken as accepted with the same probability, given the
 /// ones before it were) and the measured time of a step with that many drafts. Plain steps are
-/// measured first ([`Self::WARMUP`] of them), then one step with the most drafts; sizes not measured are estimated on the
+/// measured first ([`Self::WARMUP`]), then steps with the most drafts ([`Self::DRAFT_WARMUP`]); sizes not measured are estimated on the
 /// line between those. The runner-up is tried again after [`Self::REVISIT`] steps, then after
 /// twice as many each time the choice stays (back to the start when it changes), since costs and
 /// acceptance drift. Drafting is chosen only when it promises [`Self::MARGIN`] times the plain
@@ -252,9 +252,12 @@ impl Adaptive {
     /// Drafting must promise this many times the plain step's tokens per second.
     pub const MARGIN: f64 = 1.05;
     /// Plain steps measured before drafting is tried; the first steps of each size count by
-    /// their fastest (a sequence's first decode steps pay one-time costs: allocations, page
-    /// faults, cold caches).
+    /// their fastest (a sequence's first steps of a kind pay one-time costs: allocations, page
+    /// faults, cold caches, the MTP layer catching up on the prompt).
     pub const WARMUP: u32 = 4;
+    /// Steps with the most drafts measured before the rule chooses (fewer than plain: where
+    /// drafting does not pay, each costs up to a few plain steps).
+    pub const DRAFT_WARMUP: u32 = 2;
 
     pub fn new(max: usize, adaptive: bool) -> Self {
         Self {
@@ -306,7 +309,7 @@ impl Adaptive {
         if self.count[0] < Self::WARMUP {
             return 0;
         }
-        if (1..=self.max).all(|k| self.time[k].is_none()) {
+        if self.count[self.max] < Self::DRAFT_WARMUP {
             return self.max;
         }
         let a = self.acceptance();
@@ -548,13 +551,13 @@ mod tests {
     fn adaptive_drafting_measures_plain_and_most_then_prefers_the_fastest_per_token() {
         let mut a = Adaptive::new(3, true);
         let mut tried = Vec::new();
-        for _ in 0..5 {
+        for _ in 0..6 {
             let k = a.choose();
             tried.push(k);
             // drafts always accepted; a step costs 1 + 0.1 per draft
             a.record(k, k, 1.0 + 0.1 * k as f64);
         }
-        assert_eq!(tried, vec![0, 0, 0, 0, 3]);
+        assert_eq!(tried, vec![0, 0, 0, 0, 3, 3]);
         for _ in 0..10 {
             a.record(3, 3, 1.3);
         }
@@ -565,8 +568,8 @@ mod tests {
         let mut b = Adaptive::new(3, true);
         for _ in 0..Adaptive::WARMUP {
             b.record(0, 0, 1.0);
+            b.record(3, 0, 2.5);
         }
-        b.record(3, 0, 2.5);
         let mut picks = Vec::new();
         for _ in 0..(2 * Adaptive::GIVE_UP) {
             let k = b.choose();
@@ -586,12 +589,12 @@ mod tests {
         // drafting ahead by less than the margin: plain; ahead by more: drafting
         for (ahead, want) in [(1.03, 0), (1.10, 1)] {
             let mut c = Adaptive::new(1, true);
+            // the draft always accepted: 1 + acceptance tokens expected from a drafted step
+            let tokens = 1.0 + (4.0 + 1.0) / (4.0 + 2.0);
             for _ in 0..Adaptive::WARMUP {
                 c.record(0, 0, 1.0);
+                c.record(1, 1, tokens / ahead);
             }
-            // the draft accepted: 1 + acceptance tokens expected from a drafted step
-            let tokens = 1.0 + (1.0 + 1.0) / (1.0 + 2.0);
-            c.record(1, 1, tokens / ahead);
             assert_eq!(c.choose(), want, "drafting {ahead}x as fast");
         }
         // the first steps count by their fastest (a slow first step does not make plain look
@@ -602,7 +605,7 @@ mod tests {
             d.record(0, 0, 1.0);
         }
         assert_eq!(d.estimate(0), Some(1.0));
-        assert_eq!(d.choose(), 1, "plain measured: drafting is tried");
+        assert_eq!(d.choose(), 1, "plain measured: drafting is measured");
         d.record(0, 0, 100.0);
         assert!((d.estimate(0).unwrap() - 1.1).abs() < 1e-12);
         // not adaptive: always the most
