@@ -33,57 +33,40 @@ fn prepared_masks_equal_masks_computed_in_line() {
         c.apply(&mut l).unwrap();
         l.iter().map(|x| x.is_finite()).collect::<Vec<bool>>()
     };
-    let (mut inline, mut prepared, mut skipping, mut drafted, mut misdrafted) = (
-        g.constraint(&spec).unwrap(),
-        g.constraint(&spec).unwrap(),
-        g.constraint(&spec).unwrap(),
-        g.constraint(&spec).unwrap(),
-        g.constraint(&spec).unwrap(),
-    );
+    // in line; prepared; prepared every other token and read at the others; prepared along the
+    // answer's next tokens; prepared along tokens the answer does not take
+    let mut cs: Vec<_> = (0..5).map(|_| g.constraint(&spec).unwrap()).collect();
+    let [inline, prepared, skipping, drafted, misdrafted] = &mut cs[..] else {
+        unreachable!("five constraints")
+    };
     for (i, &t) in answer.iter().enumerate() {
-        let want = mask(&mut inline);
+        let want = mask(inline);
         assert!(want[t as usize], "token {i} of the answer is allowed");
         assert!(
             want.iter().filter(|&&a| a).count() < vocab,
             "token {i}: a mask"
         );
         prepared.prepare(&[]);
-        assert_eq!(mask(&mut prepared), want, "token {i}, prepared");
+        assert_eq!(mask(prepared), want, "token {i}, prepared");
         if i % 2 == 0 {
             // a mask prepared and never read is dropped when the token is taken
             skipping.prepare(&[]);
         } else {
-            assert_eq!(
-                mask(&mut skipping),
-                want,
-                "token {i}, read every other token"
-            );
+            assert_eq!(mask(skipping), want, "token {i}, read every other token");
         }
         // drafts: the three tokens the answer takes from here (all taken; a prepare while masks
         // for them are left is a no-op), or three tokens it does not take
         let ahead = &answer[i..(i + 3).min(answer.len())];
         drafted.prepare(ahead);
-        assert_eq!(mask(&mut drafted), want, "token {i}, drafted");
+        assert_eq!(mask(drafted), want, "token {i}, drafted");
         let wrong: Vec<u32> = ahead.iter().map(|&d| (d + 1) % vocab as u32).collect();
         misdrafted.prepare(&wrong);
-        assert_eq!(mask(&mut misdrafted), want, "token {i}, other drafts");
-        for c in [
-            &mut inline,
-            &mut prepared,
-            &mut skipping,
-            &mut drafted,
-            &mut misdrafted,
-        ] {
+        assert_eq!(mask(misdrafted), want, "token {i}, other drafts");
+        for c in [&mut *inline, prepared, skipping, drafted, misdrafted] {
             c.accept(t).unwrap();
         }
     }
-    for c in [
-        &mut inline,
-        &mut prepared,
-        &mut skipping,
-        &mut drafted,
-        &mut misdrafted,
-    ] {
+    for c in &mut cs {
         // the answer is complete: only the end of the sequence is left
         c.prepare(&[eos]);
         let m = mask(c);
