@@ -4,10 +4,9 @@
 //!    scheduler, as `charm serve` runs it: without a grammar (the plain step), then constrained
 //!    with forced drafts off, on, and (`--draft K`) on with the model's own drafter as well. Per
 //!    mode: tokens per forward step, the time the generating thread spends on grammar masks per
-//!    constrained token against the mean step time (a step's first mask per sequence is computed
-//!    by the compute pool's helpers beside the forward step; the others in the verify path),
-//!    tokens per second. Then what a constrained token costs, step and mask, against the plain
-//!    step.
+//!    constrained token (waiting for the masks the compute pool's helper computes beside the
+//!    forward step, applying them, taking the tokens) against the mean step time, tokens per
+//!    second. Then a constrained step (forced drafts off) against the plain step.
 //! 2. `--mask-tokenizer DIR`: the mask of every position of a canned answer to the same schema
 //!    under a real tokenizer (e.g. `../shared/models/glm-5.2`, 155k tokens): microseconds per mask,
 //!    the part that grows with the vocabulary.

@@ -6,18 +6,17 @@ use std::path::Path;
 
 use charm_coordinator::decode::grammar::{GrammarSpec, Grammars};
 use charm_coordinator::decode::tokenizer::TextTokenizer;
+use charm_shared::config::ModelSpec;
 use serde_json::json;
 
 #[test]
 fn prepared_masks_equal_masks_computed_in_line() {
     let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/charm-bard-moe");
     let tok = TextTokenizer::load(&demo).unwrap();
-    let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(demo.join("config.json")).unwrap()).unwrap();
-    let vocab = cfg["vocab_size"].as_u64().unwrap() as usize;
-    let eos = cfg["eos_token_id"].as_u64().unwrap() as u32;
-    let g = Grammars::new(&tok, vocab, &[eos]).unwrap();
-    let spec = GrammarSpec::JsonSchema {
+    let spec = ModelSpec::from_dir(&demo).unwrap();
+    let (vocab, eos) = (spec.vocab_size, spec.eos_token_ids[0]);
+    let g = Grammars::new(&tok, vocab, &spec.eos_token_ids).unwrap();
+    let grammar = GrammarSpec::JsonSchema {
         schema: json!({"type": "object", "properties": {
             "name": {"type": "string", "maxLength": 12},
             "act": {"type": "integer", "minimum": 1, "maximum": 5},
@@ -35,7 +34,7 @@ fn prepared_masks_equal_masks_computed_in_line() {
     };
     // in line; prepared; prepared every other token and read at the others; prepared along the
     // answer's next tokens; prepared along tokens the answer does not take
-    let mut cs: Vec<_> = (0..5).map(|_| g.constraint(&spec).unwrap()).collect();
+    let mut cs: Vec<_> = (0..5).map(|_| g.constraint(&grammar).unwrap()).collect();
     let [inline, prepared, skipping, drafted, misdrafted] = &mut cs[..] else {
         unreachable!("five constraints")
     };

@@ -359,23 +359,12 @@ impl<T: Send> Beside<T> {
         let r = match taken {
             Some(f) => catch_unwind(AssertUnwindSafe(f)),
             None => {
-                let mut spins = 0u32;
-                loop {
-                    {
-                        let mut st = self.slot.state.lock().unwrap_or_else(|e| e.into_inner());
-                        if matches!(*st, SideState::Done(_)) {
-                            match std::mem::replace(&mut *st, SideState::Gone) {
-                                SideState::Done(r) => break r,
-                                _ => unreachable!("checked Done"),
-                            }
-                        }
-                    }
-                    spins = spins.wrapping_add(1);
-                    if spins.is_multiple_of(64) {
-                        std::thread::yield_now();
-                    } else {
-                        std::hint::spin_loop();
-                    }
+                // a helper runs it: wait for its result (only this handle takes it from Done)
+                let state = || self.slot.state.lock().unwrap_or_else(|e| e.into_inner());
+                wait_until(|| matches!(*state(), SideState::Done(_)));
+                match std::mem::replace(&mut *state(), SideState::Gone) {
+                    SideState::Done(r) => r,
+                    _ => unreachable!("waited for Done"),
                 }
             }
         };
@@ -571,14 +560,17 @@ mod tests {
             assert_eq!(t.join(), round * 3);
         }
         assert_eq!(runs.load(SeqCst), 200);
-        // a dropped task runs at most once and never after its drop returned unstarted
-        let dropped = Arc::new(AtomicUsize::new(0));
-        for _ in 0..100 {
-            let d = dropped.clone();
-            drop(beside(move || d.fetch_add(1, SeqCst)));
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        assert!(dropped.load(SeqCst) <= 100);
+        // a task dropped before a helper started it never runs (the helper finds it gone)
+        let ran = Arc::new(AtomicUsize::new(0));
+        let r = ran.clone();
+        let slot = Arc::new(Slot {
+            state: Mutex::new(SideState::Waiting(Box::new(move || {
+                r.fetch_add(1, SeqCst);
+            }) as SideFn<()>)),
+        });
+        drop(Beside { slot: slot.clone() });
+        slot.run();
+        assert_eq!(ran.load(SeqCst), 0);
         // a panic in the task is the joiner's
         let t = beside(|| -> usize { panic!("side task fails") });
         assert!(catch_unwind(AssertUnwindSafe(|| t.join())).is_err());

@@ -252,9 +252,17 @@ impl Constraint {
         let (m, eos) = (self.m.clone(), self.eos.clone());
         let chain = drafts.to_vec();
         self.next = Some(par::beside(move || {
-            // a copy shares the lexer's caches, not the parser's state
-            let mut c = m.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            let mut masks = vec![c.compute_mask_or_eos().map_err(|e| grammar_error(&c, e))];
+            let mut m = m.lock().unwrap_or_else(|e| e.into_inner());
+            let mut masks = vec![m.compute_mask_or_eos().map_err(|e| grammar_error(&m, e))];
+            if chain.is_empty() {
+                return Prepared {
+                    masks,
+                    assumed: chain,
+                };
+            }
+            // the drafts go to a copy, which shares the lexer's caches, not the parser's state
+            let mut c = m.clone();
+            drop(m);
             for &d in &chain {
                 if c.is_stopped() || eos.contains(&d) || c.consume_token(d).is_err() {
                     break;
@@ -319,11 +327,12 @@ impl Constraint {
     }
 
     fn take_token(&mut self, t: u32) -> Result<(), String> {
-        // the current state's prepared mask is spent; the next one holds if it assumed `t`
-        if self.next.take().is_some() || self.ready.pop_front().is_none() {
-            self.ready.clear();
-            self.assumed.clear();
-        } else if self.assumed.front() == Some(&t) {
+        // a computation still under way is for the state before `t` (and nothing is ready
+        // while one is); the current state's prepared mask is spent; the next one holds if it
+        // assumed `t`
+        self.next = None;
+        let holds = self.ready.pop_front().is_some() && self.assumed.front() == Some(&t);
+        if holds {
             self.assumed.pop_front();
         } else {
             self.ready.clear();

@@ -98,17 +98,9 @@ pub fn logprobs(logits: &[f32], id: u32, top: usize) -> (f32, Vec<(u32, f32)>) {
     if top > 0 {
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
         let k = top.min(idx.len());
-        idx.select_nth_unstable_by(k - 1, |&a, &b| {
-            logits[b as usize]
-                .total_cmp(&logits[a as usize])
-                .then(a.cmp(&b))
-        });
+        idx.select_nth_unstable_by(k - 1, |&a, &b| likelier_first(logits, a, b));
         idx.truncate(k);
-        idx.sort_by(|&a, &b| {
-            logits[b as usize]
-                .total_cmp(&logits[a as usize])
-                .then(a.cmp(&b))
-        });
+        idx.sort_by(|&a, &b| likelier_first(logits, a, b));
         best = idx;
     }
     (
@@ -199,11 +191,7 @@ impl Sampler {
             // every logit -inf, NaN, or one +inf
             return argmax(logits) as u32;
         }
-        let best_first = |a: &(u32, f32), b: &(u32, f32)| {
-            logits[b.0 as usize]
-                .total_cmp(&logits[a.0 as usize])
-                .then(a.0.cmp(&b.0))
-        };
+        let best_first = |a: &(u32, f32), b: &(u32, f32)| likelier_first(logits, a.0, b.0);
         if p.top_k > 0 && c.len() > p.top_k {
             c.select_nth_unstable_by(p.top_k - 1, best_first);
             c.truncate(p.top_k);
@@ -254,6 +242,13 @@ impl Sampler {
         // (rounding left the number past the last sum: the least likely token drawn)
         c[c.len() - 1].0
     }
+}
+
+/// Token `a` before token `b` when its logit is larger, or equal with a lower id.
+fn likelier_first(logits: &[f32], a: u32, b: u32) -> std::cmp::Ordering {
+    logits[b as usize]
+        .total_cmp(&logits[a as usize])
+        .then(a.cmp(&b))
 }
 
 /// Index of the largest value (lowest index on ties).

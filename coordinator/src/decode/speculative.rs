@@ -216,8 +216,8 @@ impl MtpDrafter {
 /// Chooses how many tokens to draft: the number that maximises expected tokens per second, from
 /// the acceptance seen so far (each draft taken as accepted with the same probability, given the
 /// ones before it were) and the measured time of a step with that many drafts. Plain steps are
-/// measured first ([`Self::WARMUP`]), then steps with the most drafts ([`Self::DRAFT_WARMUP`]); sizes not measured are estimated on the
-/// line between those. The runner-up is tried again after [`Self::REVISIT`] steps, then after
+/// measured first ([`Self::WARMUP`]), then steps with the most drafts ([`Self::DRAFT_WARMUP`]);
+/// sizes not measured are estimated on the line between those. The runner-up is tried again after [`Self::REVISIT`] steps, then after
 /// twice as many each time the choice stays (back to the start when it changes), since costs and
 /// acceptance drift. Drafting is chosen only when it promises [`Self::MARGIN`] times the plain
 /// rate: where the two are close, timing noise would otherwise pick drafting as often as not, and
