@@ -7,7 +7,7 @@
 //! ```sh
 //! cargo bench --bench cluster -- --model DIR [--workers 2] [--tokens 32] [--delays 0,0.2,1]
 //!                                [--activations f32|int8] [--draft N] [--temperature T] [--pin]
-//!                                [--predict]
+//!                                [--predict] [--spin-us N]
 //! ```
 //!
 //! `--predict` checks `charm plan --cluster`'s prediction: before each delay's decode it probes
@@ -18,6 +18,12 @@
 //! fighting for cores: this process (the coordinator, one compute thread) is pinned to core 0,
 //! the worker (`--threads 1`) to core 1 (`taskset`), and each layer request's round trip is set
 //! beside a raw UDP echo of the same sizes between the same two cores.
+//!
+//! `--spin-us N` sets how long the workers keep their core awake after an answer and the
+//! coordinator polls for answers before sleeping (`charm worker --spin-us`, the cluster file's
+//! `spin_us`). Without it: pinned, each side's default (each process has a core of its own, as
+//! on separate machines); unpinned, none (the processes share the cores, as `charm demo`'s
+//! loopback workers do). The echoes' threads block, as plain sockets do.
 //!
 //! Tokens are sampled (temperature 1, seed 1; `--temperature` to change) so that random synthetic
 //! weights do not repeat one token; every run decodes the same tokens (checked). With `--draft N`
@@ -50,6 +56,7 @@ struct Args {
     act: String,
     draft: usize,
     temperature: f32,
+    spin_us: Option<u64>,
 }
 
 fn args() -> Args {
@@ -63,6 +70,7 @@ fn args() -> Args {
         act: "f32".into(),
         draft: 0,
         temperature: 1.0,
+        spin_us: None,
     };
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -91,6 +99,7 @@ fn args() -> Args {
             "--activations" => a.act = val(),
             "--draft" => a.draft = val().parse().expect("--draft N"),
             "--temperature" => a.temperature = val().parse().expect("--temperature T"),
+            "--spin-us" => a.spin_us = Some(val().parse().expect("--spin-us N")),
             // cargo bench passes --bench
             _ => {
                 i += 1;
@@ -487,7 +496,29 @@ fn main() {
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_charm"));
     // the workers share this machine's cores: each gets its share of them
     let per = if a.pin { 1 } else { (cores / a.workers).max(1) }.to_string();
-    let lb = Loopback::start(&exe, &a.model, a.workers, &a.act, &["--threads", &per]).unwrap();
+    let mut worker_args = vec!["--threads".to_string(), per];
+    // pinned, each process has a core of its own, as on separate machines: the defaults of
+    // `charm worker` and the cluster file; unpinned, they share the cores: none (as `Loopback`)
+    let spin = match (a.spin_us, a.pin) {
+        (Some(us), _) => Some((us, Duration::from_micros(us))),
+        (None, true) => Some((
+            charm_worker::server::WORKER_SPIN_US,
+            charm_coordinator::cluster::COORDINATOR_SPIN,
+        )),
+        (None, false) => None,
+    };
+    match spin {
+        Some((w, c)) => {
+            worker_args.extend(["--spin-us".to_string(), w.to_string()]);
+            println!(
+                "spin: workers {w} us after an answer, coordinator {} us per wait",
+                c.as_micros()
+            );
+        }
+        None => println!("spin: none (the processes share the cores)"),
+    }
+    let worker_args: Vec<&str> = worker_args.iter().map(String::as_str).collect();
+    let lb = Loopback::start(&exe, &a.model, a.workers, &a.act, &worker_args).unwrap();
     if a.pin {
         for pid in lb.pids() {
             let ok = std::process::Command::new("taskset")
@@ -509,6 +540,9 @@ fn main() {
             None => vec![],
         };
         let mut c = lb.options();
+        if let Some((_, c_spin)) = spin {
+            c.spin = c_spin;
+        }
         if !relays.is_empty() {
             c.workers = lb
                 .workers

@@ -387,6 +387,7 @@ fn the_deploy_kit_parses_with_charms_loader_and_its_unit_verifies() {
     let o = ClusterOptions::load(&deploy.join("cluster.json")).unwrap();
     assert_eq!((o.workers.len(), o.replicas), (2, 2));
     assert_eq!(o.certs, Path::new("/etc/charm/cluster"));
+    assert_eq!(o.spin, std::time::Duration::from_micros(2000));
     // the compose file's cluster file, with its container host names as addresses
     let compose = std::fs::read_to_string(deploy.join("compose.yaml")).unwrap();
     let inline = compose

@@ -228,7 +228,20 @@ pub struct PendingExperts(Pending);
 #[derive(Debug)]
 enum Pending {
     Ready(Result<Vec<f32>, ExpertError>),
-    Running(std::sync::mpsc::Receiver<Result<Vec<f32>, ExpertError>>),
+    Running(
+        std::sync::mpsc::Receiver<Result<Vec<f32>, ExpertError>>,
+        Option<Spin>,
+    ),
+}
+
+/// While it answers true, a wait polls for its result (yielding the core to any thread that
+/// wants it) instead of sleeping at once.
+struct Spin(Box<dyn FnMut() -> bool + Send>);
+
+impl std::fmt::Debug for Spin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Spin")
+    }
 }
 
 impl PendingExperts {
@@ -242,19 +255,41 @@ impl PendingExperts {
         Self,
     ) {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        (tx, Self(Pending::Running(rx)))
+        (tx, Self(Pending::Running(rx, None)))
+    }
+    /// [`PendingExperts::channel`] whose [`wait`](Self::wait) polls while `keep_polling`
+    /// answers true before it sleeps: for answers due within a round trip, where a sleeping
+    /// thread (and an idle core put to sleep) would add its wake-up to every wait.
+    pub fn channel_polled(
+        keep_polling: impl FnMut() -> bool + Send + 'static,
+    ) -> (
+        std::sync::mpsc::SyncSender<Result<Vec<f32>, ExpertError>>,
+        Self,
+    ) {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let spin = Spin(Box::new(keep_polling));
+        (tx, Self(Pending::Running(rx, Some(spin))))
     }
     /// Blocks until the work is done: `[n_tokens, hidden]`, the weighted sum of routed experts.
     pub fn wait(self) -> Result<Vec<f32>, ExpertError> {
         match self.0 {
             Pending::Ready(r) => r,
-            Pending::Running(rx) => {
+            Pending::Running(rx, spin) => {
                 if let Ok(r) = rx.try_recv() {
                     return r;
                 }
                 // waiting on another thread (a round trip, a disk read): the compute helpers
                 // should not spin on the cores it needs
                 crate::par::rest();
+                if let Some(Spin(mut keep)) = spin {
+                    while keep() {
+                        match rx.try_recv() {
+                            Ok(r) => return r,
+                            Err(std::sync::mpsc::TryRecvError::Empty) => std::thread::yield_now(),
+                            Err(std::sync::mpsc::TryRecvError::Disconnected) => break,
+                        }
+                    }
+                }
                 rx.recv().unwrap_or_else(|_| {
                     Err(ExpertError::Internal(
                         "expert work ended without a result".into(),
@@ -427,6 +462,47 @@ mod tests {
         std::thread::spawn(move || tx.send(Ok(vec![1.0, 2.0])).unwrap());
         assert_eq!(p.wait().unwrap(), vec![1.0, 2.0]);
         let (tx, p) = PendingExperts::channel();
+        drop(tx);
+        assert_eq!(p.wait().unwrap_err().class(), ErrorClass::Internal);
+    }
+
+    #[test]
+    fn a_polled_wait_polls_then_sleeps_and_still_gets_its_result() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+        // answered while polling
+        let polls = Arc::new(AtomicUsize::new(0));
+        let (tx, p) = PendingExperts::channel_polled({
+            let polls = polls.clone();
+            move || polls.fetch_add(1, Ordering::Relaxed) < usize::MAX
+        });
+        let sender = std::thread::spawn(move || tx.send(Ok(vec![3.0])).unwrap());
+        assert_eq!(p.wait().unwrap(), vec![3.0]);
+        sender.join().unwrap();
+        // polling gives up after three polls and sleeps until the answer comes
+        let (gate_tx, gate_rx) = std::sync::mpsc::channel::<()>();
+        let counted = Arc::new(AtomicUsize::new(0));
+        let (tx, p) = PendingExperts::channel_polled({
+            let counted = counted.clone();
+            move || {
+                let n = counted.fetch_add(1, Ordering::Relaxed) + 1;
+                if n == 3 {
+                    let _ = gate_tx.send(());
+                }
+                n <= 3
+            }
+        });
+        let sender = std::thread::spawn(move || {
+            gate_rx.recv().unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            tx.send(Ok(vec![4.0])).unwrap()
+        });
+        assert_eq!(p.wait().unwrap(), vec![4.0]);
+        sender.join().unwrap();
+        // (3 polls, the 4th refused; 3 if the answer came between the third poll and its check)
+        assert!((3..=4).contains(&counted.load(Ordering::Relaxed)));
+        // a sender gone while polling: the loss is reported, not waited on forever
+        let (tx, p) = PendingExperts::channel_polled(|| true);
         drop(tx);
         assert_eq!(p.wait().unwrap_err().class(), ErrorClass::Internal);
     }

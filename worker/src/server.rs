@@ -40,12 +40,37 @@ pub async fn read_frame(recv: &mut quinn::RecvStream) -> Result<(Message, usize)
     let n = frame_len(prefix)?;
     let mut payload = vec![0u8; n];
     recv.read_exact(&mut payload).await?;
+    read_fin(recv);
     Ok((decode(&payload)?, LEN_BYTES + n))
 }
 
+/// Consumes the end of `recv` when it has already arrived (the peer finishes each stream right
+/// after its one frame, so the FIN comes with the last bytes), without waiting for it. A stream
+/// dropped before its end is read is stopped with a STOP_SENDING frame: an extra packet, sent
+/// on the request's critical path.
+fn read_fin(recv: &mut quinn::RecvStream) {
+    use std::future::Future;
+    let mut probe = [0u8; 1];
+    let read = std::pin::pin!(recv.read(&mut probe));
+    let _ = read.poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+}
+
+/// Ack-eliciting packets a peer of a cluster connection may receive before it must send an
+/// ACK at once (QUIC's ACK-frequency extension; the default, 1, acknowledges every second
+/// packet). A decode-sized message of up to this many packets is then acknowledged by the next
+/// message the other way (or after [`ACK_DELAY`]) instead of by an ACK-only packet sent on the
+/// receiver's critical path before it reads. Kept under half the initial congestion window (10
+/// packets), which request-and-answer traffic seldom grows: a sender must never wait for
+/// acknowledgements the receiver is holding back.
+const ACK_EVERY: u32 = 4;
+
+/// The longest a peer may hold back an acknowledgement (QUIC's default is 25 ms).
+const ACK_DELAY: Duration = Duration::from_millis(1);
+
 /// QUIC transport settings of cluster connections: keep-alives every `heartbeat`, a connection
 /// given up after 4 heartbeats (at least 2 s) of silence, flow-control windows sized for a
-/// prefill step's activations, at most 32 streams open at once per peer (and no one-way ones).
+/// prefill step's activations, at most 32 streams open at once per peer (and no one-way ones),
+/// acknowledgements delayed ([`ACK_EVERY`], [`ACK_DELAY`]).
 pub fn transport(heartbeat: Duration) -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
     let idle = (heartbeat * 4).max(Duration::from_secs(2));
@@ -59,6 +84,10 @@ pub fn transport(heartbeat: Duration) -> quinn::TransportConfig {
     t.stream_receive_window(quinn::VarInt::from_u32(MAX_FRAME as u32 / 2));
     t.receive_window(quinn::VarInt::from_u32(MAX_FRAME as u32));
     t.send_window(MAX_FRAME as u64);
+    let mut ack = quinn::AckFrequencyConfig::default();
+    ack.ack_eliciting_threshold(quinn::VarInt::from_u32(ACK_EVERY))
+        .max_ack_delay(Some(ACK_DELAY));
+    t.ack_frequency_config(Some(ack));
     t
 }
 
@@ -81,6 +110,75 @@ pub struct Service {
     /// The shard this worker fetches from the coordinator, when it started without every
     /// expert record (see [`crate::shard`]).
     pub shard: Option<Arc<crate::shard::Shard>>,
+    /// Keeps this worker's core awake for a while after each answer; `None`: it sleeps as soon
+    /// as it is idle.
+    pub warm: Option<Warm>,
+}
+
+/// Keeps a core awake for `spin` after each answer, so that the next request of a decode (one
+/// per MoE layer, a dense pass apart) finds the network thread on a running core rather than
+/// on one the machine has put to sleep: waking an idle core costs 10-30 us on a virtual
+/// machine, paid twice by every round trip. A thread yields the core in a loop until `spin` has
+/// passed since the last answer, then parks until the next; any thread that wants the core
+/// gets it at the next yield. (At idle priority, `SCHED_IDLE`, the same loop let requests wait
+/// about 10% longer.) The price is a core kept busy while requests come, which costs power and
+/// takes time from other processes on the machine: `charm worker --spin-us 0` turns it off,
+/// and workers started on loopback beside their coordinator have it off.
+#[derive(Debug)]
+pub struct Warm {
+    base: std::time::Instant,
+    /// Nanoseconds from `base` to the last answer.
+    last: Arc<std::sync::atomic::AtomicU64>,
+    thread: std::thread::Thread,
+}
+
+/// How long a worker keeps its core awake after an answer by default, microseconds.
+pub const WORKER_SPIN_US: u64 = 1000;
+
+impl Warm {
+    /// The spinning thread, started; `None` when `spin` is zero. It ends when this is dropped.
+    pub fn start(spin: Duration) -> Option<Self> {
+        use std::sync::atomic::Ordering;
+        if spin.is_zero() {
+            return None;
+        }
+        let base = std::time::Instant::now();
+        let last = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let seen = Arc::downgrade(&last);
+        let spin_ns = spin.as_nanos() as u64;
+        let thread = std::thread::Builder::new()
+            .name("charm-warm".into())
+            .spawn(move || loop {
+                std::thread::park();
+                let Some(last) = seen.upgrade() else { return };
+                while (base.elapsed().as_nanos() as u64)
+                    .saturating_sub(last.load(Ordering::Relaxed))
+                    < spin_ns
+                {
+                    std::thread::yield_now();
+                }
+            })
+            .ok()?
+            .thread()
+            .clone();
+        Some(Self { base, last, thread })
+    }
+
+    /// An answer went out: spin from now.
+    pub fn answered(&self) {
+        self.last.store(
+            self.base.elapsed().as_nanos() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        self.thread.unpark();
+    }
+}
+
+impl Drop for Warm {
+    fn drop(&mut self) {
+        // (the thread finds `last` gone and ends)
+        self.thread.unpark();
+    }
 }
 
 impl Service {
@@ -352,6 +450,17 @@ pub async fn serve(endpoint: quinn::Endpoint, svc: Arc<Service>) {
     }
 }
 
+/// Rows up to which a compute request runs on the connection's runtime thread rather than on
+/// the blocking pool: a decode step's rows for one worker (its share of top-k experts times a
+/// few tokens), whose compute is shorter than the two thread hand-offs it would otherwise pay.
+/// Larger requests (prefill, wide batches) go to the blocking pool, so that heartbeats and
+/// other streams are served meanwhile.
+const INLINE_ROWS: usize = 64;
+
+fn inline(req: &ComputeRequest) -> bool {
+    req.runs.iter().map(|r| r.rows.len()).sum::<usize>() <= INLINE_ROWS
+}
+
 async fn connection(conn: quinn::Connection, svc: Arc<Service>) {
     let Ok((mut send, mut recv)) = conn.accept_bi().await else {
         return;
@@ -399,6 +508,13 @@ async fn connection(conn: quinn::Connection, svc: Arc<Service>) {
                     let _ = assigned.send(list);
                     Message::Pong { seq: 0 }
                 }
+                Ok(Message::Compute(req)) if inline(&req) => {
+                    // a decode-sized request is computed on this task's thread: the hand-off
+                    // to the blocking pool and back would cost more than the work
+                    let answer = svc.compute(&req);
+                    charm_shared::par::rest();
+                    answer
+                }
                 Ok(Message::Compute(req)) => {
                     let svc2 = svc.clone();
                     tokio::task::spawn_blocking(move || {
@@ -429,6 +545,9 @@ async fn connection(conn: quinn::Connection, svc: Arc<Service>) {
                 },
             };
             let _ = write_frame(&mut send, &reply).await;
+            if let Some(w) = &svc.warm {
+                w.answered();
+            }
         });
     }
 }
@@ -504,6 +623,7 @@ mod tests {
                 max_tokens: 16,
             },
             shard: None,
+            warm: Warm::start(Duration::from_millis(1)),
         });
         let ep = listen(
             "127.0.0.1:0".parse().unwrap(),
@@ -648,5 +768,91 @@ mod tests {
         }
         std::fs::remove_dir_all(&dir).unwrap();
         std::fs::remove_dir_all(&other).unwrap();
+    }
+
+    /// A request and its answer cost their own packets and nothing more on either side's
+    /// critical path: each stream is read to its end (a stream dropped before its FIN is read
+    /// is stopped with a STOP_SENDING packet), and an answer of a few packets is acknowledged by
+    /// the next request rather than by ACK-only packets sent before it is read.
+    #[tokio::test]
+    async fn a_request_costs_no_packets_beyond_its_own() {
+        const WIDE: usize = 256;
+        let dir = certs("packets");
+        let store = Arc::new(RamExperts {
+            hidden: WIDE,
+            layers: vec![Some(
+                (0..2)
+                    .map(|e| crate::tests::expert(e as f32, WIDE, 4))
+                    .collect(),
+            )],
+        });
+        let svc = Arc::new(Service {
+            executor: store,
+            hello: Hello {
+                experts: vec![LayerExperts {
+                    layer: 0,
+                    ids: vec![0, 1],
+                }],
+                ..hello("w1", PROTOCOL_VERSION, "m1")
+            },
+            limits: Limits {
+                hidden: WIDE,
+                n_experts: 2,
+                max_tokens: 16,
+            },
+            shard: None,
+            warm: None,
+        });
+        let ep = listen(
+            "127.0.0.1:0".parse().unwrap(),
+            &Identity::load(&dir, "w1").unwrap(),
+        )
+        .unwrap();
+        let addr = ep.local_addr().unwrap();
+        tokio::spawn(serve(ep, svc));
+        let id = Identity::load(&dir, "coordinator").unwrap();
+        let mut cfg = id.client_config().unwrap();
+        cfg.transport_config(Arc::new(transport(Duration::from_secs(1))));
+        let mut client = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        client.set_default_client_config(cfg);
+        let c = client.connect(addr, "w1").unwrap().await.unwrap();
+        let hi = Message::Hello(hello("coordinator", PROTOCOL_VERSION, "m1"));
+        assert!(matches!(
+            exchange(&c, &encode(&hi).unwrap()).await,
+            Message::Hello(_)
+        ));
+        // about 3 KB each way: three packets
+        let req = ComputeRequest {
+            id: 1,
+            step: 1,
+            layer: 0,
+            hidden: WIDE as u32,
+            activations: "f32".into(),
+            x: (0..3 * WIDE).map(|k| (k as f32 * 0.1).sin()).collect(),
+            group: 0,
+            codes: vec![],
+            amax: vec![],
+            runs: vec![Run {
+                expert: 1,
+                rows: vec![0, 1, 2],
+            }],
+        };
+        let frame = encode(&Message::Compute(req.clone())).unwrap();
+        let before = c.stats();
+        let n = 40;
+        for _ in 0..n {
+            match exchange(&c, &frame).await {
+                Message::Computed(r) => r.check(&req).unwrap(),
+                m => panic!("{m:?}"),
+            }
+        }
+        let after = c.stats();
+        // one send call per request (its packets go together), not one more for ACKs: with
+        // QUIC's default of an ACK every second packet this side makes about two per request
+        let sends = after.udp_tx.ios - before.udp_tx.ios;
+        assert!(sends <= n + n / 4, "{sends} send calls for {n} requests");
+        assert_eq!(after.frame_tx.stop_sending, 0, "this side stopped streams");
+        assert_eq!(after.frame_rx.stop_sending, 0, "the worker stopped streams");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -17,7 +17,8 @@
 //!   "heartbeat_ms": 1000,
 //!   "replicas": 2,
 //!   "hot_share": 0.25,
-//!   "rebalance_steps": 256
+//!   "rebalance_steps": 256,
+//!   "spin_us": 2000
 //! }
 //! ```
 //!
@@ -90,6 +91,10 @@ pub struct ClusterOptions {
     /// a worker joins). Experts that move are read from the new holder's disk, or fetched, on
     /// first use; nothing stops.
     pub rebalance_steps: u64,
+    /// How long the forward thread polls for a layer's answers before it sleeps: a round trip
+    /// is usually shorter, and a sleeping thread on an idle core wakes 10-30 us late on a
+    /// virtual machine, every layer (zero: sleep at once).
+    pub spin: Duration,
 }
 
 impl ClusterOptions {
@@ -104,6 +109,7 @@ impl ClusterOptions {
             replicas: 1,
             hot_share: 0.25,
             rebalance_steps: 256,
+            spin: COORDINATOR_SPIN,
         }
     }
 
@@ -139,6 +145,7 @@ impl ClusterOptions {
             replicas: Option<usize>,
             hot_share: Option<f64>,
             rebalance_steps: Option<u64>,
+            spin_us: Option<u64>,
         }
         let f: File = serde_json::from_str(text).map_err(|e| e.to_string())?;
         let workers = f
@@ -160,6 +167,9 @@ impl ClusterOptions {
         o.replicas = f.replicas.unwrap_or(o.replicas);
         o.hot_share = f.hot_share.unwrap_or(o.hot_share);
         o.rebalance_steps = f.rebalance_steps.unwrap_or(o.rebalance_steps);
+        if let Some(us) = f.spin_us {
+            o.spin = Duration::from_micros(us);
+        }
         o.check()?;
         Ok(o)
     }
@@ -191,6 +201,27 @@ impl ClusterOptions {
         }
         Ok(())
     }
+}
+
+/// How long the forward thread polls for a layer's answers by default ([`ClusterOptions::spin`]).
+pub const COORDINATOR_SPIN: Duration = Duration::from_millis(2);
+
+/// A wait for answers due within a round trip: polled for `spin` from its first poll, then
+/// asleep ([`PendingExperts::channel_polled`]).
+pub(crate) fn polled_channel(
+    spin: Duration,
+) -> (
+    std::sync::mpsc::SyncSender<Result<Vec<f32>, charm_shared::expert::ExpertError>>,
+    charm_shared::expert::PendingExperts,
+) {
+    use charm_shared::expert::PendingExperts;
+    if spin.is_zero() {
+        return PendingExperts::channel();
+    }
+    let mut since: Option<std::time::Instant> = None;
+    PendingExperts::channel_polled(move || {
+        since.get_or_insert_with(std::time::Instant::now).elapsed() < spin
+    })
 }
 
 /// The model fingerprint both sides of a cluster compare: CRC-32 and length of the files that
@@ -233,7 +264,10 @@ pub fn model_fingerprint(dir: &Path) -> Result<String, String> {
 }
 
 /// Worker processes on loopback (`charm worker` children of this process) with certificates
-/// in a temporary directory; killed and removed when dropped.
+/// in a temporary directory; killed and removed when dropped. They share this machine's cores
+/// with the coordinator, so neither side spins while it waits ([`ClusterOptions::spin`],
+/// `charm worker --spin-us`) unless `extra` sets the workers' `--spin-us` (and the caller the
+/// options' `spin`): each would take a core the others need.
 #[derive(Debug)]
 pub struct Loopback {
     pub dir: PathBuf,
@@ -284,6 +318,11 @@ impl Loopback {
                 .args(["--node", name, "--cluster"])
                 .arg(&lb.dir)
                 .args(["--activations", act, "--history", "none"])
+                .args(if extra.contains(&"--spin-us") {
+                    &[][..]
+                } else {
+                    &["--spin-us", "0"][..]
+                })
                 .args(extra)
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::inherit())
@@ -308,9 +347,12 @@ impl Loopback {
         self.children.iter().map(|c| c.id()).collect()
     }
 
-    /// Cluster options for these workers.
+    /// Cluster options for these workers (no spinning: see [`Loopback`]).
     pub fn options(&self) -> ClusterOptions {
-        ClusterOptions::new(self.dir.clone(), "coordinator", self.workers.clone())
+        ClusterOptions {
+            spin: Duration::ZERO,
+            ..ClusterOptions::new(self.dir.clone(), "coordinator", self.workers.clone())
+        }
     }
 }
 

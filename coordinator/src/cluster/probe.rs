@@ -28,6 +28,8 @@ use crate::ForwardOptions;
 #[derive(Debug)]
 struct ZeroExperts {
     hidden: usize,
+    /// How long a wait polls before it sleeps, as the cluster's waits do.
+    spin: Duration,
     delay_ns: AtomicU64,
     jobs: Mutex<mpsc::Sender<Job>>,
 }
@@ -39,7 +41,7 @@ type Job = (
 );
 
 impl ZeroExperts {
-    fn new(hidden: usize) -> Arc<Self> {
+    fn new(hidden: usize, spin: Duration) -> Arc<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
         std::thread::spawn(move || {
             while let Ok((due, n, reply)) = rx.recv() {
@@ -49,6 +51,7 @@ impl ZeroExperts {
         });
         Arc::new(Self {
             hidden,
+            spin,
             delay_ns: AtomicU64::new(0),
             jobs: Mutex::new(tx),
         })
@@ -66,7 +69,7 @@ impl ExpertExecutor for ZeroExperts {
         if d == 0 {
             return PendingExperts::ready(Ok(vec![0.0; n]));
         }
-        let (tx, pending) = PendingExperts::channel();
+        let (tx, pending) = super::polled_channel(self.spin);
         let due = Instant::now() + Duration::from_nanos(d);
         let sent = self.jobs.lock().expect("jobs lock").send((due, n, tx));
         match sent {
@@ -84,25 +87,27 @@ impl ExpertExecutor for ZeroExperts {
 /// Each MoE layer's experts answer from another thread after a fixed delay (longer than the
 /// shared expert), so the pass pays what waiting costs it (the compute helpers parked and woken,
 /// the thread hand-off); the delay less the shared expert's share of the dense time (the part of
-/// the wait it hides; `shared_share`: its bytes over the dense pass's) comes off again.
+/// the wait it hides; `shared_share`: its bytes over the dense pass's) comes off again. Waits
+/// poll for `spin` before they sleep, as the cluster's do.
 pub fn dense_speed(
     dir: &Path,
     act: Activations,
     draft: usize,
     position: usize,
     shared_share: f64,
+    spin: Duration,
 ) -> Result<(f64, f64), String> {
     let err = |e: LoadError| e.to_string();
     let (model, zero) = if Container::is_container(dir) {
         let (spec, c) = open_container(dir).map_err(err)?;
-        let zero = ZeroExperts::new(spec.hidden_size);
+        let zero = ZeroExperts::new(spec.hidden_size, spin);
         (
             Model::build(spec, &c, Some(zero.clone()), act).map_err(err)?,
             zero,
         )
     } else {
         let (spec, src) = open_source(dir).map_err(err)?;
-        let zero = ZeroExperts::new(spec.hidden_size);
+        let zero = ZeroExperts::new(spec.hidden_size, spin);
         (
             Model::build(spec, &*src, Some(zero.clone()), act).map_err(err)?,
             zero,
@@ -183,14 +188,27 @@ pub fn dense_speed(
 const REPS: usize = 40;
 
 /// Per connected worker with experts placed on it: the predictor's view from real requests.
-/// Each worker gets, alone, requests of one token and of 8 tokens, each to its share of `top_k`
-/// experts of one MoE layer drawn afresh from the experts only it holds (as routing does, so
-/// its caches are not warmer than in use), with this machine's compute threads busy for `gap_s`
-/// before each (the dense work between two MoE layers, which competes for the cores and lets the
-/// worker go idle as in use). The worker's own compute (it reports it) comes off the round trip
-/// seen by this thread, and the rest against the bytes moved gives the fixed cost and the
-/// link's rate. `disk_s`: seconds to read one expert from a worker's disk (not probed).
+/// All workers are asked at once, as a decode step's MoE layer asks them: requests of one token
+/// and of 8 tokens, each to the worker's share of `top_k` experts of one MoE layer drawn afresh
+/// from the experts only it holds (as routing does, so its caches are not warmer than in use),
+/// with this machine's compute threads busy for `gap_s` before each (the dense work between two
+/// MoE layers, which competes for the cores and lets the workers go idle as in use). A worker's
+/// time for a request is its round trip plus what this thread waited beyond the slowest round
+/// trip (the hand-offs to and from the client); its own compute (it reports it) comes off, and
+/// the rest against the bytes moved gives the fixed cost and the link's rate. `disk_s`: seconds
+/// to read one expert from a worker's disk (not probed).
 pub fn probe_workers(r: &RemoteExperts, spec: &ModelSpec, disk_s: f64, gap_s: f64) -> Vec<Node> {
+    struct Target {
+        /// The worker's index.
+        i: usize,
+        share: f64,
+        /// Experts per token.
+        k: usize,
+        layer: usize,
+        /// Experts of `layer` only this worker holds.
+        pool: Vec<u32>,
+        rng: u64,
+    }
     let p = r.placement();
     let status = r.status();
     let h = spec.hidden_size;
@@ -200,8 +218,7 @@ pub fn probe_workers(r: &RemoteExperts, spec: &ModelSpec, disk_s: f64, gap_s: f6
         .filter(|l| l.0 < spec.layers.len())
         .collect();
     let total: usize = (0..status.len()).map(|i| p.count(i)).sum();
-    let mut nodes = Vec::new();
-    let mut step = 1u64 << 40;
+    let mut targets = Vec::new();
     for (i, w) in status.iter().enumerate() {
         if !w.connected || p.count(i) == 0 || top_k == 0 {
             continue;
@@ -219,93 +236,136 @@ pub fn probe_workers(r: &RemoteExperts, spec: &ModelSpec, disk_s: f64, gap_s: f6
         let Some((layer, pool)) = pick.filter(|(_, ids)| !ids.is_empty()) else {
             continue;
         };
-        let k = want.min(pool.len());
-        let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ i as u64;
-        let mut next = move || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
-        let mut measure = |tokens: usize| -> Option<(Vec<f64>, f64, f64)> {
-            let x: Vec<f32> = (0..tokens * h).map(|j| ((j as f32) * 0.37).sin()).collect();
-            let wts = vec![1.0 / k as f32; tokens * k];
-            let before = r.status()[i].clone();
-            let mut walls = Vec::with_capacity(REPS);
-            for rep in 0..REPS + 4 {
-                // each token's experts drawn from the pool, ascending and distinct
-                let mut all = Vec::with_capacity(tokens * k);
-                for _ in 0..tokens {
-                    let mut ids: Vec<u32> = Vec::with_capacity(k);
-                    while ids.len() < k {
-                        let e = pool[(next() % pool.len() as u64) as usize];
-                        if !ids.contains(&e) {
-                            ids.push(e);
-                        }
-                    }
-                    ids.sort_unstable();
-                    all.extend(ids);
-                }
-                busy(gap_s);
-                step += 1;
-                let t = Instant::now();
-                r.run(ExpertBatch {
-                    step,
-                    layer,
-                    x: &x,
-                    n_tokens: tokens,
-                    ids: &all,
-                    weights: &wts,
-                    top_k: k,
-                })
-                .ok()?;
-                if rep >= 4 {
-                    walls.push(t.elapsed().as_secs_f64());
-                }
-            }
-            let after = r.status()[i].clone();
-            let n = (after.requests - before.requests) as f64;
-            let compute = (after.mean_compute_ms * after.requests as f64
-                - before.mean_compute_ms * before.requests as f64)
-                / n.max(1.0)
-                / 1e3;
-            let bytes = (after.bytes_sent + after.bytes_received
-                - before.bytes_sent
-                - before.bytes_received) as f64
-                / n.max(1.0);
-            Some((walls, compute, bytes))
-        };
-        let (Some((walls1, compute1, bytes1)), Some((walls8, compute8, bytes8))) =
-            (measure(1), measure(8))
-        else {
-            continue;
-        };
-        let mean = |w: &[f64]| w.iter().sum::<f64>() / w.len().max(1) as f64;
-        let (wall1, wall8) = (mean(&walls1), mean(&walls8));
-        let (rest1, rest8) = (wall1 - compute1, wall8 - compute8);
-        let per_byte = if bytes8 > bytes1 {
-            ((rest8 - rest1) / (bytes8 - bytes1)).max(0.0)
-        } else {
-            0.0
-        };
-        let fixed = |wall: f64| (wall - compute1 - per_byte * bytes1).max(0.0);
-        nodes.push(Node {
-            name: w.name.clone(),
+        targets.push(Target {
+            i,
             share,
-            ram_bytes: w.ram_bytes,
-            expert_s: compute1 / k as f64,
-            disk_s,
-            latency_s: fixed(wall1),
-            latency_samples_s: walls1.iter().map(|&w| fixed(w)).collect(),
-            bytes_s: if per_byte > 0.0 {
-                1.0 / per_byte
-            } else {
-                f64::INFINITY
-            },
-            in_process: false,
+            k: want.min(pool.len()),
+            layer,
+            pool,
+            rng: 0x9E37_79B9_7F4A_7C15u64 ^ i as u64,
         });
     }
-    nodes
+    // (round trip, compute) summed over a worker's answered requests, milliseconds
+    let sums = |w: &super::remote::WorkerStatus| {
+        let ok = w.requests.saturating_sub(w.failures) as f64;
+        (w.mean_rtt_ms * ok, w.mean_compute_ms * ok)
+    };
+    let mut step = 1u64 << 40;
+    // per target: each request's time (s), mean compute (s) and bytes per request
+    let mut measure = |tokens: usize| -> Option<Vec<(Vec<f64>, f64, f64)>> {
+        let x: Vec<f32> = (0..tokens * h).map(|j| ((j as f32) * 0.37).sin()).collect();
+        let first = r.status();
+        let mut walls = vec![Vec::with_capacity(REPS); targets.len()];
+        for rep in 0..REPS + 4 {
+            let batches: Vec<(Vec<u32>, Vec<f32>)> = targets
+                .iter_mut()
+                .map(|t| {
+                    // each token's experts drawn from the pool, ascending and distinct
+                    let mut all = Vec::with_capacity(tokens * t.k);
+                    for _ in 0..tokens {
+                        let mut ids: Vec<u32> = Vec::with_capacity(t.k);
+                        while ids.len() < t.k {
+                            t.rng ^= t.rng << 13;
+                            t.rng ^= t.rng >> 7;
+                            t.rng ^= t.rng << 17;
+                            let e = t.pool[(t.rng % t.pool.len() as u64) as usize];
+                            if !ids.contains(&e) {
+                                ids.push(e);
+                            }
+                        }
+                        ids.sort_unstable();
+                        all.extend(ids);
+                    }
+                    (all, vec![1.0 / t.k as f32; tokens * t.k])
+                })
+                .collect();
+            busy(gap_s);
+            step += 1;
+            let before = r.status();
+            let t0 = Instant::now();
+            let pending: Vec<_> = targets
+                .iter()
+                .zip(&batches)
+                .map(|(t, (ids, wts))| {
+                    r.start(ExpertBatch {
+                        step,
+                        layer: t.layer,
+                        x: &x,
+                        n_tokens: tokens,
+                        ids,
+                        weights: wts,
+                        top_k: t.k,
+                    })
+                })
+                .collect();
+            for w in pending {
+                w.wait().ok()?;
+            }
+            let wall = t0.elapsed().as_secs_f64();
+            let after = r.status();
+            if rep >= 4 {
+                let rtts: Vec<f64> = targets
+                    .iter()
+                    .map(|t| (sums(&after[t.i]).0 - sums(&before[t.i]).0) / 1e3)
+                    .collect();
+                let beyond = (wall - rtts.iter().copied().fold(0.0, f64::max)).max(0.0);
+                for (w, rtt) in walls.iter_mut().zip(rtts) {
+                    w.push(rtt + beyond);
+                }
+            }
+        }
+        let last = r.status();
+        Some(
+            targets
+                .iter()
+                .zip(walls)
+                .map(|(t, w)| {
+                    let (a, b) = (&first[t.i], &last[t.i]);
+                    let n = (b.requests - a.requests).max(1) as f64;
+                    let compute = (sums(b).1 - sums(a).1) / n / 1e3;
+                    let bytes = (b.bytes_sent + b.bytes_received - a.bytes_sent - a.bytes_received)
+                        as f64
+                        / n;
+                    (w, compute, bytes)
+                })
+                .collect(),
+        )
+    };
+    let (Some(one), Some(eight)) = (measure(1), measure(8)) else {
+        return Vec::new();
+    };
+    let mean = |w: &[f64]| w.iter().sum::<f64>() / w.len().max(1) as f64;
+    targets
+        .iter()
+        .zip(one.into_iter().zip(eight))
+        .map(
+            |(t, ((walls1, compute1, bytes1), (walls8, compute8, bytes8)))| {
+                let (wall1, wall8) = (mean(&walls1), mean(&walls8));
+                let (rest1, rest8) = (wall1 - compute1, wall8 - compute8);
+                let per_byte = if bytes8 > bytes1 {
+                    ((rest8 - rest1) / (bytes8 - bytes1)).max(0.0)
+                } else {
+                    0.0
+                };
+                let fixed = |wall: f64| (wall - compute1 - per_byte * bytes1).max(0.0);
+                Node {
+                    name: status[t.i].name.clone(),
+                    share: t.share,
+                    ram_bytes: status[t.i].ram_bytes,
+                    expert_s: compute1 / t.k as f64,
+                    disk_s,
+                    latency_s: fixed(wall1),
+                    latency_samples_s: walls1.iter().map(|&w| fixed(w)).collect(),
+                    bytes_s: if per_byte > 0.0 {
+                        1.0 / per_byte
+                    } else {
+                        f64::INFINITY
+                    },
+                    in_process: false,
+                }
+            },
+        )
+        .collect()
 }
 
 /// Returns at `due`, to within a few microseconds: sleeps most of the way and spins the last
@@ -399,6 +459,7 @@ pub fn predict_live(
         o.draft,
         o.position,
         m.dense_share(m.shared_read_bytes),
+        r.inner.shared.opts.spin,
     )
     .map_err(|e| format!("measuring the dense pass needs the model's dense weights here: {e}"))?;
     let gap = dense.0 / m.moe_layers.max(1) as f64;

@@ -377,7 +377,7 @@ impl ExpertExecutor for RemoteExperts {
         }
         let owned = Arc::new(OwnedBatch::new(&batch));
         let inner = self.inner.clone();
-        let (tx, pending) = PendingExperts::channel();
+        let (tx, pending) = super::polled_channel(self.inner.shared.opts.spin);
         self.rt.spawn(async move {
             let _ = tx.send(serve(inner, owned, runs).await);
         });
