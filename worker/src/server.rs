@@ -591,6 +591,19 @@ mod tests {
             .map_err(|e| e.to_string())
     }
 
+    /// Serves `svc` as worker w1 of the cluster in `dir` on a loopback port (a task of the
+    /// calling runtime); its address.
+    fn serving(dir: &Path, svc: Arc<Service>) -> SocketAddr {
+        let ep = listen(
+            "127.0.0.1:0".parse().unwrap(),
+            &Identity::load(dir, "w1").unwrap(),
+        )
+        .unwrap();
+        let addr = ep.local_addr().unwrap();
+        tokio::spawn(serve(ep, svc));
+        addr
+    }
+
     /// Sends raw `bytes` on a new stream and reads the answer.
     async fn exchange(c: &quinn::Connection, bytes: &[u8]) -> Message {
         let (mut s, mut r) = c.open_bi().await.unwrap();
@@ -625,13 +638,7 @@ mod tests {
             shard: None,
             warm: Warm::start(Duration::from_millis(1)),
         });
-        let ep = listen(
-            "127.0.0.1:0".parse().unwrap(),
-            &Identity::load(&dir, "w1").unwrap(),
-        )
-        .unwrap();
-        let addr = ep.local_addr().unwrap();
-        tokio::spawn(serve(ep, svc));
+        let addr = serving(&dir, svc);
 
         // plaintext garbage at the port: ignored
         let u = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
@@ -803,13 +810,7 @@ mod tests {
             shard: None,
             warm: None,
         });
-        let ep = listen(
-            "127.0.0.1:0".parse().unwrap(),
-            &Identity::load(&dir, "w1").unwrap(),
-        )
-        .unwrap();
-        let addr = ep.local_addr().unwrap();
-        tokio::spawn(serve(ep, svc));
+        let addr = serving(&dir, svc);
         let id = Identity::load(&dir, "coordinator").unwrap();
         let mut cfg = id.client_config().unwrap();
         cfg.transport_config(Arc::new(transport(Duration::from_secs(1))));
