@@ -19,9 +19,20 @@ const _: () = assert!(charm_shared::container::RECORD_ALIGN.is_multiple_of(DIREC
 pub struct AlignedBuf {
     ptr: std::ptr::NonNull<u8>,
     len: usize,
+    /// The mapping this buffer is a part of ([`AlignedBuf::populated_many`]), unmapped when
+    /// its last part is dropped; `None`: the buffer is its own mapping.
+    chunk: Option<std::sync::Arc<Chunk>>,
 }
 
-// SAFETY: the mapping is uniquely owned; `&AlignedBuf` only gives out `&[u8]`.
+/// A mapping shared by several buffers, each a disjoint range of it.
+#[derive(Debug)]
+struct Chunk {
+    /// (held for its `Drop`, which unmaps it)
+    _mapping: AlignedBuf,
+}
+
+// SAFETY: the mapping (or, for a part of a chunk, its range) is uniquely owned; `&AlignedBuf`
+// only gives out `&[u8]`.
 unsafe impl Send for AlignedBuf {}
 // SAFETY: as above; no interior mutability.
 unsafe impl Sync for AlignedBuf {}
@@ -102,7 +113,34 @@ impl AlignedBuf {
             }
         }
         let ptr = std::ptr::NonNull::new(start as *mut u8).expect("mmap returned a mapping");
-        Self { ptr, len }
+        Self {
+            ptr,
+            len,
+            chunk: None,
+        }
+    }
+
+    /// `count` buffers of [`Self::populated`]'s kind, `len` bytes each (rounded up to the
+    /// alignment), carved from one mapping so that buffers smaller than a huge page are backed by
+    /// huge pages too: an expert of a small model read into a buffer of its own sits on 4 KiB
+    /// pages, and its weights then stream about 30% slower (one thread, int4 experts of
+    /// 0.8 MB: 9.1-9.4 GB/s against 13.0 GB/s). The mapping is unmapped with the last buffer.
+    pub fn populated_many(count: usize, len: usize) -> Vec<Self> {
+        let len = len.max(1).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
+        if count == 0 {
+            return Vec::new();
+        }
+        let whole = Self::populated(count * len);
+        let base = whole.ptr.as_ptr();
+        let chunk = std::sync::Arc::new(Chunk { _mapping: whole });
+        (0..count)
+            .map(|i| Self {
+                // SAFETY: `i * len + len <= count * len`, inside the chunk's mapping.
+                ptr: std::ptr::NonNull::new(unsafe { base.add(i * len) }).expect("non-null"),
+                len,
+                chunk: Some(chunk.clone()),
+            })
+            .collect()
     }
 
     pub fn len(&self) -> usize {
@@ -148,8 +186,10 @@ fn thp_mode(s: &str) -> Option<String> {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        // SAFETY: unmaps exactly the mapping made in `new`.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        if self.chunk.is_none() {
+            // SAFETY: unmaps exactly the mapping made in `map`.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        }
     }
 }
 
@@ -375,6 +415,27 @@ mod tests {
             b.as_mut_slice()[n - 1] = 7;
             b.as_mut_slice()[0] = 9;
             assert_eq!((b.as_slice()[0], b.as_slice()[n - 1]), (9, 7));
+        }
+    }
+
+    #[test]
+    fn buffers_carved_from_one_mapping_are_disjoint_and_outlive_each_other() {
+        assert!(AlignedBuf::populated_many(0, 4096).is_empty());
+        let mut bufs = AlignedBuf::populated_many(5, 700_000);
+        let len = 700_000usize.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
+        let base = bufs[0].as_slice().as_ptr() as usize;
+        // one huge-page-aligned mapping, the parts back to back
+        assert_eq!(base % (2 << 20), 0);
+        for (i, b) in bufs.iter_mut().enumerate() {
+            assert_eq!(b.len(), len);
+            assert_eq!(b.as_slice().as_ptr() as usize, base + i * len);
+            assert!(b.as_slice().iter().all(|&v| v == 0));
+            b.as_mut_slice().fill(i as u8 + 1);
+        }
+        // dropping some parts leaves the others mapped and unchanged
+        let kept: Vec<AlignedBuf> = bufs.into_iter().skip(3).collect();
+        for (i, b) in kept.iter().enumerate() {
+            assert!(b.as_slice().iter().all(|&v| v == i as u8 + 4));
         }
     }
 

@@ -280,7 +280,8 @@ impl StreamingExperts {
             opts,
         });
         // The cache's buffers are mapped and faulted in now: the budget is taken at start (as
-        // the plan said), and no step later pays for first-touch page faults.
+        // the plan said), and no step later pays for first-touch page faults. They are parts of
+        // one mapping, so that small experts sit on huge pages too.
         {
             let n = inner
                 .capacity
@@ -294,7 +295,7 @@ impl StreamingExperts {
                 .max()
                 .unwrap_or(0) as usize;
             let mut free = inner.pool.free.lock().unwrap_or_else(|p| p.into_inner());
-            free.extend((0..n).map(|_| AlignedBuf::populated(rec)));
+            free.extend(AlignedBuf::populated_many(n as usize, rec));
         }
         {
             let mut st = lock(&inner.state);
