@@ -28,7 +28,7 @@ pub struct WorkerArgs {
     /// Activation mode it computes in (the coordinator's must match).
     #[arg(long, value_enum, default_value = "f32")]
     pub activations: Act,
-    /// Compute threads (default: one per core).
+    /// Compute threads, and threads for the network (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
     /// MODEL may lack expert records (a directory with only `config.json` and `charm.json`
@@ -122,7 +122,14 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         layers.len(),
         e.ram_bytes as f64 / (1u64 << 30) as f64
     );
-    let rt = tokio::runtime::Runtime::new()?;
+    // the network threads: as many as the compute threads it was given (default: one per core),
+    // so that a worker sharing a machine (`--threads` below its cores) does not spread its
+    // packets over threads that then wait for cores
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = a.threads {
+        rt.worker_threads(n.max(1));
+    }
+    let rt = rt.enable_all().build()?;
     rt.block_on(async move {
         let ep = charm_worker::server::listen(addr, &identity)
             .map_err(|e| anyhow::anyhow!("--listen {addr}: {e}"))?;
