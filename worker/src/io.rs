@@ -122,9 +122,9 @@ impl AlignedBuf {
 
     /// `count` buffers of [`Self::populated`]'s kind, `len` bytes each (rounded up to the
     /// alignment), carved from one mapping so that buffers smaller than a huge page are backed by
-    /// huge pages too: an expert of a small model read into a buffer of its own sits on 4 KiB
-    /// pages, and its weights then stream about 30% slower (one thread, int4 experts of
-    /// 0.8 MB: 9.1-9.4 GB/s against 13.0 GB/s). The mapping is unmapped with the last buffer.
+    /// huge pages too: an expert of a small model read into a buffer of its own would sit on
+    /// 4 KiB pages, whose TLB misses slow the stream of its weights. The mapping is unmapped
+    /// with the last buffer.
     pub fn populated_many(count: usize, len: usize) -> Vec<Self> {
         let len = len.max(1).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
         if count == 0 {

@@ -120,10 +120,9 @@ pub struct Service {
 /// on one the machine has put to sleep: waking an idle core costs 10-30 us on a virtual
 /// machine, paid twice by every round trip. A thread yields the core in a loop until `spin` has
 /// passed since the last answer, then parks until the next; any thread that wants the core
-/// gets it at the next yield. (At idle priority, `SCHED_IDLE`, the same loop let requests wait
-/// about 10% longer.) The price is a core kept busy while requests come, which costs power and
-/// takes time from other processes on the machine: `charm worker --spin-us 0` turns it off,
-/// and workers started on loopback beside their coordinator have it off.
+/// gets it at the next yield. The price is a core kept busy while requests come, which costs
+/// power and takes time from other processes on the machine: `charm worker --spin-us 0` turns
+/// it off, and workers started on loopback beside their coordinator have it off.
 #[derive(Debug)]
 pub struct Warm {
     base: std::time::Instant,
@@ -209,6 +208,15 @@ impl Service {
             ));
         }
         None
+    }
+
+    /// Serves one compute request, then parks the compute helpers: the next request is a round
+    /// trip away, and they would spin on cores the network stack (or, on one machine, the
+    /// coordinator) needs meanwhile.
+    fn answer(&self, req: &ComputeRequest) -> Message {
+        let answer = self.compute(req);
+        charm_shared::par::rest();
+        answer
     }
 
     /// Serves one compute request.
@@ -508,29 +516,18 @@ async fn connection(conn: quinn::Connection, svc: Arc<Service>) {
                     let _ = assigned.send(list);
                     Message::Pong { seq: 0 }
                 }
-                Ok(Message::Compute(req)) if inline(&req) => {
-                    // a decode-sized request is computed on this task's thread: the hand-off
-                    // to the blocking pool and back would cost more than the work
-                    let answer = svc.compute(&req);
-                    charm_shared::par::rest();
-                    answer
-                }
+                // a decode-sized request is computed on this task's thread: the hand-off to the
+                // blocking pool and back would cost more than the work
+                Ok(Message::Compute(req)) if inline(&req) => svc.answer(&req),
                 Ok(Message::Compute(req)) => {
                     let svc2 = svc.clone();
-                    tokio::task::spawn_blocking(move || {
-                        let answer = svc2.compute(&req);
-                        // the next request is a round trip away: the compute helpers park
-                        // rather than spin on cores the network stack (or, on one machine, the
-                        // coordinator) needs meanwhile
-                        charm_shared::par::rest();
-                        answer
-                    })
-                    .await
-                    .unwrap_or_else(|e| Message::Failed {
-                        id: 0,
-                        class: FailureClass::Internal,
-                        message: format!("compute task: {e}"),
-                    })
+                    tokio::task::spawn_blocking(move || svc2.answer(&req))
+                        .await
+                        .unwrap_or_else(|e| Message::Failed {
+                            id: 0,
+                            class: FailureClass::Internal,
+                            message: format!("compute task: {e}"),
+                        })
                 }
                 Ok(Message::Ping { seq }) => Message::Pong { seq },
                 Ok(_) => Message::Failed {

@@ -217,9 +217,9 @@ impl MtpDrafter {
 /// the acceptance seen so far (each draft taken as accepted with the same probability, given the
 /// ones before it were) and the measured time of a step with that many drafts. Plain steps are
 /// measured first ([`Self::WARMUP`]), then steps with the most drafts ([`Self::DRAFT_WARMUP`]);
-/// sizes not measured are estimated on the line between those. The runner-up is tried again after [`Self::REVISIT`] steps, then after
-/// twice as many each time the choice stays (back to the start when it changes), since costs and
-/// acceptance drift. Drafting is chosen only when it promises [`Self::MARGIN`] times the plain
+/// sizes not measured are estimated on the line between those. The runner-up is tried again
+/// after [`Self::REVISIT`] steps, then after twice as many each time the choice stays (back to
+/// the start when it changes), since costs and acceptance drift. Drafting is chosen only when it promises [`Self::MARGIN`] times the plain
 /// rate: where the two are close, timing noise would otherwise pick drafting as often as not, and
 /// a wrong pick costs more than a right one gains. A step time more than half again the mean
 /// so far counts as half again the mean (a page fault or a descheduled thread, not the cost of

@@ -171,8 +171,9 @@ fn lane_layout_is_a_lossless_permutation_with_bit_identical_products() {
                 assert_eq!(l.dequantize_row(row), q.dequantize_row(row));
             }
             assert_eq!(l.dequantize(), q.dequantize());
-            // 1 to 9 tokens (tiles of up to eight, and what is left), on 1 and 2 threads, against the scalar
-            // twin on the row-major matrix, bit for bit; every other path converts back
+            // 1 to 9 and 17 tokens (tiles of up to four, and what is left), on 1 and 2 threads,
+            // against the scalar twin on the row-major matrix, bit for bit; every other path
+            // converts back
             let x = data(9, 17 * c);
             for threads in [1, 2] {
                 let pool = rayon::ThreadPoolBuilder::new()

@@ -316,11 +316,9 @@ fn run_jobs(
             }
         }
         let take = step_rows(&mut active, lim.batch_tokens);
-        for (s, &k) in active.iter_mut().zip(&take) {
-            if k > 0 {
-                // this step's grammar masks, computed while it runs
-                s.prepare_mask();
-            }
+        for s in active.iter_mut() {
+            // this step's grammar masks, computed while it runs (decoding sequences only)
+            s.prepare_mask();
         }
         let mut done = batched_step(e, tok, &lim.stop_ids, &mut active, &take, metrics, t0);
         for (i, m) in failed_drafts {
