@@ -168,6 +168,49 @@ fn teacher_forced_naive_matches_transformers() {
 fn teacher_forced_absorbed_matches_transformers() {
     for f in FIXTURES {
         teacher_forced(f, MlaMode::Absorbed);
+        teacher_forced(f, MlaMode::AbsorbedSplit);
+    }
+}
+
+/// Absorbed MLA in the layout of a step of many queries (`kv_b` read once for all of them) gives
+/// every query the bits it gets alone: a one-pass forward split that way equals one-token
+/// decode steps (each query's heads from query to output in one unit), position by position.
+#[test]
+fn split_absorbed_attention_equals_one_query_at_a_time() {
+    for f in [
+        "glm5-tiny",
+        "glm5-tiny-grouped",
+        "glm5-small-fp8",
+        "deepseek3-tiny",
+    ] {
+        let m = Model::load(&dir(f)).unwrap();
+        let ids = Oracle::open(f).ids("tf_input_ids");
+        let (s, v) = (ids.len(), m.spec.vocab_size);
+        let split = ForwardOptions {
+            mla: MlaMode::AbsorbedSplit,
+        };
+        let mut c1 = KvCache::new(&m.spec);
+        let one = m
+            .logits(&m.forward(&ids, &mut c1, split, None).unwrap(), s)
+            .unwrap();
+        let mut c2 = KvCache::new(&m.spec);
+        let mut step = Vec::new();
+        for t in 0..s {
+            let n = m
+                .forward(&ids[t..t + 1], &mut c2, ForwardOptions::default(), None)
+                .unwrap();
+            step.extend(m.logits(&n, 1).unwrap());
+        }
+        let differ = one
+            .iter()
+            .zip(&step)
+            .position(|(a, b)| a.to_bits() != b.to_bits());
+        assert!(
+            differ.is_none(),
+            "{f}: split one-pass vs one query at a time differ first at position {} (max diff {})",
+            differ.unwrap_or(0) / v,
+            max_abs_diff(&one, &step)
+        );
     }
 }
 

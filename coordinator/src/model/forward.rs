@@ -5,7 +5,7 @@
 
 use charm_shared::config::{AttentionSpec, IndexerKind, MlaSpec};
 use charm_shared::expert::{ExpertBatch, ExpertError, LookaheadPolicy};
-use charm_shared::kernels::{axpy, dot, dots, rms_norm, softmax, weighted_rows};
+use charm_shared::kernels::{axpy, dot, dots, rms_norm, softmax, weighted_rows, Matrix};
 use charm_shared::linear::Linear;
 use charm_shared::routing::route;
 
@@ -63,6 +63,9 @@ pub enum MlaMode {
     /// cache is never expanded (what decode wants).
     #[default]
     Absorbed,
+    /// [`Self::Absorbed`] always in the layout a step of many queries takes, `kv_b_proj` read
+    /// once per step for all of them; bit for bit the same as [`Self::Absorbed`].
+    AbsorbedSplit,
 }
 
 /// Options of one forward call.
@@ -574,112 +577,195 @@ impl Model {
             })
             .collect();
         let stride = nope + vd;
-        // Every (query, head) pair is independent: run them in parallel, each with the same
-        // arithmetic as alone.
-        // Units of `g` heads of one query: enough units to share among the threads, and each
-        // unit reads the cached latents once for all its heads. Every (query, head) pair keeps the
-        // arithmetic it has alone, so the split never changes a bit.
+        // Units of `g` heads of one query run in parallel: enough units to share among the
+        // threads, and each unit reads its query's cached latents once for all its heads. Every
+        // (query, head) pair keeps the arithmetic it has alone, so no split changes a bit.
         let g = if n >= 8 {
             nh
         } else {
             (1..=4).rev().find(|d| nh % d == 0).unwrap_or(1)
         };
-        charm_shared::par::for_each_chunk_mut(&mut out, vd * g, |u, og| {
-            let (t, h0) = ((u * g) / nh, (u * g) % nh);
-            let (p, cache) = (rows.pos[t], caches[rows.seq[t]]);
-            let keys: Vec<usize> = match sel {
+        let qh = |t: usize, hh: usize| {
+            let qh = &q[t * nh * qkd + hh * qkd..t * nh * qkd + (hh + 1) * qkd];
+            qh.split_at(nope)
+        };
+        let keys_of = |t: usize| -> Vec<usize> {
+            match sel {
                 Some(s) => s[t].iter().map(|&j| j as usize).collect(),
-                None => (0..=p).collect(),
-            };
-            let qh = |hh: usize| {
-                let qh = &q[t * nh * qkd + hh * qkd..t * nh * qkd + (hh + 1) * qkd];
-                qh.split_at(nope)
-            };
-            match &expanded[rows.seq[t]] {
-                Some(kv) => {
-                    for (k, o) in og.chunks_mut(vd).enumerate() {
-                        let hh = h0 + k;
-                        let (q_nope, q_rope) = qh(hh);
-                        let mut scores = Vec::with_capacity(keys.len());
-                        for &j in &keys {
-                            let kvj = &kv[j * nh * stride + hh * stride..];
-                            let s = dot(q_nope, &kvj[..nope]) + dot(q_rope, &cache.entry(j)[kvr..]);
-                            scores.push(s * scale);
-                        }
-                        softmax(&mut scores);
-                        for (&j, &pj) in keys.iter().zip(&scores) {
-                            let vj = &kv[j * nh * stride + hh * stride + nope
-                                ..j * nh * stride + hh * stride + stride];
-                            axpy(o, pj, vj);
-                        }
-                    }
-                }
-                None => {
-                    // q_abs[c] = sum_d q_nope[d] * W_uk[h][d][c], per head of the unit
-                    let q_abs: Vec<Vec<f32>> = (0..g)
-                        .map(|k| {
-                            let (q_nope, _) = qh(h0 + k);
-                            let mut qa = vec![0.0f32; kvr];
-                            for (d, &qd) in q_nope.iter().enumerate() {
-                                axpy(&mut qa, qd, w.kv_b.row((h0 + k) * stride + d));
-                            }
-                            qa
-                        })
-                        .collect();
-                    let mut scores = vec![Vec::with_capacity(keys.len()); g];
-                    // four keys at a time (the same dot products, interleaved), every head
-                    // of the unit against each cached latent while it is in cache
-                    let mut kc = keys.chunks_exact(4);
-                    for k4 in &mut kc {
-                        let e: [&[f32]; 4] = std::array::from_fn(|i| cache.entry(k4[i]));
-                        let (lat_e, rot_e) = (e.map(|e| &e[..kvr]), e.map(|e| &e[kvr..]));
-                        for (k, sk) in scores.iter_mut().enumerate() {
-                            let lat = dots(lat_e, &q_abs[k]);
-                            let rot = dots(rot_e, qh(h0 + k).1);
-                            for i in 0..4 {
-                                sk.push((lat[i] + rot[i]) * scale);
-                            }
-                        }
-                    }
-                    for &j in kc.remainder() {
-                        let e = cache.entry(j);
-                        for (k, sk) in scores.iter_mut().enumerate() {
-                            let s = dot(&q_abs[k], &e[..kvr]) + dot(qh(h0 + k).1, &e[kvr..]);
-                            sk.push(s * scale);
-                        }
-                    }
-                    for sk in &mut scores {
-                        softmax(sk);
-                    }
-                    // ctx[h] = sum over keys, in order, of p[h][j] * latent[j]
-                    let lats: Vec<&[f32]> = keys.iter().map(|&j| &cache.entry(j)[..kvr]).collect();
-                    let mut ctx = vec![vec![0.0f32; kvr]; g];
-                    for (c4, s4) in ctx.chunks_mut(4).zip(scores.chunks(4)) {
-                        if let ([a, b, c, d], [pa, pb, pc, pd]) = (&mut *c4, s4) {
-                            weighted_rows([a, b, c, d], [pa, pb, pc, pd], &lats);
-                        } else {
-                            for (c, sk) in c4.iter_mut().zip(s4) {
-                                weighted_rows([c], [sk], &lats);
-                            }
-                        }
-                    }
-                    for (k, o) in og.chunks_mut(vd).enumerate() {
-                        let hh = h0 + k;
-                        let mut oc = o.chunks_exact_mut(4);
-                        for (c, o4) in (&mut oc).enumerate() {
-                            let rows: [&[f32]; 4] =
-                                std::array::from_fn(|i| w.kv_b.row(hh * stride + nope + 4 * c + i));
-                            o4.copy_from_slice(&dots(rows, &ctx[k]));
-                        }
-                        let done = vd - vd % 4;
-                        for (d, oi) in oc.into_remainder().iter_mut().enumerate() {
-                            *oi = dot(w.kv_b.row(hh * stride + nope + done + d), &ctx[k]);
-                        }
-                    }
-                }
+                None => (0..=rows.pos[t]).collect(),
             }
+        };
+        if opts.mla == MlaMode::Naive {
+            charm_shared::par::for_each_chunk_mut(&mut out, vd * g, |u, og| {
+                let (t, h0) = ((u * g) / nh, (u * g) % nh);
+                let cache = caches[rows.seq[t]];
+                let kv = expanded[rows.seq[t]].as_ref().expect("naive mode expands");
+                let keys = keys_of(t);
+                for (k, o) in og.chunks_mut(vd).enumerate() {
+                    let hh = h0 + k;
+                    let (q_nope, q_rope) = qh(t, hh);
+                    let mut scores = Vec::with_capacity(keys.len());
+                    for &j in &keys {
+                        let kvj = &kv[j * nh * stride + hh * stride..];
+                        let s = dot(q_nope, &kvj[..nope]) + dot(q_rope, &cache.entry(j)[kvr..]);
+                        scores.push(s * scale);
+                    }
+                    softmax(&mut scores);
+                    for (&j, &pj) in keys.iter().zip(&scores) {
+                        let vj = &kv[j * nh * stride + hh * stride + nope
+                            ..j * nh * stride + hh * stride + stride];
+                        axpy(o, pj, vj);
+                    }
+                }
+            });
+            return w.o.matmul(&out, n);
+        }
+
+        // Absorbed: attention runs in latent space, `W_uk` folded into the queries and `W_uv`
+        // applied to each head's latent context. Every (query, head) pair has the same
+        // arithmetic in both layouts below.
+        // Each unit reads its heads' rows of `kv_b` (f32, heads x (nope + v) x latent): once per
+        // query. Where re-reading it for every further query of the step would cost more than a
+        // few passes over the units, the step splits instead (below).
+        let rereads = (n - 1) * w.kv_b.data.len() * std::mem::size_of::<f32>();
+        if opts.mla == MlaMode::Absorbed && rereads < ABSORB_SPLIT_BYTES {
+            charm_shared::par::for_each_chunk_mut(&mut out, vd * g, |u, og| {
+                let (t, h0) = ((u * g) / nh, (u * g) % nh);
+                let mut q_abs = vec![0.0f32; g * kvr];
+                for (k, qa) in q_abs.chunks_mut(kvr).enumerate() {
+                    absorb_queries(&w.kv_b, (h0 + k) * stride, &[qh(t, h0 + k).0], qa);
+                }
+                let q_abs: Vec<&[f32]> = q_abs.chunks(kvr).collect();
+                let q_rope: Vec<&[f32]> = (0..g).map(|k| qh(t, h0 + k).1).collect();
+                let mut ctx = vec![0.0f32; g * kvr];
+                let cache = caches[rows.seq[t]];
+                attend_latent(cache, &keys_of(t), scale, &q_abs, &q_rope, &mut ctx);
+                for (k, (o, c)) in og.chunks_mut(vd).zip(ctx.chunks(kvr)).enumerate() {
+                    project_values(&w.kv_b, (h0 + k) * stride + nope, &[c], &mut [o]);
+                }
+            });
+            return w.o.matmul(&out, n);
+        }
+        // Split: `kv_b` read once per step for all the queries (a verify step, a batch), head by
+        // head, in three parallel passes.
+        // q_abs[h][t] = q_nope[t][h] x W_uk[h]
+        let mut q_abs = vec![0.0f32; nh * n * kvr];
+        charm_shared::par::for_each_chunk_mut(&mut q_abs, n * kvr, |hh, qa| {
+            let qs: Vec<&[f32]> = (0..n).map(|t| qh(t, hh).0).collect();
+            absorb_queries(&w.kv_b, hh * stride, &qs, qa);
         });
+        // ctx[t][h]: units of `g` heads of one query, as above
+        let mut ctx = vec![0.0f32; n * nh * kvr];
+        charm_shared::par::for_each_chunk_mut(&mut ctx, kvr * g, |u, cg| {
+            let (t, h0) = ((u * g) / nh, (u * g) % nh);
+            let qa: Vec<&[f32]> = (h0..h0 + g)
+                .map(|hh| &q_abs[(hh * n + t) * kvr..(hh * n + t + 1) * kvr])
+                .collect();
+            let q_rope: Vec<&[f32]> = (h0..h0 + g).map(|hh| qh(t, hh).1).collect();
+            attend_latent(caches[rows.seq[t]], &keys_of(t), scale, &qa, &q_rope, cg);
+        });
+        // out[t][h] = W_uv[h] ctx[t][h], head by head, then back to [n, heads * v]
+        let mut by_head = vec![0.0f32; nh * n * vd];
+        charm_shared::par::for_each_chunk_mut(&mut by_head, n * vd, |hh, oh| {
+            let cs: Vec<&[f32]> = (0..n)
+                .map(|t| &ctx[(t * nh + hh) * kvr..(t * nh + hh + 1) * kvr])
+                .collect();
+            let mut os: Vec<&mut [f32]> = oh.chunks_mut(vd).collect();
+            project_values(&w.kv_b, hh * stride + nope, &cs, &mut os);
+        });
+        for (t, o) in out.chunks_mut(nh * vd).enumerate() {
+            for (hh, oh) in o.chunks_mut(vd).enumerate() {
+                oh.copy_from_slice(&by_head[(hh * n + t) * vd..(hh * n + t + 1) * vd]);
+            }
+        }
         w.o.matmul(&out, n)
+    }
+}
+
+/// Bytes of `kv_b` that a step's further queries would re-read, from which absorbed attention
+/// runs in three passes that read it once. Below it the two extra passes' hand-offs cost more
+/// than the re-reads (the demo model's `kv_b` is 32 KB a layer, the yardstick's 1 MB,
+/// GLM-5.2's 59 MB).
+const ABSORB_SPLIT_BYTES: usize = 1 << 20;
+
+/// Absorbed MLA, `W_uk` folded into queries: `out[t][c] = sum_d q[t][d] * kv_b[first + d][c]`,
+/// `d` in order for every query, each row of `kv_b` read once for all of them.
+fn absorb_queries(kv_b: &Matrix, first: usize, q: &[&[f32]], out: &mut [f32]) {
+    let kvr = kv_b.cols;
+    for d in 0..q.first().map_or(0, |q| q.len()) {
+        let row = kv_b.row(first + d);
+        for (qt, o) in q.iter().zip(out.chunks_mut(kvr)) {
+            axpy(o, qt[d], row);
+        }
+    }
+}
+
+/// One query's attention for several heads in latent space: per head, scores against each key's
+/// latent (`q_abs`) and rotary part (`q_rope`), softmax, then `ctx[head] = sum over keys, in
+/// order, of p[j] * latent[j]` (`ctx`: `[heads, latent]`).
+fn attend_latent(
+    cache: &LayerCache,
+    keys: &[usize],
+    scale: f32,
+    q_abs: &[&[f32]],
+    q_rope: &[&[f32]],
+    ctx: &mut [f32],
+) {
+    let kvr = ctx.len() / q_abs.len().max(1);
+    let mut scores = vec![Vec::with_capacity(keys.len()); q_abs.len()];
+    // four keys at a time (the same dot products, interleaved), every head against each cached
+    // latent while it is in cache
+    let mut kc = keys.chunks_exact(4);
+    for k4 in &mut kc {
+        let e: [&[f32]; 4] = std::array::from_fn(|i| cache.entry(k4[i]));
+        let (lat_e, rot_e) = (e.map(|e| &e[..kvr]), e.map(|e| &e[kvr..]));
+        for (k, sk) in scores.iter_mut().enumerate() {
+            let lat = dots(lat_e, q_abs[k]);
+            let rot = dots(rot_e, q_rope[k]);
+            for i in 0..4 {
+                sk.push((lat[i] + rot[i]) * scale);
+            }
+        }
+    }
+    for &j in kc.remainder() {
+        let e = cache.entry(j);
+        for (k, sk) in scores.iter_mut().enumerate() {
+            let s = dot(q_abs[k], &e[..kvr]) + dot(q_rope[k], &e[kvr..]);
+            sk.push(s * scale);
+        }
+    }
+    for sk in &mut scores {
+        softmax(sk);
+    }
+    let lats: Vec<&[f32]> = keys.iter().map(|&j| &cache.entry(j)[..kvr]).collect();
+    let mut cs: Vec<&mut [f32]> = ctx.chunks_mut(kvr).collect();
+    for (c4, s4) in cs.chunks_mut(4).zip(scores.chunks(4)) {
+        if let ([a, b, c, d], [pa, pb, pc, pd]) = (&mut *c4, s4) {
+            weighted_rows([a, b, c, d].map(|x| &mut **x), [pa, pb, pc, pd], &lats);
+        } else {
+            for (c, sk) in c4.iter_mut().zip(s4) {
+                weighted_rows([&mut **c], [sk], &lats);
+            }
+        }
+    }
+}
+
+/// `W_uv` applied to latent contexts: `out[t][i] = kv_b[first + i] . ctx[t]`, four rows of
+/// `kv_b` at a time, each read once for all the contexts.
+fn project_values(kv_b: &Matrix, first: usize, ctx: &[&[f32]], out: &mut [&mut [f32]]) {
+    let vd = out.first().map_or(0, |o| o.len());
+    let full = vd - vd % 4;
+    for c in (0..full).step_by(4) {
+        let rows: [&[f32]; 4] = std::array::from_fn(|i| kv_b.row(first + c + i));
+        for (cx, o) in ctx.iter().zip(out.iter_mut()) {
+            o[c..c + 4].copy_from_slice(&dots(rows, cx));
+        }
+    }
+    for d in full..vd {
+        let row = kv_b.row(first + d);
+        for (cx, o) in ctx.iter().zip(out.iter_mut()) {
+            o[d] = dot(row, cx);
+        }
     }
 }
 
