@@ -1,6 +1,6 @@
 use std::arch::x86_64::*;
 
-use super::{Codes, QuantKind, QuantizedActs};
+use super::{Codes, QuantKind, QuantizedActs, PREFETCH_GROUPS};
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -443,9 +443,6 @@ pub(super) fn lanes16_dot_i8(
         }
     }
 }
-
-/// How many groups ahead [`lanes8_dot`] prefetches a block's weights.
-const PREFETCH_GROUPS: usize = 8;
 
 /// Rows `8 * half .. 8 * half + 8` of a [`lanes16_dot_i8`] block for `P` tokens (the caller
 /// checks the lengths).

@@ -1,6 +1,6 @@
 use std::arch::x86_64::*;
 
-use super::{QuantKind, QuantizedActs};
+use super::{QuantKind, QuantizedActs, PREFETCH_GROUPS};
 
 /// VNNI twin of [`super::scalar::row_dot_i8`] for `R` rows and `T` tokens, `R * T` being 1
 /// or 4 (see [`super::block_dot_i8`]), for groups that are multiples of 64. `vpdpbusd`
@@ -323,6 +323,15 @@ fn packed_dot<const P: usize>(
         // d)` in `blk`, which holds `16 * ng * gb` bytes; activation offsets stay below
         // `(g + 1) * group <= ng * group`.
         let w = unsafe { blk.as_ptr().add(16 * g * gb) };
+        if P > 1 {
+            // the lines of the group PREFETCH_GROUPS ahead (past the block's end: the next
+            // block's, which the caller computes next); a prefetch never faults. One token
+            // keeps up with the hardware prefetchers alone (and runs slower with these).
+            let ahead = w.wrapping_add(16 * PREFETCH_GROUPS * gb);
+            for l in 0..gb / 4 {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l) as *const i8);
+            }
+        }
         let ld = |d: usize| unsafe { _mm512_loadu_si512(w.add(64 * d) as *const _) };
         let bc = |t: usize, i: usize| unsafe {
             _mm512_set1_epi32((qp[t].add(g * group + i) as *const i32).read_unaligned())

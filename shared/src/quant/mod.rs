@@ -71,6 +71,11 @@ impl QuantKind {
 pub const SCALE_BYTES: usize = 4;
 /// Rows interleaved per block of [`Layout::Lanes16`].
 pub const LANE_ROWS: usize = 16;
+/// How many groups ahead the [`Layout::Lanes16`] kernels prefetch a block's weights (4-8 KiB):
+/// the hardware prefetchers stop at 4 KiB page boundaries, and while a step of several tokens
+/// computes, the next lines would otherwise arrive late.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_GROUPS: usize = 8;
 
 // The byte layouts the kernels and the container rely on, checked at compile time.
 const _: () = assert!(std::mem::size_of::<f32>() == SCALE_BYTES);
