@@ -58,6 +58,18 @@ impl Linear {
             Self::Quant(q) => q.dequantize_row(r),
         }
     }
+    /// Row `r` as f32, the values [`Self::to_f32`] holds: borrowed from an f32 weight, else
+    /// dequantized into `buf` (`cols` floats). Kernels written for f32 rows read a quantized
+    /// weight through it at its stored size, with the same bits as from its f32 copy.
+    pub fn row_into<'a>(&'a self, r: usize, buf: &'a mut [f32]) -> &'a [f32] {
+        match self {
+            Self::F32(m) => m.row(r),
+            Self::Quant(q) => {
+                q.dequantize_row_into(r, buf);
+                buf
+            }
+        }
+    }
     /// The whole weight as f32.
     pub fn to_f32(&self) -> Matrix {
         match self {

@@ -5,7 +5,7 @@
 
 use charm_shared::config::{AttentionSpec, IndexerKind, MlaSpec};
 use charm_shared::expert::{ExpertBatch, ExpertError, LookaheadPolicy};
-use charm_shared::kernels::{axpy, dot, dots, rms_norm, softmax, weighted_rows, Matrix};
+use charm_shared::kernels::{axpy, dot, dots, rms_norm, softmax, weighted_rows};
 use charm_shared::linear::Linear;
 use charm_shared::routing::route;
 
@@ -572,7 +572,11 @@ impl Model {
                     let lat: Vec<f32> = (0..total)
                         .flat_map(|j| cache.entry(j)[..kvr].to_vec())
                         .collect();
-                    w.kv_b.matmul(&lat, total)
+                    // the reference formulation, on the f32 values
+                    match &w.kv_b {
+                        Linear::F32(m) => m.matmul(&lat, total),
+                        q => q.to_f32().matmul(&lat, total),
+                    }
                 })
             })
             .collect();
@@ -624,10 +628,10 @@ impl Model {
         // Absorbed: attention runs in latent space, `W_uk` folded into the queries and `W_uv`
         // applied to each head's latent context. Every (query, head) pair has the same
         // arithmetic in both layouts below.
-        // Each unit reads its heads' rows of `kv_b` (f32, heads x (nope + v) x latent): once per
-        // query. Where re-reading it for every further query of the step would cost more than a
-        // few passes over the units, the step splits instead (below).
-        let rereads = (n - 1) * w.kv_b.data.len() * std::mem::size_of::<f32>();
+        // Each unit reads its heads' rows of `kv_b` (heads x (nope + v) x latent, as stored):
+        // once per query. Where re-reading it for every further query of the step would cost
+        // more than a few passes over the units, the step splits instead (below).
+        let rereads = (n - 1) * w.kv_b.bytes();
         if opts.mla == MlaMode::Absorbed && rereads < ABSORB_SPLIT_BYTES {
             charm_shared::par::for_each_chunk_mut(&mut out, vd * g, |u, og| {
                 let (t, h0) = ((u * g) / nh, (u * g) % nh);
@@ -684,16 +688,16 @@ impl Model {
 
 /// Bytes of `kv_b` that a step's further queries would re-read, from which absorbed attention
 /// runs in three passes that read it once. Below it the two extra passes' hand-offs cost more
-/// than the re-reads (the demo model's `kv_b` is 32 KB a layer, the yardstick's 1 MB,
-/// GLM-5.2's 59 MB).
+/// than the re-reads (GLM-5.2's `kv_b` is 14.7 MB a layer at int8).
 const ABSORB_SPLIT_BYTES: usize = 1 << 20;
 
 /// Absorbed MLA, `W_uk` folded into queries: `out[t][c] = sum_d q[t][d] * kv_b[first + d][c]`,
 /// `d` in order for every query, each row of `kv_b` read once for all of them.
-fn absorb_queries(kv_b: &Matrix, first: usize, q: &[&[f32]], out: &mut [f32]) {
-    let kvr = kv_b.cols;
+fn absorb_queries(kv_b: &Linear, first: usize, q: &[&[f32]], out: &mut [f32]) {
+    let kvr = kv_b.cols();
+    let mut buf = vec![0.0f32; kvr];
     for d in 0..q.first().map_or(0, |q| q.len()) {
-        let row = kv_b.row(first + d);
+        let row = kv_b.row_into(first + d, &mut buf);
         for (qt, o) in q.iter().zip(out.chunks_mut(kvr)) {
             axpy(o, qt[d], row);
         }
@@ -752,17 +756,21 @@ fn attend_latent(
 
 /// `W_uv` applied to latent contexts: `out[t][i] = kv_b[first + i] . ctx[t]`, four rows of
 /// `kv_b` at a time, each read once for all the contexts.
-fn project_values(kv_b: &Matrix, first: usize, ctx: &[&[f32]], out: &mut [&mut [f32]]) {
-    let vd = out.first().map_or(0, |o| o.len());
+fn project_values(kv_b: &Linear, first: usize, ctx: &[&[f32]], out: &mut [&mut [f32]]) {
+    let (vd, kvr) = (out.first().map_or(0, |o| o.len()), kv_b.cols());
     let full = vd - vd % 4;
+    let mut buf = vec![0.0f32; 4 * kvr];
     for c in (0..full).step_by(4) {
-        let rows: [&[f32]; 4] = std::array::from_fn(|i| kv_b.row(first + c + i));
+        let mut bufs = buf.chunks_exact_mut(kvr);
+        let rows: [&[f32]; 4] = std::array::from_fn(|i| {
+            kv_b.row_into(first + c + i, bufs.next().expect("four buffers"))
+        });
         for (cx, o) in ctx.iter().zip(out.iter_mut()) {
             o[c..c + 4].copy_from_slice(&dots(rows, cx));
         }
     }
     for d in full..vd {
-        let row = kv_b.row(first + d);
+        let row = kv_b.row_into(first + d, &mut buf[..kvr]);
         for (cx, o) in ctx.iter().zip(out.iter_mut()) {
             o[d] = dot(row, cx);
         }

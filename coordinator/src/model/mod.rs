@@ -34,8 +34,9 @@ pub struct MlaWeights {
     /// `[kv_lora_rank + rope, hidden]`
     pub kv_a: Linear,
     pub kv_a_norm: Vec<f32>,
-    /// `[heads * (nope + v), kv_lora_rank]`
-    pub kv_b: Matrix,
+    /// `[heads * (nope + v), kv_lora_rank]`, as stored (absorbed attention reads it row by row
+    /// through [`Linear::row_into`]).
+    pub kv_b: Linear,
     /// `[hidden, heads * v]`
     pub o: Linear,
 }
@@ -357,7 +358,7 @@ impl Loader<'_> {
                     q_b,
                     kv_a: self.lin(&n.kv_a(), m.cache_width(), h)?,
                     kv_a_norm: self.vec(&n.kv_a_norm(), m.kv_lora_rank)?,
-                    kv_b: self.mat(
+                    kv_b: self.src.linear(
                         &n.kv_b(),
                         m.n_heads * (m.qk_nope_head_dim + m.v_head_dim),
                         m.kv_lora_rank,

@@ -172,14 +172,13 @@ pub struct Plan {
 }
 
 /// RAM one dense tensor takes once loaded: quantized formats as stored, except the tensors the
-/// forward pass keeps as f32 (1-D vectors, MLA `kv_b_proj`, routers, indexer `weights_proj`) and
-/// bf16 rows whose width is not a multiple of 8.
+/// forward pass keeps as f32 (1-D vectors, routers, indexer `weights_proj`) and bf16 rows whose
+/// width is not a multiple of 8.
 fn dense_ram(name: &str, p: &Part) -> u64 {
     let n: u64 = p.shape.iter().map(|&d| d as u64).product();
     // the loader multiplies these in f32 whatever their storage (see `model::Loader::mat`)
-    let f32_kept = p.shape.len() == 1
-        || names::is_kv_b(name)
-        || names::classify(name, usize::MAX).kind == names::Kind::Exact;
+    let f32_kept =
+        p.shape.len() == 1 || names::classify(name, usize::MAX).kind == names::Kind::Exact;
     let odd_bf16 = p.format == StoreFormat::Bf16 && p.shape.last().is_none_or(|c| c % 8 != 0);
     if f32_kept || odd_bf16 || p.format == StoreFormat::F32 {
         4 * n

@@ -129,12 +129,6 @@ pub enum ExpertLayout {
     PerExpert,
 }
 
-/// Whether `name` is a layer's MLA `kv_b` projection ([`Layer::kv_b`]), which the forward pass
-/// splits per head and keeps in f32.
-pub fn is_kv_b(name: &str) -> bool {
-    name.starts_with(LAYERS) && name.ends_with(".self_attn.kv_b_proj.weight")
-}
-
 /// Whether the checkpoint that `has` the given tensors carries the MTP layer `spec` announces.
 pub fn has_mtp(spec: &ModelSpec, has: impl Fn(&str) -> bool) -> bool {
     spec.mtp_layers > 0 && has(&Layer::new(spec.layers.len()).mtp_eh_proj())
@@ -342,7 +336,6 @@ mod tests {
         assert_eq!(classify(&m.mtp_embed(), 4).kind, Kind::Embedding);
         assert_eq!(classify(&m.mtp_eh_proj(), 4).kind, Kind::Weight);
         assert!(!classify(&l.q_a(), 4).mtp);
-        assert!(is_kv_b(&l.kv_b()) && !is_kv_b(&l.q_b()));
     }
 
     #[test]

@@ -475,25 +475,84 @@ impl QMatrix {
             one.scales = scales.into();
             return one.dequantize_row(0);
         }
+        let mut out = vec![0.0f32; self.cols];
+        self.dequantize_row_into(r, &mut out);
+        out
+    }
+
+    /// [`Self::dequantize_row`] into `out` (`cols` floats), without allocating for a row-major
+    /// matrix: what a kernel that multiplies by f32 rows reads a quantized weight through. The
+    /// AVX2 path and the scalar one ([`Self::dequantize_row_scalar`]) give the same bits.
+    pub fn dequantize_row_into(&self, r: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), self.cols, "dequantized row has the wrong length");
+        if self.layout != Layout::RowMajor {
+            out.copy_from_slice(&self.dequantize_row(r));
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if matches!(active_isa(), Isa::Avx2 | Isa::Avx512Vnni) && self.group.is_multiple_of(8) {
+            let (rb, ng) = (self.row_bytes(), self.groups());
+            let b = &self.data[r * rb..(r + 1) * rb];
+            fn per_group(v: &[f32], r: usize, ng: usize) -> &[f32] {
+                v.get(r * ng..(r + 1) * ng).unwrap_or_default()
+            }
+            // SAFETY: the active ISA has AVX2 and FMA; `b` is the row's bytes.
+            unsafe {
+                avx2::dequantize_row(
+                    self.kind,
+                    self.group,
+                    b,
+                    per_group(&self.scales, r, ng),
+                    per_group(&self.mins, r, ng),
+                    out,
+                )
+            };
+            return;
+        }
+        self.dequantize_row_scalar(r, out);
+    }
+
+    /// The scalar twin of [`Self::dequantize_row_into`] for a row-major matrix: each element
+    /// `scale * code` (int2: `scale * code + min`; bf16: its f32 value).
+    pub(crate) fn dequantize_row_scalar(&self, r: usize, out: &mut [f32]) {
         let b = &self.data[r * self.row_bytes()..(r + 1) * self.row_bytes()];
         let ng = self.groups();
-        (0..self.cols)
-            .map(|i| {
-                let g = r * ng + i / self.group;
-                match self.kind {
-                    QuantKind::Bf16 => {
-                        crate::dtype::bf16_to_f32(u16::from_le_bytes([b[2 * i], b[2 * i + 1]]))
-                    }
-                    QuantKind::Int8 => self.scales[g] * (b[i] as i8) as f32,
-                    QuantKind::Int4 => {
-                        self.scales[g] * (((b[i / 2] >> (4 * (i % 2))) & 15) as i32 - 8) as f32
-                    }
-                    QuantKind::Int2 => {
-                        self.scales[g] * ((b[i / 4] >> (2 * (i % 4))) & 3) as f32 + self.mins[g]
+        let gb = self.group * self.kind.bits() / 8;
+        for (g, (o, b)) in out
+            .chunks_exact_mut(self.group)
+            .zip(b.chunks_exact(gb))
+            .enumerate()
+        {
+            let sc = || self.scales[r * ng + g];
+            match self.kind {
+                QuantKind::Bf16 => {
+                    for (o, c) in o.iter_mut().zip(b.chunks_exact(2)) {
+                        *o = crate::dtype::bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
                     }
                 }
-            })
-            .collect()
+                QuantKind::Int8 => {
+                    let sc = sc();
+                    for (o, &c) in o.iter_mut().zip(b) {
+                        *o = sc * (c as i8) as f32;
+                    }
+                }
+                QuantKind::Int4 => {
+                    let sc = sc();
+                    for (o, &c) in o.chunks_exact_mut(2).zip(b) {
+                        o[0] = sc * ((c & 15) as i32 - 8) as f32;
+                        o[1] = sc * ((c >> 4) as i32 - 8) as f32;
+                    }
+                }
+                QuantKind::Int2 => {
+                    let (sc, min) = (sc(), self.mins[r * ng + g]);
+                    for (o, &c) in o.chunks_exact_mut(4).zip(b) {
+                        for (k, o) in o.iter_mut().enumerate() {
+                            *o = sc * ((c >> (2 * k)) & 3) as f32 + min;
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// The whole matrix as f32.

@@ -383,3 +383,54 @@ fn paired_matmuls_equal_each_alone_bitwise() {
         }
     }
 }
+
+/// [`QMatrix::dequantize_row_into`] (SIMD where the CPU has it) and its scalar twin give every
+/// element the value of the per-element decode of each format, bit for bit; a
+/// [`Layout::Lanes16`] copy gives the same rows.
+#[test]
+fn dequantized_rows_equal_the_per_element_decode() {
+    for kind in KINDS {
+        for &(rows, cols, group, _) in &SHAPES {
+            let group = if kind == QuantKind::Bf16 { cols } else { group };
+            let m = Matrix::new(
+                rows,
+                cols,
+                data(rows as u64 * 31 + cols as u64, rows * cols),
+            );
+            let q = QMatrix::quantize(&m, kind, group).unwrap();
+            let rb = q.row_bytes();
+            let mut got = vec![0.0f32; cols];
+            let mut scalar = vec![0.0f32; cols];
+            for r in 0..rows {
+                q.dequantize_row_into(r, &mut got);
+                q.dequantize_row_scalar(r, &mut scalar);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&scalar), "{kind:?} {rows}x{cols}: row {r}");
+                let b = &q.data[r * rb..(r + 1) * rb];
+                for (i, &v) in got.iter().enumerate() {
+                    let g = r * (cols / group) + i / group;
+                    let want = match kind {
+                        QuantKind::Bf16 => {
+                            crate::dtype::bf16_to_f32(u16::from_le_bytes([b[2 * i], b[2 * i + 1]]))
+                        }
+                        QuantKind::Int8 => q.scales[g] * (b[i] as i8) as f32,
+                        QuantKind::Int4 => {
+                            q.scales[g] * (((b[i / 2] >> (4 * (i % 2))) & 15) as i32 - 8) as f32
+                        }
+                        QuantKind::Int2 => {
+                            q.scales[g] * ((b[i / 4] >> (2 * (i % 4))) & 3) as f32 + q.mins[g]
+                        }
+                    };
+                    assert_eq!(
+                        v.to_bits(),
+                        want.to_bits(),
+                        "{kind:?} {rows}x{cols} ({r}, {i})"
+                    );
+                }
+                if let Some(l) = q.to_lanes() {
+                    assert_eq!(l.dequantize_row(r), got, "{kind:?} lanes row {r}");
+                }
+            }
+        }
+    }
+}
