@@ -278,7 +278,8 @@ pub struct DraftArgs {
     /// else 0 (on one box it measured level with plain decoding).
     #[arg(long)]
     pub draft: Option<usize>,
-    /// Where drafts come from: auto (the model's MTP layer, else prompt lookup), mtp or lookup.
+    /// Where drafts come from: auto (the model's MTP layer with prompt lookup beside it where
+    /// the text repeats, else prompt lookup), mtp (the MTP layer alone) or lookup.
     #[arg(long, default_value = "auto")]
     pub draft_source: DraftSource,
     /// Always draft --draft tokens, instead of choosing per step (none included) from the

@@ -193,6 +193,8 @@ pub fn generate(a: &GenerateArgs) -> Result<()> {
                 "drafted": s.drafted,
                 "accepted": s.accepted,
                 "acceptance": s.acceptance(),
+                "lookup_drafted": s.lookup_drafted,
+                "lookup_accepted": s.lookup_accepted,
                 "tokens_per_step": g.ids.len().saturating_sub(1) as f64 / s.steps.max(1) as f64,
                 "steps_by_drafts": s.steps_by_drafts,
             });
@@ -217,12 +219,14 @@ pub fn generate(a: &GenerateArgs) -> Result<()> {
         );
         if let Some(s) = &g.speculation {
             eprintln!(
-                "speculative ({}): {} steps, {} of {} drafts accepted ({:.0}%), {:.2} tokens per step",
+                "speculative ({}): {} steps, {} of {} drafts accepted ({:.0}%; from prompt lookup {} of {}), {:.2} tokens per step",
                 s.source,
                 s.steps,
                 s.accepted,
                 s.drafted,
                 100.0 * s.acceptance(),
+                s.lookup_accepted,
+                s.lookup_drafted,
                 g.ids.len().saturating_sub(1) as f64 / s.steps.max(1) as f64
             );
         }

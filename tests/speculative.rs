@@ -56,7 +56,7 @@ fn drafted(m: &Model, prompt: &[u32], n: usize, p: SamplingParams, d: DraftOptio
 fn ways(has_mtp: bool) -> Vec<DraftOptions> {
     let mut out = Vec::new();
     let sources: &[DraftSource] = if has_mtp {
-        &[DraftSource::Mtp, DraftSource::Lookup]
+        &[DraftSource::Auto, DraftSource::Mtp, DraftSource::Lookup]
     } else {
         &[DraftSource::Lookup]
     };
@@ -311,5 +311,44 @@ fn position_keyed_sampling_follows_the_filtered_distribution() {
     assert!(
         chi2 < crit,
         "chi-square {chi2:.1} over {df} degrees of freedom (limit {crit:.1})"
+    );
+}
+
+/// With the MTP layer and prompt lookup beside it (`auto`), steps draft from both where the text
+/// repeats itself (here a prompt that quotes its own continuation), and the tokens are still the
+/// plain ones.
+#[test]
+fn prompt_lookup_beside_the_mtp_layer_drafts_and_changes_nothing() {
+    let e = load(&demo(), Activations::F32);
+    let m = &e.model;
+    let base: Vec<u32> = vec![5, 17, 3, 99, 250, 7, 1, 42, 300, 12];
+    let quoted = plain(m, &base, 30, greedy());
+    let prompt: Vec<u32> = [&base[..], &quoted[..], &base[..]].concat();
+    let mut seen = Vec::new();
+    for p in [greedy(), sampled(5)] {
+        let want = plain(m, &prompt, 80, p);
+        let mut s = Sampler::new(p);
+        let d = DraftOptions {
+            max: 3,
+            source: DraftSource::Auto,
+            adaptive: false,
+        };
+        let g = generate_with_drafts(m, &prompt, 80, &mut s, &[], Default::default(), d);
+        let g = g.unwrap();
+        assert_eq!(g.ids, want, "{p:?}");
+        let st = g.speculation.expect("speculation ran");
+        assert!(st.lookup_accepted <= st.lookup_drafted && st.lookup_drafted <= st.drafted);
+        seen.push((
+            st.lookup_drafted,
+            st.lookup_accepted,
+            st.drafted,
+            st.accepted,
+        ));
+    }
+    eprintln!("(lookup drafted, accepted; all drafted, accepted): {seen:?}");
+    assert!(seen.iter().all(|s| s.0 > 0), "prompt lookup never drafted");
+    assert!(
+        seen.iter().any(|s| s.2 > s.0),
+        "the MTP layer never drafted"
     );
 }

@@ -148,12 +148,17 @@ pub fn generate_streaming(
             s.steps += 1;
             s.drafted += drafts.len();
             s.accepted += got.accepted.len();
+            if drafter.as_ref().is_some_and(|d| d.last_from_lookup()) {
+                s.lookup_drafted += drafts.len();
+                s.lookup_accepted += got.accepted.len();
+            }
             s.steps_by_drafts[drafts.len().min(draft.max)] += 1;
         }
         if let Some(d) = &mut drafter {
             let mut after = got.accepted.clone();
             after.push(got.next);
             d.push(&after, &states);
+            d.verified(drafts.len(), got.accepted.len());
             adapt.record(drafts.len(), got.accepted.len(), t.elapsed().as_secs_f64());
             if adapt.stopped() {
                 // drafting never paid here: no drafter to keep in step either

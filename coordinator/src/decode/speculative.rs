@@ -13,7 +13,8 @@
 //! - [`MtpDrafter`]: the model's own MTP layer, chained for more than one token (its output state
 //!   feeds the next draft where the main model's would go, as vLLM does with one MTP layer).
 //! - [`lookup_drafts`]: prompt lookup, the tokens that followed the latest earlier occurrence of
-//!   the context's longest recurring suffix (for models without MTP, and repetitive text).
+//!   the context's longest recurring suffix: for models without MTP, and beside the MTP layer
+//!   ([`SecondSource`]) where the text repeats itself.
 //!
 //! [`Adaptive`] picks how many to draft from the measured acceptance and the measured time of
 //! each step size, including none.
@@ -28,7 +29,8 @@ use crate::model::Model;
 /// Where drafts come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DraftSource {
-    /// The MTP layer where the model has one, prompt lookup otherwise.
+    /// The MTP layer where the model has one, with prompt lookup beside it
+    /// ([`SecondSource`]); prompt lookup otherwise.
     Auto,
     Mtp,
     Lookup,
@@ -96,6 +98,9 @@ pub struct SpecStats {
     /// Tokens drafted, and of them accepted.
     pub drafted: usize,
     pub accepted: usize,
+    /// Of those, drafted and accepted from prompt lookup.
+    pub lookup_drafted: usize,
+    pub lookup_accepted: usize,
     /// Steps per number of drafts (index: drafts in the step).
     pub steps_by_drafts: Vec<usize>,
 }
@@ -114,9 +119,14 @@ const MAX_NGRAM: usize = 4;
 /// suffix of `context` (at most [`MAX_NGRAM`] tokens) that occurred before. Empty when no suffix
 /// recurs.
 pub fn lookup_drafts(context: &[u32], k: usize) -> Vec<u32> {
+    lookup_match(context, k).1
+}
+
+/// [`lookup_drafts`] with the length of the suffix matched (0 where none recurs).
+fn lookup_match(context: &[u32], k: usize) -> (usize, Vec<u32>) {
     let n = context.len();
     if k == 0 || n < 2 {
-        return Vec::new();
+        return (0, Vec::new());
     }
     for g in (1..=MAX_NGRAM.min(n - 1)).rev() {
         let suffix = &context[n - g..];
@@ -124,11 +134,11 @@ pub fn lookup_drafts(context: &[u32], k: usize) -> Vec<u32> {
         for s in (0..n - g).rev() {
             if &context[s..s + g] == suffix {
                 let from = s + g;
-                return context[from..(from + k).min(n)].to_vec();
+                return (g, context[from..(from + k).min(n)].to_vec());
             }
         }
     }
-    Vec::new()
+    (0, Vec::new())
 }
 
 /// The MTP layer as a drafter for one sequence, with its own KV cache. Slot `j` of the MTP cache
@@ -359,34 +369,109 @@ impl Adaptive {
 /// The drafter of one sequence.
 #[derive(Debug, Clone)]
 pub enum Drafter {
-    Mtp(MtpDrafter),
+    /// The MTP layer; with [`DraftSource::Auto`] prompt lookup as a second source.
+    Mtp(MtpDrafter, Option<SecondSource>),
     Lookup,
 }
 
+/// Prompt lookup beside the MTP layer: where the context's last [`SecondSource::MIN_MATCH`] or
+/// more tokens occurred before (a quote, code being edited, a repeated list), the tokens that
+/// followed them are drafted instead of the MTP layer's, for nothing, as long as they have been
+/// accepted at least as often per draft as the MTP layer's.
+#[derive(Debug, Clone, Default)]
+pub struct SecondSource {
+    /// Drafts proposed and accepted, per source: the MTP layer's, then prompt lookup's.
+    mtp: (u64, u64),
+    lookup: (u64, u64),
+    /// Whether the outstanding proposal came from prompt lookup.
+    last_lookup: bool,
+}
+
+impl SecondSource {
+    /// Shortest recurring suffix, in tokens, whose continuation is drafted.
+    pub const MIN_MATCH: usize = 3;
+
+    /// Acceptance per draft, with one accepted and one rejected draft assumed.
+    fn rate((drafted, accepted): (u64, u64)) -> f64 {
+        (accepted + 1) as f64 / (drafted + 2) as f64
+    }
+
+    /// Prompt lookup's drafts for this step, where its suffix match is long enough and its
+    /// acceptance keeps up with the MTP layer's; `None`: the MTP layer drafts.
+    pub fn propose(&mut self, context: &[u32], k: usize) -> Option<Vec<u32>> {
+        self.last_lookup = false;
+        if k == 0 || Self::rate(self.lookup) < Self::rate(self.mtp) {
+            return None;
+        }
+        let (matched, drafts) = lookup_match(context, k);
+        if matched < Self::MIN_MATCH || drafts.is_empty() {
+            return None;
+        }
+        self.last_lookup = true;
+        Some(drafts)
+    }
+
+    /// Notes how many of the latest proposal's `drafted` drafts were accepted.
+    pub fn verified(&mut self, drafted: usize, accepted: usize) {
+        let c = if self.last_lookup {
+            &mut self.lookup
+        } else {
+            &mut self.mtp
+        };
+        c.0 += drafted as u64;
+        c.1 += accepted as u64;
+    }
+}
+
 impl Drafter {
-    /// A drafter of `source` (resolved) for `model`.
+    /// A drafter of `source` for `model`: the MTP layer where the model has one and `source`
+    /// allows it (with prompt lookup beside it for [`DraftSource::Auto`]), else prompt lookup.
     pub fn new(model: &Model, source: DraftSource) -> Result<Self, ForwardError> {
-        Ok(match source.resolve(model)? {
-            DraftSource::Mtp => Self::Mtp(MtpDrafter::new(model)),
+        Ok(match (source, source.resolve(model)?) {
+            (DraftSource::Auto, DraftSource::Mtp) => {
+                Self::Mtp(MtpDrafter::new(model), Some(SecondSource::default()))
+            }
+            (_, DraftSource::Mtp) => Self::Mtp(MtpDrafter::new(model), None),
             _ => Self::Lookup,
         })
     }
 
     pub fn source(&self) -> DraftSource {
         match self {
-            Self::Mtp(_) => DraftSource::Mtp,
+            Self::Mtp(..) => DraftSource::Mtp,
             Self::Lookup => DraftSource::Lookup,
+        }
+    }
+
+    /// Whether [`Self::propose`] reads its context (prompt lookup may draft).
+    pub fn reads_context(&self) -> bool {
+        !matches!(self, Self::Mtp(_, None))
+    }
+
+    /// Whether the latest proposal came from prompt lookup.
+    pub fn last_from_lookup(&self) -> bool {
+        match self {
+            Self::Mtp(_, second) => second.as_ref().is_some_and(|s| s.last_lookup),
+            Self::Lookup => true,
         }
     }
 
     /// Notes new main-model states: `tokens[i]` is the token after the position of row `i`.
     pub fn push(&mut self, tokens: &[u32], hidden: &[f32]) {
-        if let Self::Mtp(m) = self {
+        if let Self::Mtp(m, _) = self {
             m.push(tokens, hidden);
         }
     }
 
-    /// Up to `k` drafts to follow `context` (prompt, completion, and the chosen next token).
+    /// Notes how many of the latest proposal's `drafted` drafts were accepted.
+    pub fn verified(&mut self, drafted: usize, accepted: usize) {
+        if let Self::Mtp(_, Some(s)) = self {
+            s.verified(drafted, accepted);
+        }
+    }
+
+    /// Up to `k` drafts to follow `context` (prompt, completion, and the chosen next token; may
+    /// be empty where [`Self::reads_context`] is false).
     pub fn propose(
         &mut self,
         model: &Model,
@@ -394,7 +479,10 @@ impl Drafter {
         k: usize,
     ) -> Result<Vec<u32>, ForwardError> {
         match self {
-            Self::Mtp(m) => m.propose(model, k),
+            Self::Mtp(m, second) => match second.as_mut().and_then(|s| s.propose(context, k)) {
+                Some(drafts) => Ok(drafts),
+                None => m.propose(model, k),
+            },
             Self::Lookup => Ok(lookup_drafts(context, k)),
         }
     }
@@ -462,6 +550,27 @@ pub fn verify_step(
 mod tests {
     use super::*;
     use crate::decode::sampling::SamplingParams;
+
+    #[test]
+    fn prompt_lookup_beside_mtp_drafts_long_matches_while_it_keeps_up() {
+        let mut s = SecondSource::default();
+        // a two-token match (8, 9) is left to the MTP layer, and so is a step without drafts
+        assert_eq!(s.propose(&[8, 9, 4, 2, 8, 9], 2), None);
+        assert_eq!(s.propose(&[7, 8, 9, 4, 5, 1, 7, 8, 9], 0), None);
+        assert!(!s.last_lookup);
+        // the last three tokens (7, 8, 9) occurred before, followed by 4, 5
+        let c = [7, 8, 9, 4, 5, 1, 7, 8, 9];
+        assert_eq!(s.propose(&c, 2), Some(vec![4, 5]));
+        s.verified(2, 0);
+        // lookup now accepted less often per draft than the MTP layer (no record yet)
+        assert_eq!(s.propose(&c, 2), None);
+        s.verified(4, 1);
+        assert_eq!(s.propose(&c, 2), None);
+        s.verified(6, 0);
+        // the MTP layer fell behind: lookup drafts again
+        assert_eq!(s.propose(&c, 2), Some(vec![4, 5]));
+        assert_eq!((s.mtp, s.lookup), ((10, 1), (2, 0)));
+    }
 
     #[test]
     fn lookup_proposes_what_followed_the_longest_recurring_suffix() {

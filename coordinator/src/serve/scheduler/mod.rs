@@ -288,7 +288,7 @@ fn run_jobs(
                 .flatten();
             if let Some((c, origin)) = reused {
                 // the MTP layer has no states of a reused prefix: prompt lookup drafts instead
-                if let Some((d @ Drafter::Mtp(_), _)) = &mut seq.drafter {
+                if let Some((d @ Drafter::Mtp(..), _)) = &mut seq.drafter {
                     *d = Drafter::Lookup;
                 }
                 metrics.reused.fetch_add(c.len() as u64, Ordering::Relaxed);

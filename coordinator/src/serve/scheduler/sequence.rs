@@ -134,7 +134,7 @@ impl<'t> Sequence<'t> {
         }
         // (only prompt lookup reads the context)
         let mut context = Vec::new();
-        if matches!(d, Drafter::Lookup) {
+        if d.reads_context() {
             context.reserve(self.job.prompt.len() + self.ids.len());
             context.extend_from_slice(&self.job.prompt);
             context.extend_from_slice(&self.ids);
@@ -295,6 +295,7 @@ impl<'t> Sequence<'t> {
             );
             if !forced {
                 rule.record(drafts.len(), kept, seconds);
+                d.verified(drafts.len(), kept);
             }
             if rule.stopped() {
                 // drafting never paid here: no drafter to keep in step either
