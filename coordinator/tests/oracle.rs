@@ -61,6 +61,21 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// Asserts two runs' logits (`[positions, vocab]`) are equal bit for bit.
+fn same_bits(a: &[f32], b: &[f32], vocab: usize, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let differ = a
+        .iter()
+        .zip(b)
+        .position(|(x, y)| x.to_bits() != y.to_bits());
+    assert!(
+        differ.is_none(),
+        "{what} differ first at position {} (max diff {})",
+        differ.unwrap_or(0) / vocab,
+        max_abs_diff(a, b)
+    );
+}
+
 fn argmaxes(l: &[f32], vocab: usize) -> Vec<usize> {
     l.chunks(vocab).map(argmax).collect()
 }
@@ -201,15 +216,11 @@ fn split_absorbed_attention_equals_one_query_at_a_time() {
                 .unwrap();
             step.extend(m.logits(&n, 1).unwrap());
         }
-        let differ = one
-            .iter()
-            .zip(&step)
-            .position(|(a, b)| a.to_bits() != b.to_bits());
-        assert!(
-            differ.is_none(),
-            "{f}: split one-pass vs one query at a time differ first at position {} (max diff {})",
-            differ.unwrap_or(0) / v,
-            max_abs_diff(&one, &step)
+        same_bits(
+            &one,
+            &step,
+            v,
+            &format!("{f}: split one-pass vs one query at a time"),
         );
     }
 }
@@ -267,15 +278,11 @@ fn cached_decode_equals_one_pass_at_every_position() {
             }
             assert_eq!(c2.len(), s);
             assert_eq!(one.len(), step.len(), "{f} {mode:?}");
-            let differ = one
-                .iter()
-                .zip(&step)
-                .position(|(a, b)| a.to_bits() != b.to_bits());
-            assert!(
-                differ.is_none(),
-                "{f} {mode:?}: cached vs one-pass logits differ first at position {} (max diff {})",
-                differ.unwrap_or(0) / v,
-                max_abs_diff(&one, &step)
+            same_bits(
+                &one,
+                &step,
+                v,
+                &format!("{f} {mode:?}: cached vs one-pass logits"),
             );
             assert_eq!(argmaxes(&one, v), argmaxes(&step, v), "{f} {mode:?}");
         }
