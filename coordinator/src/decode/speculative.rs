@@ -396,11 +396,17 @@ impl SecondSource {
         (accepted + 1) as f64 / (drafted + 2) as f64
     }
 
-    /// Prompt lookup's drafts for this step, where its suffix match is long enough and its
-    /// acceptance keeps up with the MTP layer's; `None`: the MTP layer drafts.
+    /// Whether prompt lookup's acceptance keeps up with the MTP layer's (else only the MTP
+    /// layer drafts, and the context need not be gathered).
+    pub fn in_favour(&self) -> bool {
+        Self::rate(self.lookup) >= Self::rate(self.mtp)
+    }
+
+    /// Prompt lookup's drafts for this step, where its suffix match is long enough and it is
+    /// [`Self::in_favour`]; `None`: the MTP layer drafts.
     pub fn propose(&mut self, context: &[u32], k: usize) -> Option<Vec<u32>> {
         self.last_lookup = false;
-        if k == 0 || Self::rate(self.lookup) < Self::rate(self.mtp) {
+        if k == 0 || !self.in_favour() {
             return None;
         }
         let (matched, drafts) = lookup_match(context, k);
@@ -443,9 +449,12 @@ impl Drafter {
         }
     }
 
-    /// Whether [`Self::propose`] reads its context (prompt lookup may draft).
+    /// Whether [`Self::propose`] reads its context this step (prompt lookup may draft).
     pub fn reads_context(&self) -> bool {
-        !matches!(self, Self::Mtp(_, None))
+        match self {
+            Self::Mtp(_, second) => second.as_ref().is_some_and(SecondSource::in_favour),
+            Self::Lookup => true,
+        }
     }
 
     /// Whether the latest proposal came from prompt lookup.

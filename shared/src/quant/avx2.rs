@@ -244,39 +244,6 @@ pub(super) fn block_dot_i8<const R: usize, const T: usize>(
     unpack(acc)
 }
 
-/// A row-major row's values (`scales`, `mins`: the row's per group; empty where the format has
-/// none), with the scalar twin's roundings: `scale * code`, int2 `scale * code + min` (multiply,
-/// then add), bf16 as is.
-#[target_feature(enable = "avx2,fma")]
-pub(super) fn dequantize_row(
-    kind: QuantKind,
-    group: usize,
-    row: &[u8],
-    scales: &[f32],
-    mins: &[f32],
-    out: &mut [f32],
-) {
-    assert!(group.is_multiple_of(8) && out.len().is_multiple_of(group));
-    assert!(row.len() * 8 == out.len() * kind.bits());
-    for (g, o) in out.chunks_exact_mut(group).enumerate() {
-        let (sc, min) = match kind {
-            QuantKind::Bf16 => (_mm256_set1_ps(1.0), _mm256_setzero_ps()),
-            QuantKind::Int2 => (_mm256_set1_ps(scales[g]), _mm256_set1_ps(mins[g])),
-            _ => (_mm256_set1_ps(scales[g]), _mm256_setzero_ps()),
-        };
-        for (k, o8) in o.chunks_exact_mut(8).enumerate() {
-            let c = codes8(kind, row, g * group + 8 * k);
-            let v = match kind {
-                QuantKind::Bf16 => c,
-                QuantKind::Int2 => _mm256_add_ps(_mm256_mul_ps(sc, c), min),
-                _ => _mm256_mul_ps(sc, c),
-            };
-            // SAFETY: `o8` holds 8 floats.
-            unsafe { _mm256_storeu_ps(o8.as_mut_ptr(), v) };
-        }
-    }
-}
-
 /// Decodes a packed row into f32 codes.
 #[target_feature(enable = "avx2,fma")]
 pub(super) fn decode_row(kind: QuantKind, row: &[u8], out: &mut [f32]) {

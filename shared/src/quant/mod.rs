@@ -481,76 +481,32 @@ impl QMatrix {
     }
 
     /// [`Self::dequantize_row`] into `out` (`cols` floats), without allocating for a row-major
-    /// matrix: what a kernel that multiplies by f32 rows reads a quantized weight through. The
-    /// AVX2 path and the scalar one ([`Self::dequantize_row_scalar`]) give the same bits.
+    /// matrix: what a kernel that multiplies by f32 rows reads a quantized weight through.
     pub fn dequantize_row_into(&self, r: usize, out: &mut [f32]) {
+        self.dequantize_row_on(r, out, active_isa());
+    }
+
+    /// [`Self::dequantize_row_into`] on `isa`: the row's codes decoded by the kernels' own
+    /// decoder, then each group's `scale * code` (int2: `scale * code + min`; bf16 values as
+    /// they are). Every ISA gives the same bits.
+    pub(crate) fn dequantize_row_on(&self, r: usize, out: &mut [f32], isa: Isa) {
         assert_eq!(out.len(), self.cols, "dequantized row has the wrong length");
         if self.layout != Layout::RowMajor {
             out.copy_from_slice(&self.dequantize_row(r));
             return;
         }
-        #[cfg(target_arch = "x86_64")]
-        if matches!(active_isa(), Isa::Avx2 | Isa::Avx512Vnni) && self.group.is_multiple_of(8) {
-            let (rb, ng) = (self.row_bytes(), self.groups());
-            let b = &self.data[r * rb..(r + 1) * rb];
-            fn per_group(v: &[f32], r: usize, ng: usize) -> &[f32] {
-                v.get(r * ng..(r + 1) * ng).unwrap_or_default()
-            }
-            // SAFETY: the active ISA has AVX2 and FMA; `b` is the row's bytes.
-            unsafe {
-                avx2::dequantize_row(
-                    self.kind,
-                    self.group,
-                    b,
-                    per_group(&self.scales, r, ng),
-                    per_group(&self.mins, r, ng),
-                    out,
-                )
-            };
+        let (rb, ng) = (self.row_bytes(), self.groups());
+        matmul::decode_row(self.kind, &self.data[r * rb..(r + 1) * rb], out, isa);
+        if self.kind == QuantKind::Bf16 {
             return;
         }
-        self.dequantize_row_scalar(r, out);
-    }
-
-    /// The scalar twin of [`Self::dequantize_row_into`] for a row-major matrix: each element
-    /// `scale * code` (int2: `scale * code + min`; bf16: its f32 value).
-    pub(crate) fn dequantize_row_scalar(&self, r: usize, out: &mut [f32]) {
-        let b = &self.data[r * self.row_bytes()..(r + 1) * self.row_bytes()];
-        let ng = self.groups();
-        let gb = self.group * self.kind.bits() / 8;
-        for (g, (o, b)) in out
-            .chunks_exact_mut(self.group)
-            .zip(b.chunks_exact(gb))
-            .enumerate()
-        {
-            let sc = || self.scales[r * ng + g];
-            match self.kind {
-                QuantKind::Bf16 => {
-                    for (o, c) in o.iter_mut().zip(b.chunks_exact(2)) {
-                        *o = crate::dtype::bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
-                    }
-                }
-                QuantKind::Int8 => {
-                    let sc = sc();
-                    for (o, &c) in o.iter_mut().zip(b) {
-                        *o = sc * (c as i8) as f32;
-                    }
-                }
-                QuantKind::Int4 => {
-                    let sc = sc();
-                    for (o, &c) in o.chunks_exact_mut(2).zip(b) {
-                        o[0] = sc * ((c & 15) as i32 - 8) as f32;
-                        o[1] = sc * ((c >> 4) as i32 - 8) as f32;
-                    }
-                }
-                QuantKind::Int2 => {
-                    let (sc, min) = (sc(), self.mins[r * ng + g]);
-                    for (o, &c) in o.chunks_exact_mut(4).zip(b) {
-                        for (k, o) in o.iter_mut().enumerate() {
-                            *o = sc * ((c >> (2 * k)) & 3) as f32 + min;
-                        }
-                    }
-                }
+        for (g, o) in out.chunks_exact_mut(self.group).enumerate() {
+            let sc = self.scales[r * ng + g];
+            if self.kind == QuantKind::Int2 {
+                let min = self.mins[r * ng + g];
+                o.iter_mut().for_each(|v| *v = sc * *v + min);
+            } else {
+                o.iter_mut().for_each(|v| *v *= sc);
             }
         }
     }

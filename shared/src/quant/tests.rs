@@ -384,7 +384,7 @@ fn paired_matmuls_equal_each_alone_bitwise() {
     }
 }
 
-/// [`QMatrix::dequantize_row_into`] (SIMD where the CPU has it) and its scalar twin give every
+/// [`QMatrix::dequantize_row_into`] (SIMD where the CPU has it) and the scalar path give every
 /// element the value of the per-element decode of each format, bit for bit; a
 /// [`Layout::Lanes16`] copy gives the same rows.
 #[test]
@@ -403,7 +403,7 @@ fn dequantized_rows_equal_the_per_element_decode() {
             let mut scalar = vec![0.0f32; cols];
             for r in 0..rows {
                 q.dequantize_row_into(r, &mut got);
-                q.dequantize_row_scalar(r, &mut scalar);
+                q.dequantize_row_on(r, &mut scalar, Isa::Scalar);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&got), bits(&scalar), "{kind:?} {rows}x{cols}: row {r}");
                 let b = &q.data[r * rb..(r + 1) * rb];
