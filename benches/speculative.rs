@@ -3,7 +3,10 @@
 //!
 //! 1. The verify-cost curve: the time of a forward step (and the head) over `1 + k` tokens of one
 //!    sequence against a one-token step, `k = 1..K`, fed an oracle draft (the model's own greedy
-//!    continuation, so that every draft is accepted and the cache advances as in real decoding).
+//!    continuation, so that every draft is accepted). Step `i` runs at the same position for every
+//!    `k` (the cache rolls back after it and advances by `K + 1` oracle tokens, untimed), so the
+//!    points compare steps over the same contexts, as verifying and plain decoding at one point of
+//!    a sequence do.
 //!    Beside it, the weight-traffic ratio of the same steps: a step reads the dense weights once
 //!    and each distinct routed expert its rows chose once (`dense + distinct experts x expert
 //!    bytes`, as `benches/batch.rs` counts), and from both the speed-up a per-draft acceptance
@@ -151,7 +154,7 @@ fn curve(e: &Engine, prompt: &[u32], drafts: usize, steps: usize, opts: ForwardO
     let plan = e.plan.as_ref().expect("a container has a plan");
     let (dense, expert) = (plan.dense_bytes as f64, plan.expert_bytes as f64);
     // the oracle: the model's own greedy continuation, long enough for every step size
-    let need = steps * (drafts + 1) + 1;
+    let need = (steps + 1) * (drafts + 1) + 1;
     let mut s = Sampler::new(SamplingParams::default());
     let oracle = generate(m, prompt, need, &mut s, &[], opts).unwrap().ids;
     let prefilled = || {
@@ -182,31 +185,43 @@ fn curve(e: &Engine, prompt: &[u32], drafts: usize, steps: usize, opts: ForwardO
     );
     println!("| k | step time | time / 1-token step | weight traffic / 1-token step | time / traffic | speed-up at acceptance 0.5 / 0.7 / 0.9 |");
     println!("|---|---|---|---|---|---|");
-    for k in 0..=drafts {
-        // distinct experts per step, counted on an untimed run of the same steps
+    // Step `i` of every `k` verifies at the same position, `prompt + i * (drafts + 1)`: after
+    // it the cache goes back to where the step began and moves on by `drafts + 1` oracle tokens
+    // (untimed), so every curve point attends over the same contexts.
+    let stride = drafts + 1;
+    // (seconds per step, distinct routed experts per step) of `k` drafts
+    let pass = |k: usize, count: bool| {
         let mut c = prefilled();
-        let mut distinct = 0usize;
+        let (mut secs, mut distinct) = (0.0, 0usize);
         for i in 0..steps {
-            let mut tr = Trace::default();
-            step(
-                &mut c,
-                &oracle[i * (k + 1)..(i + 1) * (k + 1)],
-                Some(&mut tr),
-            );
-            for layer in &tr.router {
-                let mut ids: Vec<u32> = layer.iter().flat_map(|r| r.0.iter().copied()).collect();
-                ids.sort_unstable();
-                ids.dedup();
-                distinct += ids.len();
+            let at = i * stride;
+            let rows = &oracle[at..at + k + 1];
+            if count {
+                let mut tr = Trace::default();
+                step(&mut c, rows, Some(&mut tr));
+                for layer in &tr.router {
+                    let mut ids: Vec<u32> =
+                        layer.iter().flat_map(|r| r.0.iter().copied()).collect();
+                    ids.sort_unstable();
+                    ids.dedup();
+                    distinct += ids.len();
+                }
+            } else {
+                let t = Instant::now();
+                step(&mut c, rows, None);
+                secs += t.elapsed().as_secs_f64();
             }
+            c.truncate(prompt.len() + at);
+            m.forward(&oracle[at..at + stride], &mut c, opts, None)
+                .unwrap();
         }
-        let bytes = dense + expert * distinct as f64 / steps as f64;
-        let mut c = prefilled();
-        let t = Instant::now();
-        for i in 0..steps {
-            step(&mut c, &oracle[i * (k + 1)..(i + 1) * (k + 1)], None);
-        }
-        let secs = t.elapsed().as_secs_f64() / steps as f64;
+        (secs / steps as f64, distinct as f64 / steps as f64)
+    };
+    for k in 0..=drafts {
+        // distinct experts per step, counted on an untimed pass over the same steps
+        let (_, distinct) = pass(k, true);
+        let bytes = dense + expert * distinct;
+        let (secs, _) = pass(k, false);
         let (t0, b0) = *base.get_or_insert((secs, bytes));
         let (tr, br) = (secs / t0, bytes / b0);
         let gain = |a: f64| (0..=k).map(|i| a.powi(i as i32)).sum::<f64>() / tr;

@@ -692,17 +692,44 @@ impl Model {
 const ABSORB_SPLIT_BYTES: usize = 1 << 20;
 
 /// Absorbed MLA, `W_uk` folded into queries: `out[t][c] = sum_d q[t][d] * kv_b[first + d][c]`,
-/// `d` in order for every query, each row of `kv_b` read once for all of them.
+/// `d` in order for every query, each row of `kv_b` read once for all of them. Rows are decoded
+/// [`ABSORB_ROWS`] at a time and added to four queries' outputs per pass
+/// ([`weighted_rows`]: each output element loaded and stored once per block instead of once per
+/// row), with the additions of one row after another, as `axpy` row by row makes them.
 fn absorb_queries(kv_b: &Linear, first: usize, q: &[&[f32]], out: &mut [f32]) {
     let kvr = kv_b.cols();
-    let mut buf = vec![0.0f32; kvr];
-    for d in 0..q.first().map_or(0, |q| q.len()) {
-        let row = kv_b.row_into(first + d, &mut buf);
-        for (qt, o) in q.iter().zip(out.chunks_mut(kvr)) {
-            axpy(o, qt[d], row);
+    let nope = q.first().map_or(0, |q| q.len());
+    let mut buf = vec![0.0f32; ABSORB_ROWS * kvr];
+    for d0 in (0..nope).step_by(ABSORB_ROWS) {
+        let b = ABSORB_ROWS.min(nope - d0);
+        let rows: Vec<&[f32]> = buf
+            .chunks_exact_mut(kvr)
+            .take(b)
+            .enumerate()
+            .map(|(i, chunk)| kv_b.row_into(first + d0 + i, chunk))
+            .collect();
+        let mut outs: Vec<&mut [f32]> = out.chunks_mut(kvr).collect();
+        for (o4, q4) in outs.chunks_mut(4).zip(q.chunks(4)) {
+            let p = |i: usize| &q4[i][d0..d0 + b];
+            match o4 {
+                [a, b_, c, d] => weighted_rows(
+                    [a, b_, c, d].map(|x| &mut **x),
+                    [p(0), p(1), p(2), p(3)],
+                    &rows,
+                ),
+                [a, b_, c] => {
+                    weighted_rows([a, b_, c].map(|x| &mut **x), [p(0), p(1), p(2)], &rows)
+                }
+                [a, b_] => weighted_rows([a, b_].map(|x| &mut **x), [p(0), p(1)], &rows),
+                [a] => weighted_rows([&mut **a], [p(0)], &rows),
+                _ => unreachable!("chunks of one to four"),
+            }
         }
     }
 }
+
+/// Rows of `kv_b` [`absorb_queries`] decodes per block (64 KiB of f32 at GLM-5.2's latent rank).
+const ABSORB_ROWS: usize = 32;
 
 /// One query's attention for several heads in latent space: per head, scores against each key's
 /// latent (`q_abs`) and rotary part (`q_rope`), softmax, then `ctx[head] = sum over keys, in
@@ -779,7 +806,41 @@ fn project_values(kv_b: &Linear, first: usize, ctx: &[&[f32]], out: &mut [&mut [
 
 #[cfg(test)]
 mod tests {
-    use super::by_rank;
+    use super::{absorb_queries, by_rank};
+    use charm_shared::kernels::{axpy, Matrix};
+    use charm_shared::linear::Linear;
+    use charm_shared::quant::{QMatrix, QuantKind};
+
+    #[test]
+    fn absorbed_queries_have_the_bits_of_one_row_at_a_time() {
+        // 2 heads of 40 rows (a block of 32 and a tail) over a latent of 72 (AVX2 tail too)
+        let (rows, kvr, nope) = (80, 72, 40);
+        let val = |i: usize| ((i * 7919 % 1013) as f32 - 506.0) / 97.0;
+        let m = Matrix::new(rows, kvr, (0..rows * kvr).map(val).collect());
+        let int8 = Linear::Quant(QMatrix::quantize(&m, QuantKind::Int8, 8).unwrap());
+        for kv_b in [Linear::F32(m), int8] {
+            for n in 1..=6 {
+                let q: Vec<Vec<f32>> = (0..n)
+                    .map(|t| (0..nope).map(|d| val(31 * t + d + 5) / 3.0).collect())
+                    .collect();
+                let q: Vec<&[f32]> = q.iter().map(|v| &v[..]).collect();
+                for first in [0, nope] {
+                    let mut got = vec![0.0f32; n * kvr];
+                    absorb_queries(&kv_b, first, &q, &mut got);
+                    let mut want = vec![0.0f32; n * kvr];
+                    let mut buf = vec![0.0f32; kvr];
+                    for d in 0..nope {
+                        let row = kv_b.row_into(first + d, &mut buf);
+                        for (qt, o) in q.iter().zip(want.chunks_mut(kvr)) {
+                            axpy(o, qt[d], row);
+                        }
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "n={n} first={first}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn predictions_are_queued_by_rank_across_tokens() {
