@@ -693,7 +693,7 @@ const ABSORB_SPLIT_BYTES: usize = 1 << 20;
 
 /// Absorbed MLA, `W_uk` folded into queries: `out[t][c] = sum_d q[t][d] * kv_b[first + d][c]`,
 /// `d` in order for every query, each row of `kv_b` read once for all of them. Rows are decoded
-/// [`ABSORB_ROWS`] at a time and added to four queries' outputs per pass
+/// [`ABSORB_ROWS`] at a time and added to up to four queries' outputs per pass
 /// ([`weighted_rows`]: each output element loaded and stored once per block instead of once per
 /// row), with the additions of one row after another, as `axpy` row by row makes them.
 fn absorb_queries(kv_b: &Linear, first: usize, q: &[&[f32]], out: &mut [f32]) {
