@@ -23,7 +23,9 @@
 //! coordinator polls for answers before sleeping (`charm worker --spin-us`, the cluster file's
 //! `spin_us`). Without it: pinned, each side's default (each process has a core of its own, as
 //! on separate machines); unpinned, none (the processes share the cores, as `charm demo`'s
-//! loopback workers do). The echoes' threads block, as plain sockets do.
+//! loopback workers do). The echoes' threads block, as plain sockets do; the QUIC echo's
+//! asking side runs on a single-threaded runtime driven by the thread that waits, as the
+//! coordinator's client does, and its echoing side on a runtime of a worker's threads.
 //!
 //! Tokens are sampled (temperature 1, seed 1; `--temperature` to change) so that random synthetic
 //! weights do not repeat one token; every run decodes the same tokens (checked). With `--draft N`
@@ -227,16 +229,23 @@ fn quic_echo(
     down: usize,
     delay: Option<Duration>,
     echo_cpu: Option<usize>,
+    echo_threads: usize,
 ) -> f64 {
     use charm_worker::tls::Identity;
-    // the echoing side on a runtime of its own (on `echo_cpu` when given), as a worker is
+    // the echoing side on a runtime of its own (on `echo_cpu` when given) with as many threads
+    // as a worker given `--threads`; the asking side on a single-threaded runtime driven by the
+    // thread that waits, as the coordinator's is
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let server_dir = dir.to_path_buf();
     let echo = std::thread::spawn(move || {
         if let Some(c) = echo_cpu {
             pin_to(c);
         }
-        let rt = tokio::runtime::Runtime::new().unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(echo_threads)
+            .enable_all()
+            .build()
+            .unwrap();
         rt.block_on(async move {
             let server_id = Identity::load(&server_dir, "w1").unwrap();
             let ep =
@@ -260,7 +269,10 @@ fn quic_echo(
         });
     });
     let (addr, server) = addr_rx.recv().unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let median = rt.block_on(async {
         let relay = delay.map(|d| Relay::start(addr, d / 2));
         let target = relay.as_ref().map_or(addr, |r| r.addr);
@@ -496,7 +508,7 @@ fn main() {
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_charm"));
     // the workers share this machine's cores: each gets its share of them
     let per = if a.pin { 1 } else { (cores / a.workers).max(1) }.to_string();
-    let mut worker_args = vec!["--threads".to_string(), per];
+    let mut worker_args = vec!["--threads".to_string(), per.clone()];
     // pinned, each process has a core of its own, as on separate machines: the defaults of
     // `charm worker` and the cluster file; unpinned, they share the cores: none (as `Loopback`)
     let spin = match (a.spin_us, a.pin) {
@@ -602,6 +614,7 @@ fn main() {
             (down as f64 / n) as usize,
             delay,
             a.pin.then_some(1),
+            per.parse().unwrap_or(1),
         );
         let udp = udp_echo(
             (up as f64 / n) as usize,

@@ -228,6 +228,8 @@ pub struct PendingExperts(Pending);
 #[derive(Debug)]
 enum Pending {
     Ready(Result<Vec<f32>, ExpertError>),
+    /// Work whose wait is a call (it drives the I/O the answer comes by on the waiting thread).
+    Deferred(Deferred),
     Running(
         std::sync::mpsc::Receiver<Result<Vec<f32>, ExpertError>>,
         Option<Spin>,
@@ -237,6 +239,15 @@ enum Pending {
 /// While it answers true, a wait polls for its result (yielding the core to any thread that
 /// wants it) instead of sleeping at once.
 struct Spin(Box<dyn FnMut() -> bool + Send>);
+
+/// The call a [`Pending::Deferred`] wait makes.
+struct Deferred(Box<dyn FnOnce() -> Result<Vec<f32>, ExpertError> + Send>);
+
+impl std::fmt::Debug for Deferred {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Deferred")
+    }
+}
 
 impl std::fmt::Debug for Spin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -270,10 +281,23 @@ impl PendingExperts {
         let spin = Spin(Box::new(keep_polling));
         (tx, Self(Pending::Running(rx, Some(spin))))
     }
+    /// Work whose [`wait`](Self::wait) is `finish` on the waiting thread: for answers that
+    /// thread receives itself (it drives the runtime their packets arrive on), so that no other
+    /// thread has to wake it.
+    pub fn deferred(
+        finish: impl FnOnce() -> Result<Vec<f32>, ExpertError> + Send + 'static,
+    ) -> Self {
+        Self(Pending::Deferred(Deferred(Box::new(finish))))
+    }
     /// Blocks until the work is done: `[n_tokens, hidden]`, the weighted sum of routed experts.
     pub fn wait(self) -> Result<Vec<f32>, ExpertError> {
         match self.0 {
             Pending::Ready(r) => r,
+            Pending::Deferred(Deferred(finish)) => {
+                // the helpers must not spin on the cores the round trip needs
+                crate::par::rest();
+                finish()
+            }
             Pending::Running(rx, spin) => {
                 if let Ok(r) = rx.try_recv() {
                     return r;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use charm_shared::expert::{combine, gather, ExpertBatch, ExpertError, ExpertExecutor};
 use charm_shared::wire::{ComputeRequest, Run};
 
-use super::link::{request, Answer};
+use super::link::{request, Answer, Sent, SentGate};
 use super::remote::Inner;
 use crate::cluster::Placement;
 
@@ -163,11 +163,13 @@ pub(super) fn local_rows(
     })
 }
 
-/// Serves one layer: requests to workers, retries on other holders, the rest locally.
+/// Serves one layer: requests to workers, retries on other holders, the rest locally. `sent`
+/// fires once the first wave's requests are written (or none goes out).
 pub(super) async fn serve(
     self_: Arc<Inner>,
     owned: Arc<OwnedBatch>,
     runs: Arc<Vec<(u32, Vec<usize>)>>,
+    mut sent: Option<tokio::sync::oneshot::Sender<()>>,
 ) -> Result<Vec<f32>, ExpertError> {
     let s = &self_.shared;
     let b = owned.batch();
@@ -195,7 +197,7 @@ pub(super) async fn serve(
             }));
         }
         todo.clear();
-        let mut tasks = Vec::new();
+        let mut reqs = Vec::new();
         for (w, idx) in asked {
             let Some(conn) = s.workers[w].conn() else {
                 todo.extend(idx);
@@ -216,15 +218,26 @@ pub(super) async fn serve(
                 &runs,
                 &idx,
             );
+            reqs.push((w, idx, conn, req));
+        }
+        // (no request: the gate's sender goes with it and the starter stops waiting)
+        let gate = sent
+            .take()
+            .filter(|_| !reqs.is_empty())
+            .map(|tx| SentGate::new(reqs.len(), tx));
+        let mut tasks = Vec::new();
+        for (w, idx, conn, req) in reqs {
             let s2 = s.clone();
+            let mine = gate.clone().map(Sent);
             tasks.push((
                 w,
                 idx,
-                tokio::spawn(
-                    async move { request(&s2.workers[w], conn, req, s2.opts.deadline).await },
-                ),
+                tokio::spawn(async move {
+                    request(&s2.workers[w], conn, req, s2.opts.deadline, mine).await
+                }),
             ));
         }
+        drop(gate);
         for (w, idx, t) in tasks {
             match t.await {
                 Ok(Answer::Done(r)) => {

@@ -26,6 +26,7 @@
 //! authority and the node certificates. Only `workers` is required. A directory given where a
 //! cluster file is expected means its `cluster.json`, with the directory as `certs`.
 
+mod drive;
 mod layer;
 mod link;
 pub mod plan;

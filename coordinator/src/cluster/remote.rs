@@ -31,6 +31,7 @@ use charm_worker::server::transport;
 use charm_worker::tls::Identity;
 use serde::Serialize;
 
+use super::drive::Drive;
 use super::layer::{serve, OwnedBatch};
 use super::link::{handshake, keep};
 use super::workers::{Shared, Source, Worker};
@@ -110,8 +111,18 @@ impl ExpertExecutor for NoLocalExperts {
 /// Routed experts computed by the cluster's workers, with this machine's executor behind them.
 #[derive(Debug)]
 pub struct RemoteExperts {
-    pub(super) rt: tokio::runtime::Runtime,
+    pub(super) drive: Arc<Drive>,
+    /// The runtime's idle driver, stopped on drop.
+    idle: Option<std::thread::JoinHandle<()>>,
     pub(super) inner: Arc<Inner>,
+}
+
+impl Drop for RemoteExperts {
+    fn drop(&mut self) {
+        if let Some(t) = self.idle.take() {
+            self.drive.stop(t);
+        }
+    }
 }
 
 /// What the task serving a layer needs.
@@ -159,13 +170,8 @@ impl RemoteExperts {
         let identity = Identity::load(&opts.certs, &opts.node).map_err(|e| e.to_string())?;
         let mut client = identity.client_config().map_err(|e| e.to_string())?;
         client.transport_config(Arc::new(transport(opts.heartbeat)));
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("charm-cluster")
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())?;
-        let endpoint = rt.block_on(async {
+        let (drive, idle) = Drive::start()?;
+        let endpoint = drive.block_on(async {
             let mut ep = quinn::Endpoint::client((std::net::Ipv6Addr::UNSPECIFIED, 0).into())
                 .or_else(|_| quinn::Endpoint::client((std::net::Ipv4Addr::UNSPECIFIED, 0).into()))
                 .map_err(|e| format!("QUIC endpoint: {e}"))?;
@@ -179,7 +185,7 @@ impl RemoteExperts {
                 activations.map(String::from).into_iter().collect(),
             ),
             endpoint,
-            rt: rt.handle().clone(),
+            rt: drive.handle().clone(),
             source,
             workers: opts
                 .workers
@@ -210,7 +216,7 @@ impl RemoteExperts {
             opts: opts.clone(),
         });
         // first contact with every worker, concurrently
-        let results = rt.block_on(async {
+        let results = drive.block_on(async {
             let tasks: Vec<_> = (0..shared.workers.len())
                 .map(|i| {
                     let s = shared.clone();
@@ -248,7 +254,7 @@ impl RemoteExperts {
         }
         shared.replace();
         for i in 0..shared.workers.len() {
-            rt.spawn(keep(shared.clone(), i));
+            drive.handle().spawn(keep(shared.clone(), i));
         }
         let inner = Arc::new(Inner {
             shared,
@@ -260,7 +266,14 @@ impl RemoteExperts {
             fallbacks: AtomicU64::new(0),
             steps: AtomicU64::new(0),
         });
-        Ok((Self { rt, inner }, warnings))
+        Ok((
+            Self {
+                drive,
+                idle: Some(idle),
+                inner,
+            },
+            warnings,
+        ))
     }
 
     /// Every configured worker's health and traffic.
@@ -354,6 +367,24 @@ impl RemoteExperts {
     }
 }
 
+/// A layer's combined answer, received on the waiting thread: polled for `spin` (the runtime's
+/// I/O looked at without sleeping), then asleep until it comes.
+async fn answer(
+    mut rx: tokio::sync::oneshot::Receiver<Result<Vec<f32>, ExpertError>>,
+    spin: std::time::Duration,
+) -> Result<Vec<f32>, ExpertError> {
+    let lost = || ExpertError::Internal("expert work ended without a result".into());
+    let until = std::time::Instant::now() + spin;
+    while std::time::Instant::now() < until {
+        match rx.try_recv() {
+            Ok(r) => return r,
+            Err(tokio::sync::oneshot::error::TryRecvError::Empty) => tokio::task::yield_now().await,
+            Err(tokio::sync::oneshot::error::TryRecvError::Closed) => return Err(lost()),
+        }
+    }
+    rx.await.unwrap_or_else(|_| Err(lost()))
+}
+
 impl ExpertExecutor for RemoteExperts {
     fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
         self.start(batch).wait()
@@ -377,11 +408,17 @@ impl ExpertExecutor for RemoteExperts {
         }
         let owned = Arc::new(OwnedBatch::new(&batch));
         let inner = self.inner.clone();
-        let (tx, pending) = super::polled_channel(self.inner.shared.opts.spin);
-        self.rt.spawn(async move {
-            let _ = tx.send(serve(inner, owned, runs).await);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (sent_tx, sent_rx) = tokio::sync::oneshot::channel();
+        self.drive.handle().spawn(async move {
+            let _ = tx.send(serve(inner, owned, runs, Some(sent_tx)).await);
         });
-        pending
+        // the requests go out from this thread before it computes on (the shared expert)
+        self.drive.block_on(async {
+            let _ = sent_rx.await;
+        });
+        let (drive, spin) = (self.drive.clone(), self.inner.shared.opts.spin);
+        PendingExperts::deferred(move || drive.block_on(answer(rx, spin)))
     }
 
     fn lookahead(&self) -> Option<LookaheadPolicy> {
