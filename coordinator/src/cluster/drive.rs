@@ -87,11 +87,17 @@ impl Drive {
         if notify {
             self.claim.notify_one();
         }
-        let out = self.rt.block_on(f);
-        let mut s = self.state.lock().expect("drive lock");
-        s.busy -= 1;
-        s.last = Instant::now();
-        out
+        // (also when `f` panics: the idle driver must not wait for a claimant that is gone)
+        struct Leave<'a>(&'a Mutex<State>);
+        impl Drop for Leave<'_> {
+            fn drop(&mut self) {
+                let mut s = self.0.lock().unwrap_or_else(|e| e.into_inner());
+                s.busy -= 1;
+                s.last = Instant::now();
+            }
+        }
+        let _leave = Leave(&self.state);
+        self.rt.block_on(f)
     }
 
     /// Stops the idle driver (for good) and waits for it.
@@ -167,6 +173,24 @@ mod tests {
             .expect("the idle driver ran the task");
         // and gives the runtime back when claimed again
         assert_eq!(d.block_on(async { 3 }), 3);
+        d.stop(thread);
+    }
+
+    #[test]
+    fn a_claimant_that_panics_leaves_the_runtime_to_the_idle_driver() {
+        let (d, thread) = Drive::start().unwrap();
+        let d2 = d.clone();
+        let failed = std::thread::spawn(move || {
+            d2.block_on(async {
+                panic!("the claimant fails");
+            })
+        })
+        .join();
+        assert!(failed.is_err());
+        let (tx, rx) = std::sync::mpsc::channel();
+        d.handle().spawn(async move { tx.send(()).unwrap() });
+        rx.recv_timeout(Duration::from_secs(10))
+            .expect("the idle driver took the runtime back");
         d.stop(thread);
     }
 
