@@ -410,11 +410,13 @@ impl ExpertExecutor for RemoteExperts {
         let inner = self.inner.clone();
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (sent_tx, sent_rx) = tokio::sync::oneshot::channel();
-        self.drive.handle().spawn(async move {
-            let _ = tx.send(serve(inner, owned, runs, Some(sent_tx)).await);
-        });
-        // the requests go out from this thread before it computes on (the shared expert)
+        // the requests go out from this thread before it computes on (the shared expert); the
+        // layer's task is spawned from inside the runtime, so it is queued here without waking
+        // the runtime's driver
         self.drive.block_on(async {
+            tokio::spawn(async move {
+                let _ = tx.send(serve(inner, owned, runs, Some(sent_tx)).await);
+            });
             let _ = sent_rx.await;
         });
         let (drive, spin) = (self.drive.clone(), self.inner.shared.opts.spin);
