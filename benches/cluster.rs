@@ -507,8 +507,8 @@ fn main() {
 
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_charm"));
     // the workers share this machine's cores: each gets its share of them
-    let per = if a.pin { 1 } else { (cores / a.workers).max(1) }.to_string();
-    let mut worker_args = vec!["--threads".to_string(), per.clone()];
+    let per = if a.pin { 1 } else { (cores / a.workers).max(1) };
+    let mut worker_args = vec!["--threads".to_string(), per.to_string()];
     // pinned, each process has a core of its own, as on separate machines: the defaults of
     // `charm worker` and the cluster file; unpinned, they share the cores: none (as `Loopback`)
     let spin = match (a.spin_us, a.pin) {
@@ -614,7 +614,7 @@ fn main() {
             (down as f64 / n) as usize,
             delay,
             a.pin.then_some(1),
-            per.parse().unwrap_or(1),
+            per,
         );
         let udp = udp_echo(
             (up as f64 / n) as usize,

@@ -8,8 +8,9 @@
 //! single-threaded ones driven by the threads that wait).
 //!
 //! So the runtime here is single-threaded, and the thread that computes a step drives it
-//! itself: [`Drive::run`] sends a layer's requests and [`Drive::wait`] blocks on the answers
-//! inside the runtime, where the packets are read, decrypted and combined on the same thread.
+//! itself ([`Drive::block_on`]): `RemoteExperts::start` sends a layer's requests and its wait
+//! blocks on the answers inside the runtime, where the packets are read, decrypted and combined
+//! on the same thread.
 //! While no step is running (an idle server, the gaps between requests), a thread of its own
 //! drives it, for heartbeats, redials and shard fetches. A thread that starts expert work
 //! claims the runtime; the idle driver gives it up at once and takes it back once no claimant
@@ -28,7 +29,7 @@ pub(super) const IDLE_AFTER: Duration = Duration::from_millis(20);
 struct State {
     /// A computing thread has the runtime (the idle driver has given it up).
     claimed: bool,
-    /// Threads inside [`Drive::run`] or [`Drive::wait`] now.
+    /// Threads inside [`Drive::block_on`] now.
     busy: usize,
     /// When the last of them left.
     last: Instant,
@@ -40,7 +41,7 @@ struct State {
 pub(super) struct Drive {
     rt: tokio::runtime::Runtime,
     state: Mutex<State>,
-    /// Wakes the idle driver's thread when it must stop (its runtime is claimed, or it ends).
+    /// Wakes the idle driver's thread, waiting while the runtime is claimed, when it must end.
     changed: Condvar,
     /// Ends the idle driver's hold on the runtime (it waits for this inside the runtime).
     claim: tokio::sync::Notify,

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use charm_shared::expert::{combine, gather, ExpertBatch, ExpertError, ExpertExecutor};
 use charm_shared::wire::{ComputeRequest, Run};
 
-use super::link::{request, Answer, Sent, SentGate};
+use super::link::{request, Answer, Sent};
 use super::remote::Inner;
 use crate::cluster::Placement;
 
@@ -197,7 +197,9 @@ pub(super) async fn serve(
             }));
         }
         todo.clear();
-        let mut reqs = Vec::new();
+        // the first wave's requests share it; none goes out: it fires when dropped below
+        let gate = sent.take().map(Sent::new);
+        let mut tasks = Vec::new();
         for (w, idx) in asked {
             let Some(conn) = s.workers[w].conn() else {
                 todo.extend(idx);
@@ -218,17 +220,8 @@ pub(super) async fn serve(
                 &runs,
                 &idx,
             );
-            reqs.push((w, idx, conn, req));
-        }
-        // (no request: the gate's sender goes with it and the starter stops waiting)
-        let gate = sent
-            .take()
-            .filter(|_| !reqs.is_empty())
-            .map(|tx| SentGate::new(reqs.len(), tx));
-        let mut tasks = Vec::new();
-        for (w, idx, conn, req) in reqs {
             let s2 = s.clone();
-            let mine = gate.clone().map(Sent);
+            let mine = gate.clone();
             tasks.push((
                 w,
                 idx,
@@ -237,6 +230,7 @@ pub(super) async fn serve(
                 }),
             ));
         }
+        // (this task's share: the starter waits only for the requests)
         drop(gate);
         for (w, idx, t) in tasks {
             match t.await {

@@ -1,8 +1,8 @@
 //! One worker's QUIC connection: the handshake, heartbeats and redials, and one compute request
 //! with its deadline and checked answer.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use charm_shared::wire::{encode, ComputeRequest, ComputeResult, Hello, Message, PROTOCOL_VERSION};
@@ -97,44 +97,33 @@ pub(super) enum Answer {
     Broken(String),
 }
 
-/// A layer's first requests on their way: when the last of them is written (or given up), the
-/// thread that started the layer may go back to computing.
-pub(super) struct SentGate {
-    left: AtomicUsize,
-    done: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
-}
+/// A layer's first requests on their way, shared by them: when its last holder lets go (the
+/// last of them is written, or given up), the thread that started the layer may go back to
+/// computing.
+pub(super) struct Sent(Option<tokio::sync::oneshot::Sender<()>>);
 
-impl SentGate {
-    /// A gate for `n` requests (`n > 0`) that fires `done`.
-    pub(super) fn new(n: usize, done: tokio::sync::oneshot::Sender<()>) -> Arc<Self> {
-        Arc::new(Self {
-            left: AtomicUsize::new(n),
-            done: Mutex::new(Some(done)),
-        })
+impl Sent {
+    pub(super) fn new(done: tokio::sync::oneshot::Sender<()>) -> Arc<Self> {
+        Arc::new(Self(Some(done)))
     }
 }
 
-/// One request's share of a [`SentGate`], given back when dropped.
-pub(super) struct Sent(pub(super) Arc<SentGate>);
-
 impl Drop for Sent {
     fn drop(&mut self) {
-        if self.0.left.fetch_sub(1, Ordering::AcqRel) == 1 {
-            if let Some(tx) = self.0.done.lock().expect("gate lock").take() {
-                let _ = tx.send(());
-            }
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
         }
     }
 }
 
-/// Sends one request on its own stream and waits for its checked result; `sent` is given back
-/// once the request is written.
+/// Sends one request on its own stream and waits for its checked result; its share of `sent`
+/// is let go once the request is written.
 pub(super) async fn request(
     w: &Worker,
     conn: quinn::Connection,
     req: ComputeRequest,
     limit: Duration,
-    mut sent: Option<Sent>,
+    mut sent: Option<Arc<Sent>>,
 ) -> Answer {
     let t = Instant::now();
     // encoded in place (the activations are not copied), kept to check the answer against
