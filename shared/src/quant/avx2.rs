@@ -410,27 +410,20 @@ pub(super) fn lanes16_dot_i8(
         assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.gsum.len() >= ng);
     }
     let z = _mm256_setzero_ps();
-    for half in 0..2 {
-        let mut t = 0;
-        while t < n {
-            let k = (n - t).min(4);
-            let x = |i: usize| &acts[t + i];
-            let res: [__m256; 4] = match k {
-                4 => lanes8_dot::<4>(kind, group, ng, blk, sc, half, [x(0), x(1), x(2), x(3)]),
-                3 => {
-                    let [a, b, c] =
-                        lanes8_dot::<3>(kind, group, ng, blk, sc, half, [x(0), x(1), x(2)]);
-                    [a, b, c, z]
-                }
-                2 => {
-                    let [a, b] = lanes8_dot::<2>(kind, group, ng, blk, sc, half, [x(0), x(1)]);
-                    [a, b, z, z]
-                }
-                _ => {
-                    let [a] = lanes8_dot::<1>(kind, group, ng, blk, sc, half, [x(0)]);
-                    [a, z, z, z]
-                }
-            };
+    let mut t = 0;
+    while t < n {
+        let k = (n - t).min(4);
+        let x = |i: usize| &acts[t + i];
+        let res: [[__m256; 4]; 2] = match k {
+            4 => lanes16_dot::<4>(kind, group, ng, blk, sc, [x(0), x(1), x(2), x(3)]),
+            3 => lanes16_dot::<3>(kind, group, ng, blk, sc, [x(0), x(1), x(2)])
+                .map(|[a, b, c]| [a, b, c, z]),
+            2 => {
+                lanes16_dot::<2>(kind, group, ng, blk, sc, [x(0), x(1)]).map(|[a, b]| [a, b, z, z])
+            }
+            _ => lanes16_dot::<1>(kind, group, ng, blk, sc, [x(0)]).map(|[a]| [a, z, z, z]),
+        };
+        for (half, res) in res.iter().enumerate() {
             for (i, v) in res.iter().enumerate().take(k) {
                 let mut lanes = [0.0f32; 8];
                 // SAFETY: `lanes` has room for 8 floats.
@@ -439,95 +432,114 @@ pub(super) fn lanes16_dot_i8(
                     out[(8 * half + r) * n + t + i] = *l;
                 }
             }
-            t += k;
         }
+        t += k;
     }
 }
 
-/// Rows `8 * half .. 8 * half + 8` of a [`lanes16_dot_i8`] block for `P` tokens (the caller
-/// checks the lengths).
+/// One [`lanes16_dot_i8`] block for `P` tokens (the caller checks the lengths): group by
+/// group, rows 0-7 (each line's first half) and then rows 8-15 (its second half, from L1), so
+/// every line is fetched once and the memory stream never waits on a second pass.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn lanes8_dot<const P: usize>(
+fn lanes16_dot<const P: usize>(
     kind: QuantKind,
     group: usize,
     ng: usize,
     blk: &[u8],
     sc: &[f32],
+    acts: [&QuantizedActs; P],
+) -> [[__m256; P]; 2] {
+    let gb = group * kind.bits() / 8;
+    let mut acc = [[_mm256_setzero_ps(); P]; 2];
+    for g in 0..ng {
+        // the lines of the group PREFETCH_GROUPS ahead (past the block's end: the next
+        // block's, which the caller computes next); a prefetch never faults
+        let ahead = blk.as_ptr().wrapping_add(16 * (g + PREFETCH_GROUPS) * gb);
+        for l in 0..gb / 4 {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l) as *const i8);
+        }
+        for (half, acc) in acc.iter_mut().enumerate() {
+            lanes8_group::<P>(kind, group, g, blk, sc, half, acts, acc);
+        }
+    }
+    acc
+}
+
+/// Group `g` of rows `8 * half .. 8 * half + 8` of a [`lanes16_dot_i8`] block for `P` tokens,
+/// added to `acc` (the caller checks the lengths).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+fn lanes8_group<const P: usize>(
+    kind: QuantKind,
+    group: usize,
+    g: usize,
+    blk: &[u8],
+    sc: &[f32],
     half: usize,
     acts: [&QuantizedActs; P],
-) -> [__m256; P] {
+    acc: &mut [__m256; P],
+) {
     let gb = group * kind.bits() / 8;
     let bias = super::unsigned_offset(kind);
     let qp = acts.map(|x| x.q.as_ptr());
     let (m, ones) = (_mm256_set1_epi8(15), _mm256_set1_epi16(1));
-    let mut acc = [_mm256_setzero_ps(); P];
-    for g in 0..ng {
-        if half == 0 {
-            // the lines of the group PREFETCH_GROUPS ahead (past the block's end: the next
-            // block's, which the caller computes next); a prefetch never faults
-            let ahead = blk.as_ptr().wrapping_add(16 * (g + PREFETCH_GROUPS) * gb);
-            for l in 0..gb / 4 {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l) as *const i8);
+    // SAFETY (loads below): line `d < gb / 4` of group `g` lies at `16 * (g * gb + 4 * d)`
+    // in `blk`, which holds `16 * ng * gb` bytes, and this half is its bytes 32 * half ..
+    // 32 * half + 32; activation offsets stay below `(g + 1) * group <= ng * group`.
+    let w = unsafe { blk.as_ptr().add(16 * g * gb + 32 * half) };
+    let ld = |d: usize| unsafe { _mm256_loadu_si256(w.add(64 * d) as *const __m256i) };
+    let bc = |t: usize, i: usize| unsafe {
+        _mm256_set1_epi32((qp[t].add(g * group + i) as *const i32).read_unaligned())
+    };
+    let mut s = [_mm256_setzero_si256(); P];
+    if kind == QuantKind::Int8 {
+        for d in 0..gb / 4 {
+            let wv = ld(d);
+            let aw = _mm256_abs_epi8(wv);
+            for t in 0..P {
+                let a = _mm256_sign_epi8(bc(t, 4 * d), wv);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, a), ones);
+                s[t] = _mm256_add_epi32(s[t], p);
             }
         }
-        // SAFETY (loads below): line `d < gb / 4` of group `g` lies at `16 * (g * gb + 4 * d)`
-        // in `blk`, which holds `16 * ng * gb` bytes, and this half is its bytes 32 * half ..
-        // 32 * half + 32; activation offsets stay below `(g + 1) * group <= ng * group`.
-        let w = unsafe { blk.as_ptr().add(16 * g * gb + 32 * half) };
-        let ld = |d: usize| unsafe { _mm256_loadu_si256(w.add(64 * d) as *const __m256i) };
-        let bc = |t: usize, i: usize| unsafe {
-            _mm256_set1_epi32((qp[t].add(g * group + i) as *const i32).read_unaligned())
-        };
-        let mut s = [_mm256_setzero_si256(); P];
-        if kind == QuantKind::Int8 {
-            for d in 0..gb / 4 {
-                let wv = ld(d);
-                let aw = _mm256_abs_epi8(wv);
-                for t in 0..P {
-                    let a = _mm256_sign_epi8(bc(t, 4 * d), wv);
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, a), ones);
-                    s[t] = _mm256_add_epi32(s[t], p);
-                }
-            }
-        } else {
-            // int4: line j of a 64-weight block holds elements 4j.. (low nibbles) and 32 + 4j..
-            // (high nibbles) of each row, as the activations are ordered. For one or two tokens
-            // the 16-bit pair sums of four lines (8 products of pairs, each at most 15 x 128 x
-            // 2) add up exactly below 2^15 before one widening `vpmaddwd`; for three or four the
-            // deferred sums would not fit the 16 vector registers beside the accumulators, so
-            // every line widens.
-            let lines = if P <= 2 { 4 } else { 1 };
-            for c in 0..group / 64 {
-                for j4 in (0..8).step_by(lines) {
-                    let mut x = [_mm256_setzero_si256(); P];
-                    for j in j4..j4 + lines {
-                        let p = ld(8 * c + j);
-                        let lo = _mm256_and_si256(p, m);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m);
-                        for t in 0..P {
-                            let pair = _mm256_add_epi16(
-                                _mm256_maddubs_epi16(lo, bc(t, 64 * c + 4 * j)),
-                                _mm256_maddubs_epi16(hi, bc(t, 64 * c + 32 + 4 * j)),
-                            );
-                            x[t] = _mm256_add_epi16(x[t], pair);
-                        }
-                    }
+    } else {
+        // int4: line j of a 64-weight block holds elements 4j.. (low nibbles) and 32 + 4j..
+        // (high nibbles) of each row, as the activations are ordered. For one or two tokens
+        // the 16-bit pair sums of four lines (8 products of pairs, each at most 15 x 128 x
+        // 2) add up exactly below 2^15 before one widening `vpmaddwd`; for three or four the
+        // deferred sums would not fit the 16 vector registers beside the accumulators, so
+        // every line widens.
+        let lines = if P <= 2 { 4 } else { 1 };
+        for c in 0..group / 64 {
+            for j4 in (0..8).step_by(lines) {
+                let mut x = [_mm256_setzero_si256(); P];
+                for j in j4..j4 + lines {
+                    let p = ld(8 * c + j);
+                    let lo = _mm256_and_si256(p, m);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m);
                     for t in 0..P {
-                        s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(x[t], ones));
+                        let pair = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, bc(t, 64 * c + 4 * j)),
+                            _mm256_maddubs_epi16(hi, bc(t, 64 * c + 32 + 4 * j)),
+                        );
+                        x[t] = _mm256_add_epi16(x[t], pair);
                     }
                 }
-            }
-            for (t, st) in s.iter_mut().enumerate() {
-                *st = _mm256_sub_epi32(*st, _mm256_set1_epi32(bias * acts[t].gsum[g]));
+                for t in 0..P {
+                    s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(x[t], ones));
+                }
             }
         }
-        // SAFETY: `sc` holds `16 * ng` floats.
-        let sw = unsafe { _mm256_loadu_ps(sc.as_ptr().add(16 * g + 8 * half)) };
-        for t in 0..P {
-            let scale = _mm256_mul_ps(sw, _mm256_set1_ps(acts[t].scale[g]));
-            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s[t]), acc[t]);
+        for (t, st) in s.iter_mut().enumerate() {
+            *st = _mm256_sub_epi32(*st, _mm256_set1_epi32(bias * acts[t].gsum[g]));
         }
     }
-    acc
+    // SAFETY: `sc` holds `16 * ng` floats.
+    let sw = unsafe { _mm256_loadu_ps(sc.as_ptr().add(16 * g + 8 * half)) };
+    for t in 0..P {
+        let scale = _mm256_mul_ps(sw, _mm256_set1_ps(acts[t].scale[g]));
+        acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s[t]), acc[t]);
+    }
 }
