@@ -320,10 +320,33 @@ fn pin_to(cpu: usize) {
     }
 }
 
+/// Asks for a receive buffer that holds `bytes` of datagrams (past the `rmem_max` cap where the
+/// process may, as root can), so that one exchange's burst is not dropped on arrival.
+fn receive_buffer(sock: &UdpSocket, bytes: usize) {
+    use std::os::fd::AsRawFd;
+    let v = bytes.min(i32::MAX as usize) as libc::c_int;
+    for opt in [libc::SO_RCVBUFFORCE, libc::SO_RCVBUF] {
+        // SAFETY: `v` is a c_int that outlives the call, and its size is passed with it.
+        let r = unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                &v as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r == 0 {
+            return;
+        }
+    }
+}
+
 /// Median round trip of a raw UDP exchange between two threads: `up` bytes out in datagrams of
 /// 1,200 bytes (QUIC's own size), `down` bytes back the same way; the echoing thread pinned to
 /// `echo_cpu` when given. Each datagram carries its exchange's number, so a lost one (the
-/// exchange is then not counted) cannot shift the ones after it.
+/// exchange is then not counted) cannot shift the ones after it; both sockets' receive buffers
+/// hold a whole exchange (GLM-5.2-sized answers are hundreds of datagrams).
 fn udp_echo(up: usize, down: usize, echo_cpu: Option<usize>) -> f64 {
     const DGRAM: usize = 1200;
     let sizes = |total: usize| -> Vec<usize> {
@@ -334,6 +357,8 @@ fn udp_echo(up: usize, down: usize, echo_cpu: Option<usize>) -> f64 {
     };
     let (up_sizes, down_sizes) = (sizes(up), sizes(down));
     let server = UdpSocket::bind("127.0.0.1:0").unwrap();
+    // a datagram's buffer costs the kernel more than its bytes: room for four exchanges
+    receive_buffer(&server, 4 * (up + down + 64 * 1024));
     let addr = server.local_addr().unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let st = stop.clone();
@@ -370,6 +395,7 @@ fn udp_echo(up: usize, down: usize, echo_cpu: Option<usize>) -> f64 {
         }
     });
     let client = UdpSocket::bind("127.0.0.1:0").unwrap();
+    receive_buffer(&client, 4 * (up + down + 64 * 1024));
     client.connect(addr).unwrap();
     client
         .set_read_timeout(Some(Duration::from_millis(200)))
@@ -640,11 +666,20 @@ fn main() {
         // worker's compute; a token crosses `moe` layers
         let net = moe as f64 * (rtt - compute);
         println!(
-            "added RTT {delay_ms} ms: decode {:.2} tok/s = {:.2}x single | per layer request: round trip {rtt:.3} ms, worker compute {compute:.3} ms, rest {:.3} ms ({:.2}x the raw UDP echo); raw UDP echo of the same sizes {udp:.3} ms, bare QUIC echo {echo:.3} ms | wire {:.1} KB/token = {:.2}x the exact scheme's floor {:.1} KB | network per token {net:.2} ms vs {moe} MoE layers x RTT: {}",
+            "added RTT {delay_ms} ms: decode {:.2} tok/s = {:.2}x single | per layer request: round trip {rtt:.3} ms, worker compute {compute:.3} ms, rest {:.3} ms ({}); raw UDP echo of the same sizes {}, bare QUIC echo {echo:.3} ms | wire {:.1} KB/token = {:.2}x the exact scheme's floor {:.1} KB | network per token {net:.2} ms vs {moe} MoE layers x RTT: {}",
             run.tok_s,
             run.tok_s / base_tok_s,
             rtt - compute,
-            (rtt - compute) / udp,
+            if udp.is_nan() {
+                "no raw UDP figure".to_string()
+            } else {
+                format!("{:.2}x the raw UDP echo", (rtt - compute) / udp)
+            },
+            if udp.is_nan() {
+                "lost (no figure)".to_string()
+            } else {
+                format!("{udp:.3} ms")
+            },
             wire / 1e3,
             wire / floor,
             floor / 1e3,

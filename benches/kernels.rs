@@ -5,7 +5,8 @@
 //! `cargo bench --bench kernels` (criterion's report) and, for the summary table with ratios to the
 //! memory bandwidth, `cargo bench --bench kernels -- --summary [--quick] [--tokens 1,2,4,6,8]`
 //! (token counts; default 1 and 8); `-- --compute` measures the integer path with the weights
-//! cache-resident (compute, not memory, as the limit).
+//! cache-resident (compute, not memory, as the limit), and on AVX2 the ceiling its int8 arithmetic
+//! allows (the per-token step over registers only).
 
 use std::time::{Duration, Instant};
 
@@ -243,6 +244,38 @@ fn compute_summary() {
     }
 }
 
+/// The AVX2 int8 path's step for one token and 32 weights (`vpsignb`, `vpmaddubsw`, `vpmaddwd`,
+/// `vpaddd`) in a loop over registers only, eight independent chains: the most weight bytes
+/// times tokens per second the lane kernel's arithmetic allows on this core (32 bytes a step).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn avx2_int8_step_ceiling(steps: usize) -> (f64, i32) {
+    use std::arch::x86_64::*;
+    let mut s = [_mm256_set1_epi32(1); 8];
+    let mut w = [_mm256_setzero_si256(); 8];
+    for (k, w) in w.iter_mut().enumerate() {
+        *w = _mm256_set1_epi8(k as i8 + 1);
+    }
+    let ones = _mm256_set1_epi16(1);
+    let t = Instant::now();
+    for i in 0..steps / 8 {
+        let a = _mm256_set1_epi32(black_box(i as i32));
+        for k in 0..8 {
+            let p = _mm256_maddubs_epi16(w[k], _mm256_sign_epi8(a, w[k]));
+            s[k] = _mm256_add_epi32(s[k], _mm256_madd_epi16(p, ones));
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let mut sum = _mm256_setzero_si256();
+    for v in s {
+        sum = _mm256_add_epi32(sum, v);
+    }
+    (
+        32.0 * steps as f64 / secs / 1e9,
+        _mm256_extract_epi32::<0>(sum),
+    )
+}
+
 fn criterion_benches(c: &mut Criterion) {
     let isa = Isa::detect();
     for (name, r, cols) in SHAPES {
@@ -269,6 +302,20 @@ fn criterion_benches(c: &mut Criterion) {
 fn main() {
     if std::env::args().any(|a| a == "--compute") {
         compute_summary();
+        #[cfg(target_arch = "x86_64")]
+        if Isa::available().contains(&Isa::Avx2) {
+            let best = (0..5)
+                .map(|_| {
+                    // SAFETY: AVX2 is available (checked just above).
+                    let (gbs, sum) = unsafe { avx2_int8_step_ceiling(200_000_000) };
+                    black_box(sum);
+                    gbs
+                })
+                .fold(0.0, f64::max);
+            println!(
+                "int8   Avx2 ceiling: its per-token arithmetic over registers only, 1 thread: {best:.2} GB/s (bytes x tokens)"
+            );
+        }
         return;
     }
     if std::env::args().any(|a| a == "--summary") {
