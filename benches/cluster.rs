@@ -665,21 +665,24 @@ fn main() {
         // the requests of a layer run in parallel: its network time is a round trip less the
         // worker's compute; a token crosses `moe` layers
         let net = moe as f64 * (rtt - compute);
+        let (udp_ratio, udp_ms) = if udp.is_nan() {
+            (
+                "no raw UDP figure".to_string(),
+                "lost (no figure)".to_string(),
+            )
+        } else {
+            (
+                format!("{:.2}x the raw UDP echo", (rtt - compute) / udp),
+                format!("{udp:.3} ms"),
+            )
+        };
         println!(
             "added RTT {delay_ms} ms: decode {:.2} tok/s = {:.2}x single | per layer request: round trip {rtt:.3} ms, worker compute {compute:.3} ms, rest {:.3} ms ({}); raw UDP echo of the same sizes {}, bare QUIC echo {echo:.3} ms | wire {:.1} KB/token = {:.2}x the exact scheme's floor {:.1} KB | network per token {net:.2} ms vs {moe} MoE layers x RTT: {}",
             run.tok_s,
             run.tok_s / base_tok_s,
             rtt - compute,
-            if udp.is_nan() {
-                "no raw UDP figure".to_string()
-            } else {
-                format!("{:.2}x the raw UDP echo", (rtt - compute) / udp)
-            },
-            if udp.is_nan() {
-                "lost (no figure)".to_string()
-            } else {
-                format!("{udp:.3} ms")
-            },
+            udp_ratio,
+            udp_ms,
             wire / 1e3,
             wire / floor,
             floor / 1e3,
