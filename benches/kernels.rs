@@ -4,7 +4,7 @@
 //!
 //! `cargo bench --bench kernels` (criterion's report) and, for the summary table with ratios to the
 //! memory bandwidth, `cargo bench --bench kernels -- --summary [--quick] [--tokens 1,2,4,6,8]`
-//! (token counts; default 1 and 8); `-- --compute` measures the integer path with the weights
+//! (token counts; default 1 and 8); `-- --compute [--tokens 1,4,16,64]` measures the integer path with the weights
 //! cache-resident (compute, not memory, as the limit), and on AVX2 the ceiling its int8 arithmetic
 //! allows (the per-token step over registers only).
 
@@ -198,7 +198,7 @@ fn summary(quick: bool, tokens: &[usize]) {
 
 /// Compute throughput with the weights cache-resident (one thread, a 512x1024 matrix, GLM-like
 /// row length of the yardstick model): weight bytes times tokens per second, int8 activations.
-fn compute_summary() {
+fn compute_summary(tokens: &[usize]) {
     let (r, c) = (512, 1024);
     let m = Matrix::new(r, c, data(r * c, 7));
     let pool = rayon::ThreadPoolBuilder::new()
@@ -223,7 +223,7 @@ fn compute_summary() {
             }
         }
         for (isa, layout, q) in runs {
-            for n in [1usize, 4, 16, 64] {
+            for &n in tokens {
                 let x = data(n * c, 3);
                 let reps = (4000 / n).max(20);
                 let s = pool.install(|| {
@@ -299,9 +299,22 @@ fn criterion_benches(c: &mut Criterion) {
     }
 }
 
+/// `--tokens N,N,..` from the command line, or `default`.
+fn tokens_arg(default: &[usize]) -> Vec<usize> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == "--tokens")
+        .and_then(|i| args.get(i + 1))
+        .map_or(default.to_vec(), |s| {
+            s.split(',')
+                .map(|t| t.parse().expect("--tokens N,N,.."))
+                .collect()
+        })
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--compute") {
-        compute_summary();
+        compute_summary(&tokens_arg(&[1, 4, 16, 64]));
         #[cfg(target_arch = "x86_64")]
         if Isa::available().contains(&Isa::Avx2) {
             let best = (0..5)
@@ -319,17 +332,10 @@ fn main() {
         return;
     }
     if std::env::args().any(|a| a == "--summary") {
-        let args: Vec<String> = std::env::args().collect();
-        let tokens: Vec<usize> = args
-            .iter()
-            .position(|a| a == "--tokens")
-            .and_then(|i| args.get(i + 1))
-            .map_or(vec![1, 8], |s| {
-                s.split(',')
-                    .map(|t| t.parse().expect("--tokens N,N,.."))
-                    .collect()
-            });
-        summary(std::env::args().any(|a| a == "--quick"), &tokens);
+        summary(
+            std::env::args().any(|a| a == "--quick"),
+            &tokens_arg(&[1, 8]),
+        );
         return;
     }
     let mut c = Criterion::default().configure_from_args();

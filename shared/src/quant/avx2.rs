@@ -385,8 +385,9 @@ pub(super) fn row_dot(
 
 /// 16 rows stored in [`super::Layout::Lanes16`] (`blk`, `sc`: one block's weights and scales)
 /// against every token in `acts`, one row per 32-bit lane as on the VNNI path: each 64-byte
-/// line of the block is read as two 256-bit halves (rows 0-7, then rows 8-15), so a group's
-/// integer sums need no horizontal reduction; up to four tokens share each weight load.
+/// line of the block is read as two 256-bit halves (rows 0-7 and rows 8-15), so a group's
+/// integer sums need no horizontal reduction; up to four tokens share each weight load, and
+/// each activation broadcast serves both halves.
 /// `vpmaddubsw` cannot overflow here: int4 codes are unsigned nibbles (at most 15 x 128 x 2 per
 /// pair, and eight such sums stay below 2^15 in 16 bits), int8 codes go in as magnitudes with
 /// their signs moved onto the activations (at most 128 x 127 x 2). The integer sums are exact, then per group `acc = fma(scale_w * scale_x,
@@ -437,9 +438,9 @@ pub(super) fn lanes16_dot_i8(
     }
 }
 
-/// One [`lanes16_dot_i8`] block for `P` tokens (the caller checks the lengths): group by
-/// group, rows 0-7 (each line's first half) and then rows 8-15 (its second half, from L1), so
-/// every line is fetched once and the memory stream never waits on a second pass.
+/// One [`lanes16_dot_i8`] block for `P` tokens (the caller checks the lengths), group by
+/// group: each line's two halves (rows 0-7 and rows 8-15) are read together, so every line is
+/// fetched once and each activation broadcast serves both halves.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 fn lanes16_dot<const P: usize>(
@@ -459,87 +460,113 @@ fn lanes16_dot<const P: usize>(
         for l in 0..gb / 4 {
             _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l) as *const i8);
         }
-        for (half, acc) in acc.iter_mut().enumerate() {
-            lanes8_group::<P>(kind, group, g, blk, sc, half, acts, acc);
-        }
+        lanes16_group::<P>(kind, group, g, blk, sc, acts, &mut acc);
     }
     acc
 }
 
-/// Group `g` of rows `8 * half .. 8 * half + 8` of a [`lanes16_dot_i8`] block for `P` tokens,
-/// added to `acc` (the caller checks the lengths).
+/// Group `g` of the 16 rows of a [`lanes16_dot_i8`] block for `P` tokens, added to `acc`
+/// (`acc[half][token]`, lanes: rows `8 * half ..`; the caller checks the lengths).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-fn lanes8_group<const P: usize>(
+fn lanes16_group<const P: usize>(
     kind: QuantKind,
     group: usize,
     g: usize,
     blk: &[u8],
     sc: &[f32],
-    half: usize,
     acts: [&QuantizedActs; P],
-    acc: &mut [__m256; P],
+    acc: &mut [[__m256; P]; 2],
 ) {
     let gb = group * kind.bits() / 8;
     let bias = super::unsigned_offset(kind);
     let qp = acts.map(|x| x.q.as_ptr());
     let (m, ones) = (_mm256_set1_epi8(15), _mm256_set1_epi16(1));
     // SAFETY (loads below): line `d < gb / 4` of group `g` lies at `16 * (g * gb + 4 * d)`
-    // in `blk`, which holds `16 * ng * gb` bytes, and this half is its bytes 32 * half ..
-    // 32 * half + 32; activation offsets stay below `(g + 1) * group <= ng * group`.
-    let w = unsafe { blk.as_ptr().add(16 * g * gb + 32 * half) };
-    let ld = |d: usize| unsafe { _mm256_loadu_si256(w.add(64 * d) as *const __m256i) };
+    // in `blk`, which holds `16 * ng * gb` bytes, and half `h` is its bytes 32 * h .. 32 * h
+    // + 32; activation offsets stay below `(g + 1) * group <= ng * group`.
+    let w = unsafe { blk.as_ptr().add(16 * g * gb) };
+    let ld = |d: usize| unsafe {
+        let p = w.add(64 * d);
+        [
+            _mm256_loadu_si256(p as *const __m256i),
+            _mm256_loadu_si256(p.add(32) as *const __m256i),
+        ]
+    };
     let bc = |t: usize, i: usize| unsafe {
         _mm256_set1_epi32((qp[t].add(g * group + i) as *const i32).read_unaligned())
     };
-    let mut s = [_mm256_setzero_si256(); P];
+    let mut s = [[_mm256_setzero_si256(); P]; 2];
     if kind == QuantKind::Int8 {
         for d in 0..gb / 4 {
             let wv = ld(d);
-            let aw = _mm256_abs_epi8(wv);
+            let aw = wv.map(|v| _mm256_abs_epi8(v));
             for t in 0..P {
-                let a = _mm256_sign_epi8(bc(t, 4 * d), wv);
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, a), ones);
-                s[t] = _mm256_add_epi32(s[t], p);
+                let a = bc(t, 4 * d);
+                for h in 0..2 {
+                    let p = _mm256_maddubs_epi16(aw[h], _mm256_sign_epi8(a, wv[h]));
+                    s[h][t] = _mm256_add_epi32(s[h][t], _mm256_madd_epi16(p, ones));
+                }
             }
         }
     } else {
         // int4: line j of a 64-weight block holds elements 4j.. (low nibbles) and 32 + 4j..
-        // (high nibbles) of each row, as the activations are ordered. For one or two tokens
-        // the 16-bit pair sums of four lines (8 products of pairs, each at most 15 x 128 x
-        // 2) add up exactly below 2^15 before one widening `vpmaddwd`; for three or four the
-        // deferred sums would not fit the 16 vector registers beside the accumulators, so
-        // every line widens.
-        let lines = if P <= 2 { 4 } else { 1 };
+        // (high nibbles) of each row, as the activations are ordered. The 16-bit pair sums
+        // of four lines (8 products of pairs, each at most 15 x 128 x 2) add up exactly below
+        // 2^15 before one widening `vpmaddwd`. With one token both halves' nibbles are split
+        // first; with more, the tokens' broadcasts are held and the halves go one after the
+        // other (fewer live registers: measured faster at 2-6 tokens).
         for c in 0..group / 64 {
-            for j4 in (0..8).step_by(lines) {
-                let mut x = [_mm256_setzero_si256(); P];
-                for j in j4..j4 + lines {
+            for j4 in (0..8).step_by(4) {
+                let mut x = [[_mm256_setzero_si256(); P]; 2];
+                for j in j4..j4 + 4 {
                     let p = ld(8 * c + j);
-                    let lo = _mm256_and_si256(p, m);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m);
-                    for t in 0..P {
-                        let pair = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(lo, bc(t, 64 * c + 4 * j)),
-                            _mm256_maddubs_epi16(hi, bc(t, 64 * c + 32 + 4 * j)),
-                        );
-                        x[t] = _mm256_add_epi16(x[t], pair);
+                    if P == 1 {
+                        let lo = p.map(|p| _mm256_and_si256(p, m));
+                        let hi = p.map(|p| _mm256_and_si256(_mm256_srli_epi16(p, 4), m));
+                        let (al, ah) = (bc(0, 64 * c + 4 * j), bc(0, 64 * c + 32 + 4 * j));
+                        for h in 0..2 {
+                            let pair = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo[h], al),
+                                _mm256_maddubs_epi16(hi[h], ah),
+                            );
+                            x[h][0] = _mm256_add_epi16(x[h][0], pair);
+                        }
+                        continue;
+                    }
+                    let al: [__m256i; P] = std::array::from_fn(|t| bc(t, 64 * c + 4 * j));
+                    let ah: [__m256i; P] = std::array::from_fn(|t| bc(t, 64 * c + 32 + 4 * j));
+                    for h in 0..2 {
+                        let lo = _mm256_and_si256(p[h], m);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(p[h], 4), m);
+                        for t in 0..P {
+                            let pair = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo, al[t]),
+                                _mm256_maddubs_epi16(hi, ah[t]),
+                            );
+                            x[h][t] = _mm256_add_epi16(x[h][t], pair);
+                        }
                     }
                 }
-                for t in 0..P {
-                    s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(x[t], ones));
+                for h in 0..2 {
+                    for t in 0..P {
+                        s[h][t] = _mm256_add_epi32(s[h][t], _mm256_madd_epi16(x[h][t], ones));
+                    }
                 }
             }
         }
-        for (t, st) in s.iter_mut().enumerate() {
-            *st = _mm256_sub_epi32(*st, _mm256_set1_epi32(bias * acts[t].gsum[g]));
+        for sh in s.iter_mut() {
+            for (t, st) in sh.iter_mut().enumerate() {
+                *st = _mm256_sub_epi32(*st, _mm256_set1_epi32(bias * acts[t].gsum[g]));
+            }
         }
     }
-    // SAFETY: `sc` holds `16 * ng` floats.
-    let sw = unsafe { _mm256_loadu_ps(sc.as_ptr().add(16 * g + 8 * half)) };
-    for t in 0..P {
-        let scale = _mm256_mul_ps(sw, _mm256_set1_ps(acts[t].scale[g]));
-        acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s[t]), acc[t]);
+    for h in 0..2 {
+        // SAFETY: `sc` holds `16 * ng` floats.
+        let sw = unsafe { _mm256_loadu_ps(sc.as_ptr().add(16 * g + 8 * h)) };
+        for t in 0..P {
+            let scale = _mm256_mul_ps(sw, _mm256_set1_ps(acts[t].scale[g]));
+            acc[h][t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s[h][t]), acc[h][t]);
+        }
     }
 }

@@ -212,7 +212,7 @@ fn lane_layout_is_a_lossless_permutation_with_bit_identical_products() {
         let l = q.to_lanes().unwrap();
         for sign in [1.0f32, -1.0] {
             let x = vec![sign; 4 * c];
-            for n in [1, 4] {
+            for n in [1, 2, 3, 4] {
                 let want = q.matmul_with(&x[..n * c], n, Isa::Scalar, Activations::Int8);
                 for isa in Isa::available() {
                     let got = l.matmul_with(&x[..n * c], n, isa, Activations::Int8);
