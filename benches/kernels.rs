@@ -4,9 +4,9 @@
 //!
 //! `cargo bench --bench kernels` (criterion's report) and, for the summary table with ratios to the
 //! memory bandwidth, `cargo bench --bench kernels -- --summary [--quick] [--tokens 1,2,4,6,8]`
-//! (token counts; default 1 and 8); `-- --compute [--tokens 1,4,16,64]` measures the integer path with the weights
-//! cache-resident (compute, not memory, as the limit), and on AVX2 the ceiling its int8 arithmetic
-//! allows (the per-token step over registers only).
+//! (token counts; default 1 and 8); `-- --compute [--tokens 1,4,16,64]` measures the integer
+//! path with the weights cache-resident (compute, not memory, as the limit), and on AVX2 the
+//! ceiling its int8 arithmetic allows (the per-token step over registers only).
 
 use std::time::{Duration, Instant};
 

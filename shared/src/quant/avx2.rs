@@ -521,30 +521,34 @@ fn lanes16_group<const P: usize>(
                 let mut x = [[_mm256_setzero_si256(); P]; 2];
                 for j in j4..j4 + 4 {
                     let p = ld(8 * c + j);
+                    let nibbles = |v| {
+                        (
+                            _mm256_and_si256(v, m),
+                            _mm256_and_si256(_mm256_srli_epi16(v, 4), m),
+                        )
+                    };
+                    // (low, high) nibbles times their activations, added into `x`
+                    let add = |x: &mut __m256i, (lo, hi), al, ah| {
+                        let pair = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, al),
+                            _mm256_maddubs_epi16(hi, ah),
+                        );
+                        *x = _mm256_add_epi16(*x, pair);
+                    };
                     if P == 1 {
-                        let lo = p.map(|p| _mm256_and_si256(p, m));
-                        let hi = p.map(|p| _mm256_and_si256(_mm256_srli_epi16(p, 4), m));
+                        let n = p.map(nibbles);
                         let (al, ah) = (bc(0, 64 * c + 4 * j), bc(0, 64 * c + 32 + 4 * j));
                         for h in 0..2 {
-                            let pair = _mm256_add_epi16(
-                                _mm256_maddubs_epi16(lo[h], al),
-                                _mm256_maddubs_epi16(hi[h], ah),
-                            );
-                            x[h][0] = _mm256_add_epi16(x[h][0], pair);
+                            add(&mut x[h][0], n[h], al, ah);
                         }
                         continue;
                     }
                     let al: [__m256i; P] = std::array::from_fn(|t| bc(t, 64 * c + 4 * j));
                     let ah: [__m256i; P] = std::array::from_fn(|t| bc(t, 64 * c + 32 + 4 * j));
                     for h in 0..2 {
-                        let lo = _mm256_and_si256(p[h], m);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16(p[h], 4), m);
+                        let n = nibbles(p[h]);
                         for t in 0..P {
-                            let pair = _mm256_add_epi16(
-                                _mm256_maddubs_epi16(lo, al[t]),
-                                _mm256_maddubs_epi16(hi, ah[t]),
-                            );
-                            x[h][t] = _mm256_add_epi16(x[h][t], pair);
+                            add(&mut x[h][t], n, al[t], ah[t]);
                         }
                     }
                 }
@@ -555,17 +559,19 @@ fn lanes16_group<const P: usize>(
                 }
             }
         }
+        let off: [__m256i; P] = std::array::from_fn(|t| _mm256_set1_epi32(bias * acts[t].gsum[g]));
         for sh in s.iter_mut() {
-            for (t, st) in sh.iter_mut().enumerate() {
-                *st = _mm256_sub_epi32(*st, _mm256_set1_epi32(bias * acts[t].gsum[g]));
+            for (st, o) in sh.iter_mut().zip(off) {
+                *st = _mm256_sub_epi32(*st, o);
             }
         }
     }
+    let sx: [__m256; P] = std::array::from_fn(|t| _mm256_set1_ps(acts[t].scale[g]));
     for h in 0..2 {
         // SAFETY: `sc` holds `16 * ng` floats.
         let sw = unsafe { _mm256_loadu_ps(sc.as_ptr().add(16 * g + 8 * h)) };
         for t in 0..P {
-            let scale = _mm256_mul_ps(sw, _mm256_set1_ps(acts[t].scale[g]));
+            let scale = _mm256_mul_ps(sw, sx[t]);
             acc[h][t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s[h][t]), acc[h][t]);
         }
     }
