@@ -325,11 +325,10 @@ fn packed_dot<const P: usize>(
         let w = unsafe { blk.as_ptr().add(16 * g * gb) };
         if P > 1 {
             // the lines of the group PREFETCH_GROUPS ahead (past the block's end: the next
-            // block's, which the caller computes next), into L2: a prefetch never faults, and
-            // L2 takes more misses in flight than L1, whose hardware prefetcher brings each
-            // line the rest of the way (into L1, three and four tokens streamed 0.7-0.8x
-            // the rate on Zen 4). One token keeps up with the hardware prefetchers alone
-            // (and runs slower with these).
+            // block's, which the caller computes next) into L2; a prefetch never faults.
+            // Prefetched into L1 instead, four tokens read DRAM 0.7-0.8x as fast on Zen 4
+            // (docs/benchmarks.md, design notes). One token keeps up with the hardware
+            // prefetchers alone (and runs slower with these).
             let ahead = w.wrapping_add(16 * PREFETCH_GROUPS * gb);
             for l in 0..gb / 4 {
                 _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * l) as *const i8);
