@@ -516,25 +516,22 @@ fn lanes16_group<const P: usize>(
         // 2^15 before one widening `vpmaddwd`. With one token both halves' nibbles are split
         // first; with more, the tokens' broadcasts are held and the halves go one after the
         // other (fewer live registers: measured faster at 2-6 tokens).
+        let nibbles = |v| {
+            (
+                _mm256_and_si256(v, m),
+                _mm256_and_si256(_mm256_srli_epi16(v, 4), m),
+            )
+        };
+        // (low, high) nibbles times their activations, added into `x`
+        let add = |x: &mut __m256i, (lo, hi), al, ah| {
+            let pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, al), _mm256_maddubs_epi16(hi, ah));
+            *x = _mm256_add_epi16(*x, pair);
+        };
         for c in 0..group / 64 {
             for j4 in (0..8).step_by(4) {
                 let mut x = [[_mm256_setzero_si256(); P]; 2];
                 for j in j4..j4 + 4 {
                     let p = ld(8 * c + j);
-                    let nibbles = |v| {
-                        (
-                            _mm256_and_si256(v, m),
-                            _mm256_and_si256(_mm256_srli_epi16(v, 4), m),
-                        )
-                    };
-                    // (low, high) nibbles times their activations, added into `x`
-                    let add = |x: &mut __m256i, (lo, hi), al, ah| {
-                        let pair = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(lo, al),
-                            _mm256_maddubs_epi16(hi, ah),
-                        );
-                        *x = _mm256_add_epi16(*x, pair);
-                    };
                     if P == 1 {
                         let n = p.map(nibbles);
                         let (al, ah) = (bc(0, 64 * c + 4 * j), bc(0, 64 * c + 32 + 4 * j));
