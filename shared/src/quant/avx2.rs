@@ -35,7 +35,8 @@ pub(super) fn quantize_group(xs: &[f32], out: &mut [i8]) -> f32 {
     let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
     let sign = _mm256_set1_ps(-0.0);
     let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
-    for (c, o) in xs.chunks_exact(8).zip(out.chunks_exact_mut(8)) {
+    // 8 codes as i32, from 8 floats
+    let code = |c: &[f32]| {
         // SAFETY: `c` holds 8 floats.
         let y = _mm256_mul_ps(unsafe { _mm256_loadu_ps(c.as_ptr()) }, inv);
         let t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
@@ -43,15 +44,84 @@ pub(super) fn quantize_group(xs: &[f32], out: &mut [i8]) -> f32 {
         let away = _mm256_and_ps(_mm256_cmp_ps(f, half, _CMP_GE_OQ), one);
         let r = _mm256_add_ps(t, _mm256_or_ps(away, _mm256_and_ps(y, sign)));
         let r = _mm256_and_ps(r, _mm256_cmp_ps(y, y, _CMP_ORD_Q));
-        let r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+        _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+    };
+    let full = xs.len() - xs.len() % 32;
+    // 32 codes at a time, narrowed by two packs (the codes lie within +-127, so nothing
+    // saturates) and put back in order across the 128-bit lanes
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (c, o) in xs[..full].chunks_exact(32).zip(out.chunks_exact_mut(32)) {
+        let v: [__m256i; 4] = std::array::from_fn(|i| code(&c[8 * i..8 * i + 8]));
+        let w = _mm256_packs_epi16(
+            _mm256_packs_epi32(v[0], v[1]),
+            _mm256_packs_epi32(v[2], v[3]),
+        );
+        let w = _mm256_permutevar8x32_epi32(w, order);
+        // SAFETY: `o` holds 32 bytes.
+        unsafe { _mm256_storeu_si256(o.as_mut_ptr() as *mut __m256i, w) };
+    }
+    for (c, o) in xs[full..]
+        .chunks_exact(8)
+        .zip(out[full..].chunks_exact_mut(8))
+    {
         let mut v = [0i32; 8];
         // SAFETY: `v` has room for 8 i32.
-        unsafe { _mm256_storeu_si256(v.as_mut_ptr() as *mut __m256i, _mm256_cvtps_epi32(r)) };
+        unsafe { _mm256_storeu_si256(v.as_mut_ptr() as *mut __m256i, code(c)) };
         for (a, b) in o.iter_mut().zip(v) {
             *a = b as i8;
         }
     }
     d
+}
+
+/// `dst` = the codes of `src` in nibble order, blocks of `nb` (32 or 64) codes each: a block's
+/// even elements, then its odd ones (see [`super::QuantizedActs`]); lengths are multiples of `nb`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn nibble_order(src: &[i8], dst: &mut [i8], nb: usize) {
+    assert!(src.len() == dst.len() && (nb == 32 || nb == 64) && src.len().is_multiple_of(nb));
+    // per 128-bit lane: its 8 even bytes, then its 8 odd ones
+    let split = _mm256_setr_epi8(
+        0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5,
+        7, 9, 11, 13, 15,
+    );
+    // 32 codes as (16 evens, 16 odds)
+    let halves = |c: &[i8]| {
+        // SAFETY: `c` holds 32 bytes.
+        let v = unsafe { _mm256_loadu_si256(c.as_ptr() as *const __m256i) };
+        _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(v, split))
+    };
+    let store = |o: &mut [i8], v: __m256i| {
+        // SAFETY: `o` holds 32 bytes.
+        unsafe { _mm256_storeu_si256(o.as_mut_ptr() as *mut __m256i, v) }
+    };
+    for (s, d) in src.chunks_exact(nb).zip(dst.chunks_exact_mut(nb)) {
+        if nb == 32 {
+            store(d, halves(s));
+        } else {
+            let (a, b) = (halves(&s[..32]), halves(&s[32..]));
+            let (evens, odds) = d.split_at_mut(32);
+            store(evens, _mm256_permute2x128_si256::<0x20>(a, b));
+            store(odds, _mm256_permute2x128_si256::<0x31>(a, b));
+        }
+    }
+}
+
+/// The sum of `xs` (a length that is a multiple of 32).
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn sum_i8(xs: &[i8]) -> i32 {
+    assert!(xs.len().is_multiple_of(32));
+    let (ones, mut acc) = (_mm256_set1_epi16(1), _mm256_setzero_si256());
+    for c in xs.chunks_exact(32) {
+        // SAFETY: `c` holds 32 bytes.
+        let v = unsafe { _mm256_loadu_si256(c.as_ptr() as *const __m256i) };
+        let lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+        let hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(v));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones));
+    }
+    let mut l = [0i32; 8];
+    // SAFETY: `l` has room for 8 i32.
+    unsafe { _mm256_storeu_si256(l.as_mut_ptr() as *mut __m256i, acc) };
+    l.iter().sum()
 }
 
 /// 8 codes starting at element `i`, as f32.
@@ -408,7 +478,7 @@ pub(super) fn lanes16_dot_i8(
     assert!(out.len() == 16 * n && group.is_multiple_of(64));
     assert!(matches!(kind, QuantKind::Int8 | QuantKind::Int4));
     for x in acts {
-        assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.gsum.len() >= ng);
+        assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.off.len() >= ng);
     }
     let z = _mm256_setzero_ps();
     let mut t = 0;
@@ -479,7 +549,6 @@ fn lanes16_group<const P: usize>(
     acc: &mut [[__m256; P]; 2],
 ) {
     let gb = group * kind.bits() / 8;
-    let bias = super::unsigned_offset(kind);
     let qp = acts.map(|x| x.q.as_ptr());
     let (m, ones) = (_mm256_set1_epi8(15), _mm256_set1_epi16(1));
     // SAFETY (loads below): line `d < gb / 4` of group `g` lies at `16 * (g * gb + 4 * d)`
@@ -556,7 +625,7 @@ fn lanes16_group<const P: usize>(
                 }
             }
         }
-        let off: [__m256i; P] = std::array::from_fn(|t| _mm256_set1_epi32(bias * acts[t].gsum[g]));
+        let off: [__m256i; P] = std::array::from_fn(|t| _mm256_set1_epi32(acts[t].off[g]));
         for sh in s.iter_mut() {
             for (st, o) in sh.iter_mut().zip(off) {
                 *st = _mm256_sub_epi32(*st, o);

@@ -25,13 +25,12 @@ pub(super) fn block_dot_i8<const R: usize, const T: usize>(
         assert!(rows[r].len() >= ng * gb && sc[r].len() >= ng);
     }
     for x in a {
-        assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.gsum.len() >= ng);
+        assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.off.len() >= ng);
     }
     let (wp, ap) = (rows.map(|r| r.as_ptr()), a.map(|x| x.q.as_ptr()));
     // SAFETY (every load below): weight offsets stay below `ng * gb` and activation offsets
     // below `ng * group`, the lengths asserted above.
     let lda = |t: usize, i: usize| unsafe { _mm512_loadu_si512(ap[t].add(i) as *const _) };
-    let bias = super::unsigned_offset(kind);
     let m = _mm256_set1_epi8(15);
     let flip = _mm512_set1_epi8(-128);
     let fold =
@@ -72,7 +71,7 @@ pub(super) fn block_dot_i8<const R: usize, const T: usize>(
         for r in 0..R {
             for t in 0..T {
                 v[r * T + t] = fold(s[r][t]);
-                corr[r * T + t] = bias * a[t].gsum[g];
+                corr[r * T + t] = a[t].off[g];
             }
         }
         // SAFETY: `corr` holds 4 i32.
@@ -173,7 +172,7 @@ pub(super) fn rows16_dot_i8(
     assert!((1..=16).contains(&nr) && rows.len() == nr * rb);
     assert!(sc.len() == nr * ng && out.len() == nr * n);
     for x in acts {
-        assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.gsum.len() >= ng);
+        assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.off.len() >= ng);
     }
     let kq = group / 4; // dwords per group
     let m = _mm256_set1_epi8(15);
@@ -221,31 +220,32 @@ pub(super) fn rows16_dot_i8(
             sct[g][r] = sc[r * ng + g];
         }
     }
-    let bias = super::unsigned_offset(kind);
     // tokens in pairs: each weight vector loaded from the scratch serves two tokens
-    token_tiles::<2>(n, nr, out, |t, k| {
+    token_tiles::<2>(n, nr, 2, out, |t, k| {
         if k == 2 {
-            lanes_dot::<2>(group, ng, bias, scratch, sct, [&acts[t], &acts[t + 1]])
+            lanes_dot::<2>(group, ng, scratch, sct, [&acts[t], &acts[t + 1]])
         } else {
-            let [a] = lanes_dot::<1>(group, ng, bias, scratch, sct, [&acts[t]]);
+            let [a] = lanes_dot::<1>(group, ng, scratch, sct, [&acts[t]]);
             [a, _mm512_setzero_ps()]
         }
     });
 }
 
-/// Runs `f` over the tokens `T` at a time (`f(t, k)`: tokens `t .. t + k`, `k` = `T` but at the
-/// end) and stores the first `nr` lanes of each of the `k` results in `out` (`[rows, n]`).
+/// Runs `f` over the tokens at most `tile` (<= `T`) at a time (`f(t, k)`: tokens `t .. t + k`,
+/// `k` = `tile` but at the end) and stores the first `nr` lanes of each of the `k` results in
+/// `out` (`[rows, n]`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
 fn token_tiles<const T: usize>(
     n: usize,
     nr: usize,
+    tile: usize,
     out: &mut [f32],
     mut f: impl FnMut(usize, usize) -> [__m512; T],
 ) {
     let mut t = 0;
     while t < n {
-        let k = (n - t).min(T);
+        let k = (n - t).min(tile);
         let res = f(t, k);
         for (i, v) in res.iter().enumerate().take(k) {
             let mut lanes = [0.0f32; 16];
@@ -259,11 +259,15 @@ fn token_tiles<const T: usize>(
     }
 }
 
+/// Most tokens [`lanes16_dot_i8`] runs over one read of the weights: with 32 vector registers,
+/// eight tokens' two sums and accumulator each still fit beside the weights.
+const LANE_TILE: usize = 8;
+
 /// 16 rows stored in [`super::Layout::Lanes16`] (`blk`, `sc`: one block's weights and
-/// scales) against every token in `acts`, one row per lane, up to four tokens sharing each
-/// weight load (a batch of decoding sequences reads the weights once per four): the arithmetic
-/// of [`rows16_dot_i8`] (and so of [`super::scalar::row_dot_i8`]) without its transpose.
-/// `out` is `[16, tokens]`.
+/// scales) against every token in `acts`, one row per lane, up to [`LANE_TILE`] tokens sharing
+/// each weight load (a verify step or a batch of decoding sequences reads the weights once for
+/// all of them, more tokens in even tiles): the arithmetic of [`rows16_dot_i8`] (and so of
+/// [`super::scalar::row_dot_i8`]) without its transpose. `out` is `[16, tokens]`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
 pub(super) fn lanes16_dot_i8(
     kind: QuantKind,
@@ -278,26 +282,29 @@ pub(super) fn lanes16_dot_i8(
     assert!(blk.len() == 16 * ng * group * kind.bits() / 8 && sc.len() == 16 * ng);
     assert!(out.len() == 16 * n && group.is_multiple_of(64));
     for x in acts {
-        assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.gsum.len() >= ng);
+        assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.off.len() >= ng);
     }
-    let z = _mm512_setzero_ps();
-    token_tiles::<4>(n, 16, out, |t, k| {
-        let x = |i: usize| &acts[t + i];
-        match k {
-            4 => packed_dot::<4>(kind, group, ng, blk, sc, [x(0), x(1), x(2), x(3)]),
-            3 => {
-                let [a, b, c] = packed_dot::<3>(kind, group, ng, blk, sc, [x(0), x(1), x(2)]);
-                [a, b, c, z]
-            }
-            2 => {
-                let [a, b] = packed_dot::<2>(kind, group, ng, blk, sc, [x(0), x(1)]);
-                [a, b, z, z]
-            }
-            _ => {
-                let [a] = packed_dot::<1>(kind, group, ng, blk, sc, [x(0)]);
-                [a, z, z, z]
-            }
+    let tile = n.div_ceil(n.div_ceil(LANE_TILE));
+    token_tiles::<LANE_TILE>(n, 16, tile, out, |t, k| {
+        let x: [&QuantizedActs; LANE_TILE] = std::array::from_fn(|i| &acts[t + i.min(k - 1)]);
+        let mut res = [_mm512_setzero_ps(); LANE_TILE];
+        macro_rules! tile {
+            ($p:literal) => {{
+                let r = packed_dot::<$p>(kind, group, ng, blk, sc, std::array::from_fn(|i| x[i]));
+                res[..$p].copy_from_slice(&r);
+            }};
         }
+        match k {
+            8 => tile!(8),
+            7 => tile!(7),
+            6 => tile!(6),
+            5 => tile!(5),
+            4 => tile!(4),
+            3 => tile!(3),
+            2 => tile!(2),
+            _ => tile!(1),
+        }
+        res
     });
 }
 
@@ -314,8 +321,8 @@ fn packed_dot<const P: usize>(
     acts: [&QuantizedActs; P],
 ) -> [__m512; P] {
     let gb = group * kind.bits() / 8;
-    let bias = super::unsigned_offset(kind);
     let qp = acts.map(|x| x.q.as_ptr());
+    let (offp, scp) = (acts.map(|x| x.off.as_ptr()), acts.map(|x| x.scale.as_ptr()));
     let (m, flip) = (_mm512_set1_epi8(15), _mm512_set1_epi8(-128));
     let mut acc = [_mm512_setzero_ps(); P];
     for g in 0..ng {
@@ -369,9 +376,10 @@ fn packed_dot<const P: usize>(
         // SAFETY: `sc` holds `16 * ng` floats.
         let sw = unsafe { _mm512_loadu_ps(sc.as_ptr().add(16 * g)) };
         for t in 0..P {
-            let sum = _mm512_add_epi32(s0[t], s1[t]);
-            let isum = _mm512_sub_epi32(sum, _mm512_set1_epi32(bias * acts[t].gsum[g]));
-            let scale = _mm512_mul_ps(sw, _mm512_set1_ps(acts[t].scale[g]));
+            // SAFETY: each token's `off` and `scale` hold `ng` values (the callers check).
+            let (o, sx) = unsafe { (*offp[t].add(g), *scp[t].add(g)) };
+            let isum = _mm512_sub_epi32(_mm512_add_epi32(s0[t], s1[t]), _mm512_set1_epi32(o));
+            let scale = _mm512_mul_ps(sw, _mm512_set1_ps(sx));
             acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc[t]);
         }
     }
@@ -386,7 +394,6 @@ fn packed_dot<const P: usize>(
 fn lanes_dot<const P: usize>(
     group: usize,
     ng: usize,
-    bias: i32,
     wt: &[__m512i],
     sct: &[[f32; 16]],
     acts: [&QuantizedActs; P],
@@ -414,7 +421,7 @@ fn lanes_dot<const P: usize>(
         let sw = unsafe { _mm512_loadu_ps(sct[g].as_ptr()) };
         for t in 0..P {
             let sum = _mm512_add_epi32(s0[t], s1[t]);
-            let isum = _mm512_sub_epi32(sum, _mm512_set1_epi32(bias * acts[t].gsum[g]));
+            let isum = _mm512_sub_epi32(sum, _mm512_set1_epi32(acts[t].off[g]));
             let scale = _mm512_mul_ps(sw, _mm512_set1_ps(acts[t].scale[g]));
             acc[t] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc[t]);
         }

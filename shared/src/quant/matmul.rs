@@ -277,9 +277,9 @@ impl QMatrix {
     /// `x` (`[n, cols]`) quantized per token in this matrix's groups, in the nibble order of
     /// int4 weights (see [`QuantizedActs`]).
     fn quantize_acts(&self, x: &[f32], n: usize, isa: Isa) -> Vec<QuantizedActs> {
-        let (cols, int4) = (self.cols, self.kind == QuantKind::Int4);
+        let cols = self.cols;
         (0..n)
-            .map(|t| QuantizedActs::new(&x[t * cols..(t + 1) * cols], self.group, int4, isa))
+            .map(|t| QuantizedActs::new(&x[t * cols..(t + 1) * cols], self.group, self.kind, isa))
             .collect()
     }
 
@@ -365,38 +365,66 @@ impl QMatrix {
 pub(super) struct QuantizedActs {
     pub(super) q: Vec<i8>,
     pub(super) scale: Vec<f32>,
-    /// Per group: the sum of its int8 activations, for the offset correction of kernels that
-    /// feed weights as unsigned bytes (`q + 8` for int4, `w + 128` for int8).
-    pub(super) gsum: Vec<i32>,
+    /// Per group: the offset correction of kernels that feed weights as unsigned bytes (`q + 8`
+    /// for int4, `w + 128` for int8): the offset times the sum of the group's int8 activations.
+    pub(super) off: Vec<i32>,
 }
 
 impl QuantizedActs {
-    pub(super) fn new(x: &[f32], group: usize, nibble_order: bool, isa: Isa) -> Self {
+    /// `kind`: the weights' (int4 or int8), which sets the order and the offset.
+    pub(super) fn new(x: &[f32], group: usize, kind: QuantKind, isa: Isa) -> Self {
+        let nibble_order = kind == QuantKind::Int4;
         let mut q = vec![0i8; x.len()];
         let mut scale = Vec::with_capacity(x.len() / group);
-        let nb = nibble_block(group);
-        let mut codes = vec![0i8; group];
+        let mut off = Vec::with_capacity(x.len() / group);
+        let (nb, bias) = (nibble_block(group), unsigned_offset(kind));
+        let mut codes = vec![0i8; if nibble_order { group } else { 0 }];
         for (g, xs) in x.chunks(group).enumerate() {
-            let d = quantize_group(xs, &mut codes, isa);
-            scale.push(d);
             let qg = &mut q[g * group..(g + 1) * group];
-            if nibble_order {
-                for (dst, src) in qg.chunks_exact_mut(nb).zip(codes.chunks_exact(nb)) {
-                    for (i, pair) in src.chunks_exact(2).enumerate() {
-                        dst[i] = pair[0];
-                        dst[nb / 2 + i] = pair[1];
-                    }
-                }
+            let dst = if nibble_order {
+                &mut codes[..]
             } else {
-                qg.copy_from_slice(&codes);
-            }
+                &mut *qg
+            };
+            scale.push(quantize_group(xs, dst, isa));
+            let src = nibble_order.then_some(&codes[..]);
+            let sum = match simd_finish(src, qg, nb, isa) {
+                Some(sum) => sum,
+                None => {
+                    if let Some(codes) = src {
+                        for (dst, src) in qg.chunks_exact_mut(nb).zip(codes.chunks_exact(nb)) {
+                            for (i, pair) in src.chunks_exact(2).enumerate() {
+                                dst[i] = pair[0];
+                                dst[nb / 2 + i] = pair[1];
+                            }
+                        }
+                    }
+                    qg.iter().map(|&v| v as i32).sum()
+                }
+            };
+            off.push(bias * sum);
         }
-        let gsum = q
-            .chunks_exact(group)
-            .map(|c| c.iter().map(|&v| v as i32).sum())
-            .collect();
-        Self { q, scale, gsum }
+        Self { q, scale, off }
     }
+}
+
+/// On AVX2 (and VNNI) for groups that are multiples of 32: `codes` (when given) put in nibble
+/// order into `qg`, and the sum of `qg`; `None` elsewhere. The same bytes and sum as the scalar
+/// loops of [`QuantizedActs::new`].
+fn simd_finish(codes: Option<&[i8]>, qg: &mut [i8], nb: usize, isa: Isa) -> Option<i32> {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa, Isa::Avx2 | Isa::Avx512Vnni) && qg.len().is_multiple_of(32) {
+        // SAFETY: `Isa::Avx2` is only constructed after checking avx2 and fma (implied by
+        // Avx512Vnni).
+        return Some(unsafe {
+            if let Some(codes) = codes {
+                avx2::nibble_order(codes, qg, nb);
+            }
+            avx2::sum_i8(qg)
+        });
+    }
+    let _ = (codes, qg, nb, isa);
+    None
 }
 
 /// Quantizes one group of activations to int8 codes (scale `amax / 127`, round half away from

@@ -171,7 +171,7 @@ fn lane_layout_is_a_lossless_permutation_with_bit_identical_products() {
                 assert_eq!(l.dequantize_row(row), q.dequantize_row(row));
             }
             assert_eq!(l.dequantize(), q.dequantize());
-            // 1 to 9 and 17 tokens (tiles of up to four, and what is left), on 1 and 2 threads,
+            // 1 to 9 and 17 tokens (one tile of up to eight, or even tiles), on 1 and 2 threads,
             // against the scalar twin on the row-major matrix, bit for bit; every other path
             // converts back
             let x = data(9, 17 * c);
@@ -211,8 +211,8 @@ fn lane_layout_is_a_lossless_permutation_with_bit_identical_products() {
         let q = QMatrix::quantize(&Matrix::new(r, c, w), kind, 64).unwrap();
         let l = q.to_lanes().unwrap();
         for sign in [1.0f32, -1.0] {
-            let x = vec![sign; 4 * c];
-            for n in [1, 2, 3, 4] {
+            let x = vec![sign; 8 * c];
+            for n in [1, 2, 3, 4, 6, 8] {
                 let want = q.matmul_with(&x[..n * c], n, Isa::Scalar, Activations::Int8);
                 for isa in Isa::available() {
                     let got = l.matmul_with(&x[..n * c], n, isa, Activations::Int8);
@@ -282,6 +282,53 @@ fn activation_quantization_is_identical_on_every_isa() {
     let mut codes = [0i8; 4];
     scalar::quantize_group(&[127.0, 2.5, -0.5, 0.49999997], &mut codes);
     assert_eq!(codes, [127, 3, -1, 0], "round half away from zero");
+}
+
+#[test]
+fn quantized_activations_are_the_same_on_every_isa() {
+    // codes in nibble order for int4, the offset corrections, scales: groups of 32 (nibble
+    // blocks of 32), 64, 96 (blocks of 32) and 128, with extremes, infinities and NaN
+    for group in [32, 64, 96, 128] {
+        let mut x: Vec<f32> = data(group as u64, 3 * group)
+            .iter()
+            .map(|v| v * 300.0)
+            .collect();
+        x[1] = f32::INFINITY;
+        x[group + 2] = f32::NAN;
+        x[2 * group + 5] = -1e30;
+        for kind in [QuantKind::Int8, QuantKind::Int4] {
+            let want = QuantizedActs::new(&x, group, kind, Isa::Scalar);
+            let (nb, bias) = (nibble_block(group), unsigned_offset(kind));
+            for (g, xs) in x.chunks(group).enumerate() {
+                let mut codes = vec![0i8; group];
+                scalar::quantize_group(xs, &mut codes);
+                let qg = &want.q[g * group..(g + 1) * group];
+                for (i, &c) in codes.iter().enumerate() {
+                    // int4: block b's element e sits at e / 2, or nb / 2 + e / 2 when odd
+                    let at = if kind == QuantKind::Int4 {
+                        let (b, e) = (i / nb, i % nb);
+                        b * nb + e / 2 + (e % 2) * nb / 2
+                    } else {
+                        i
+                    };
+                    assert_eq!(qg[at], c, "{kind:?} g{group}: element {i}");
+                }
+                let sum: i32 = codes.iter().map(|&c| c as i32).sum();
+                assert_eq!(want.off[g], bias * sum);
+            }
+            for isa in Isa::available() {
+                let got = QuantizedActs::new(&x, group, kind, isa);
+                assert_eq!(got.q, want.q, "{kind:?} g{group} {isa:?}: codes");
+                assert_eq!(got.off, want.off, "{kind:?} g{group} {isa:?}: offsets");
+                let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got.scale),
+                    bits(&want.scale),
+                    "{kind:?} {isa:?}: scales"
+                );
+            }
+        }
+    }
 }
 
 #[test]
