@@ -6,7 +6,8 @@
 //!    continuation, so that every draft is accepted). Step `i` runs at the same position for every
 //!    `k` (the cache rolls back after it and advances by `K + 1` oracle tokens, untimed), so the
 //!    points compare steps over the same contexts, as verifying and plain decoding at one point of
-//!    a sequence do.
+//!    a sequence do. The `k`s take turns step by step (one cache each), so a slow stretch of a
+//!    shared machine falls on every point alike.
 //!    Beside it, the weight-traffic ratio of the same steps: a step reads the dense weights once
 //!    and each distinct routed expert its rows chose once (`dense + distinct experts x expert
 //!    bytes`, as `benches/batch.rs` counts), and from both the speed-up a per-draft acceptance
@@ -187,41 +188,47 @@ fn curve(e: &Engine, prompt: &[u32], drafts: usize, steps: usize, opts: ForwardO
     println!("|---|---|---|---|---|---|");
     // Step `i` of every `k` verifies at the same position, `prompt + i * (drafts + 1)`: after
     // it the cache goes back to where the step began and moves on by `drafts + 1` oracle tokens
-    // (untimed), so every curve point attends over the same contexts.
+    // (untimed), so every curve point attends over the same contexts. The timed passes run
+    // side by side, one cache per `k`, step `i` of every `k` before step `i + 1` of any, so
+    // that a slow stretch of a shared machine falls on every point alike.
     let stride = drafts + 1;
-    // (seconds per step, distinct routed experts per step) of `k` drafts
-    let pass = |k: usize, count: bool| {
+    let advance = |c: &mut KvCache, at: usize| {
+        c.truncate(prompt.len() + at);
+        m.forward(&oracle[at..at + stride], c, opts, None).unwrap();
+    };
+    // distinct routed experts per step of `k` drafts, counted on an untimed pass
+    let distinct = |k: usize| {
         let mut c = prefilled();
-        let (mut secs, mut distinct) = (0.0, 0usize);
+        let mut distinct = 0usize;
         for i in 0..steps {
             let at = i * stride;
-            let rows = &oracle[at..at + k + 1];
-            if count {
-                let mut tr = Trace::default();
-                step(&mut c, rows, Some(&mut tr));
-                for layer in &tr.router {
-                    let mut ids: Vec<u32> =
-                        layer.iter().flat_map(|r| r.0.iter().copied()).collect();
-                    ids.sort_unstable();
-                    ids.dedup();
-                    distinct += ids.len();
-                }
-            } else {
-                let t = Instant::now();
-                step(&mut c, rows, None);
-                secs += t.elapsed().as_secs_f64();
+            let mut tr = Trace::default();
+            step(&mut c, &oracle[at..at + k + 1], Some(&mut tr));
+            for layer in &tr.router {
+                let mut ids: Vec<u32> = layer.iter().flat_map(|r| r.0.iter().copied()).collect();
+                ids.sort_unstable();
+                ids.dedup();
+                distinct += ids.len();
             }
-            c.truncate(prompt.len() + at);
-            m.forward(&oracle[at..at + stride], &mut c, opts, None)
-                .unwrap();
+            advance(&mut c, at);
         }
-        (secs / steps as f64, distinct as f64 / steps as f64)
+        distinct as f64 / steps as f64
     };
+    let distinct: Vec<f64> = (0..=drafts).map(distinct).collect();
+    let mut caches: Vec<KvCache> = (0..=drafts).map(|_| prefilled()).collect();
+    let mut secs = vec![0.0; drafts + 1];
+    for i in 0..steps {
+        let at = i * stride;
+        for (k, c) in caches.iter_mut().enumerate() {
+            let t = Instant::now();
+            step(c, &oracle[at..at + k + 1], None);
+            secs[k] += t.elapsed().as_secs_f64();
+            advance(c, at);
+        }
+    }
     for k in 0..=drafts {
-        // distinct experts per step, counted on an untimed pass over the same steps
-        let (_, distinct) = pass(k, true);
-        let bytes = dense + expert * distinct;
-        let (secs, _) = pass(k, false);
+        let secs = secs[k] / steps as f64;
+        let bytes = dense + expert * distinct[k];
         let (t0, b0) = *base.get_or_insert((secs, bytes));
         let (tr, br) = (secs / t0, bytes / b0);
         let gain = |a: f64| (0..=k).map(|i| a.powi(i as i32)).sum::<f64>() / tr;
