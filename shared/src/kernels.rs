@@ -106,15 +106,7 @@ pub fn par_row_blocks(
     block: impl Fn(usize, &mut [f32]) + Sync,
 ) -> Vec<f32> {
     let mut yt = vec![0.0f32; n * rows]; // [rows, n] while computing
-    if rows * row_bytes * n < PAR_MIN_WORK {
-        block(0, &mut yt);
-    } else {
-        let per = rows
-            .div_ceil(8 * crate::par::threads())
-            .max(16)
-            .next_multiple_of(align.max(1));
-        crate::par::for_each_chunk_mut(&mut yt, n * per, |b, out| block(b * per, out));
-    }
+    split_row_blocks(rows, n, align, row_bytes, &mut yt, block);
     if n == 1 {
         return yt;
     }
@@ -129,6 +121,51 @@ pub fn par_row_blocks(
             for (k, d) in dst.iter_mut().enumerate() {
                 *d = src[k * n + t];
             }
+        }
+    }
+    y
+}
+
+/// [`par_row_blocks`]'s split: `yt` in blocks of rows, in parallel unless the work is small.
+fn split_row_blocks(
+    rows: usize,
+    n: usize,
+    align: usize,
+    row_bytes: usize,
+    yt: &mut [f32],
+    block: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    if rows * row_bytes * n < PAR_MIN_WORK {
+        block(0, yt);
+    } else {
+        let per = rows
+            .div_ceil(8 * crate::par::threads())
+            .max(16)
+            .next_multiple_of(align.max(1));
+        crate::par::for_each_chunk_mut(yt, n * per, |b, out| block(b * per, out));
+    }
+}
+
+/// [`par_row_blocks`] for kernels that compute 16 rows at a time and give each token's 16
+/// results together: `block(r0, out)` computes rows `r0..r0 + out.len() / n` (a multiple of 16)
+/// into `out`, each 16 rows' part of it `[n, 16]`, so a token's results are stored as one run
+/// and move to the returned `[n, rows]` as one. `rows` is a multiple of 16.
+pub fn par_lane_blocks(
+    rows: usize,
+    n: usize,
+    row_bytes: usize,
+    block: impl Fn(usize, &mut [f32]) + Sync,
+) -> Vec<f32> {
+    assert!(rows.is_multiple_of(16), "lane blocks take 16 rows");
+    let mut yt = vec![0.0f32; n * rows]; // [rows / 16, n, 16] while computing
+    split_row_blocks(rows, n, 16, row_bytes, &mut yt, block);
+    if n == 1 {
+        return yt;
+    }
+    let mut y = vec![0.0f32; n * rows];
+    for (b, src) in yt.chunks_exact(16 * n).enumerate() {
+        for (t, run) in src.chunks_exact(16).enumerate() {
+            y[t * rows + 16 * b..t * rows + 16 * b + 16].copy_from_slice(run);
         }
     }
     y

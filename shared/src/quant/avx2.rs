@@ -462,7 +462,7 @@ pub(super) fn row_dot(
 /// pair, and eight such sums stay below 2^15 in 16 bits), int8 codes go in as magnitudes with
 /// their signs moved onto the activations (at most 128 x 127 x 2). The integer sums are exact, then per group `acc = fma(scale_w * scale_x,
 /// isum, acc)` per lane: the arithmetic (and the bits) of [`super::scalar::row_dot_i8`].
-/// `out` is `[16, tokens]`.
+/// `out` is `[tokens, 16]`.
 #[target_feature(enable = "avx2,fma")]
 pub(super) fn lanes16_dot_i8(
     kind: QuantKind,
@@ -496,12 +496,9 @@ pub(super) fn lanes16_dot_i8(
         };
         for (half, res) in res.iter().enumerate() {
             for (i, v) in res.iter().enumerate().take(k) {
-                let mut lanes = [0.0f32; 8];
-                // SAFETY: `lanes` has room for 8 floats.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *v) };
-                for (r, l) in lanes.iter().enumerate() {
-                    out[(8 * half + r) * n + t + i] = *l;
-                }
+                let o = &mut out[16 * (t + i) + 8 * half..16 * (t + i) + 8 * half + 8];
+                // SAFETY: `o` has room for 8 floats.
+                unsafe { _mm256_storeu_ps(o.as_mut_ptr(), *v) };
             }
         }
         t += k;

@@ -221,7 +221,7 @@ pub(super) fn rows16_dot_i8(
         }
     }
     // tokens in pairs: each weight vector loaded from the scratch serves two tokens
-    token_tiles::<2>(n, nr, 2, out, |t, k| {
+    token_tiles::<2>(n, nr, out, |t, k| {
         if k == 2 {
             lanes_dot::<2>(group, ng, scratch, sct, [&acts[t], &acts[t + 1]])
         } else {
@@ -231,21 +231,19 @@ pub(super) fn rows16_dot_i8(
     });
 }
 
-/// Runs `f` over the tokens at most `tile` (<= `T`) at a time (`f(t, k)`: tokens `t .. t + k`,
-/// `k` = `tile` but at the end) and stores the first `nr` lanes of each of the `k` results in
-/// `out` (`[rows, n]`).
+/// Runs `f` over the tokens `T` at a time (`f(t, k)`: tokens `t .. t + k`, `k` = `T` but at the
+/// end) and stores the first `nr` lanes of each of the `k` results in `out` (`[rows, n]`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
 fn token_tiles<const T: usize>(
     n: usize,
     nr: usize,
-    tile: usize,
     out: &mut [f32],
     mut f: impl FnMut(usize, usize) -> [__m512; T],
 ) {
     let mut t = 0;
     while t < n {
-        let k = (n - t).min(tile);
+        let k = (n - t).min(T);
         let res = f(t, k);
         for (i, v) in res.iter().enumerate().take(k) {
             let mut lanes = [0.0f32; 16];
@@ -267,7 +265,7 @@ const LANE_TILE: usize = 8;
 /// scales) against every token in `acts`, one row per lane, up to [`LANE_TILE`] tokens sharing
 /// each weight load (a verify step or a batch of decoding sequences reads the weights once for
 /// all of them, more tokens in even tiles): the arithmetic of [`rows16_dot_i8`] (and so of
-/// [`super::scalar::row_dot_i8`]) without its transpose. `out` is `[16, tokens]`.
+/// [`super::scalar::row_dot_i8`]) without its transpose. `out` is `[tokens, 16]`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
 pub(super) fn lanes16_dot_i8(
     kind: QuantKind,
@@ -285,13 +283,17 @@ pub(super) fn lanes16_dot_i8(
         assert!(x.q.len() >= ng * group && x.scale.len() >= ng && x.off.len() >= ng);
     }
     let tile = n.div_ceil(n.div_ceil(LANE_TILE));
-    token_tiles::<LANE_TILE>(n, 16, tile, out, |t, k| {
+    for (t, o) in (0..n).step_by(tile).zip(out.chunks_mut(16 * tile)) {
+        let k = (n - t).min(tile);
         let x: [&QuantizedActs; LANE_TILE] = std::array::from_fn(|i| &acts[t + i.min(k - 1)]);
-        let mut res = [_mm512_setzero_ps(); LANE_TILE];
+        // each token's 16 results as one run of `out`
         macro_rules! tile {
             ($p:literal) => {{
                 let r = packed_dot::<$p>(kind, group, ng, blk, sc, std::array::from_fn(|i| x[i]));
-                res[..$p].copy_from_slice(&r);
+                for (v, o) in r.iter().zip(o.chunks_exact_mut(16)) {
+                    // SAFETY: `o` has room for 16 floats.
+                    unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *v) };
+                }
             }};
         }
         match k {
@@ -304,8 +306,7 @@ pub(super) fn lanes16_dot_i8(
             2 => tile!(2),
             _ => tile!(1),
         }
-        res
-    });
+    }
 }
 
 /// The per-token loop of [`lanes16_dot_i8`] for `P` tokens sharing each weight load (the

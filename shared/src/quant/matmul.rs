@@ -176,7 +176,7 @@ impl QMatrix {
         #[cfg(target_arch = "x86_64")]
         if self.layout == Layout::Lanes16 {
             // 16 rows at a time straight from the lane layout, any number of tokens
-            return par_row_blocks(self.rows, n, 16, rb, |r0, out| {
+            return par_lane_blocks(self.rows, n, rb, |r0, out| {
                 self.lanes_rows(r0, out, &qx, isa)
             });
         }
@@ -271,9 +271,6 @@ pub(super) fn nibble_block(group: usize) -> usize {
 }
 
 impl QMatrix {
-    /// Rows `r0..r0 + out.len() / n` of a [`Layout::Lanes16`] matrix against the quantized
-    /// tokens `qx` into `out` (`[rows, n]`), 16 rows at a time; `r0` and the row count are
-    /// multiples of 16.
     /// `x` (`[n, cols]`) quantized per token in this matrix's groups, in the nibble order of
     /// int4 weights (see [`QuantizedActs`]).
     fn quantize_acts(&self, x: &[f32], n: usize, isa: Isa) -> Vec<QuantizedActs> {
@@ -283,6 +280,9 @@ impl QMatrix {
             .collect()
     }
 
+    /// Rows `r0..r0 + out.len() / n` of a [`Layout::Lanes16`] matrix against the quantized
+    /// tokens `qx` into `out`, 16 rows at a time, each 16 rows' part `[n, 16]` (see
+    /// [`par_lane_blocks`]); `r0` and the row count are multiples of 16.
     #[cfg(target_arch = "x86_64")]
     fn lanes_rows(&self, r0: usize, out: &mut [f32], qx: &[QuantizedActs], isa: Isa) {
         let (n, ng, rb) = (qx.len(), self.groups(), self.row_bytes());
@@ -314,7 +314,7 @@ impl QMatrix {
             let qx = a.quantize_acts(x, n, isa);
             // rows of `a` then rows of `b` (the same row bytes), in 16-row blocks: both row
             // counts are multiples of 16, so no block straddles the two
-            let y = par_row_blocks(a.rows + b.rows, n, 16, a.row_bytes(), |r0, out| {
+            let y = par_lane_blocks(a.rows + b.rows, n, a.row_bytes(), |r0, out| {
                 let k = out.len() / n;
                 let split = a.rows.clamp(r0, r0 + k) - r0;
                 let (oa, ob) = out.split_at_mut(split * n);

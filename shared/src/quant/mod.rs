@@ -21,7 +21,7 @@
 //! bit-identical to its scalar twin. [`Activations::Int8`] adds an integer path (exact i32 group
 //! sums, then the same float steps on every ISA).
 
-use crate::kernels::{par_row_blocks, par_rows, Matrix};
+use crate::kernels::{par_lane_blocks, par_row_blocks, par_rows, Matrix};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
