@@ -284,19 +284,18 @@ pub(super) fn lanes16_dot_i8(
     }
     let tile = n.div_ceil(n.div_ceil(LANE_TILE));
     for (t, o) in (0..n).step_by(tile).zip(out.chunks_mut(16 * tile)) {
-        let k = (n - t).min(tile);
-        let x: [&QuantizedActs; LANE_TILE] = std::array::from_fn(|i| &acts[t + i.min(k - 1)]);
+        let x = &acts[t..(t + tile).min(n)];
         // each token's 16 results as one run of `out`
         macro_rules! tile {
             ($p:literal) => {{
-                let r = packed_dot::<$p>(kind, group, ng, blk, sc, std::array::from_fn(|i| x[i]));
+                let r = packed_dot::<$p>(kind, group, ng, blk, sc, std::array::from_fn(|i| &x[i]));
                 for (v, o) in r.iter().zip(o.chunks_exact_mut(16)) {
                     // SAFETY: `o` has room for 16 floats.
                     unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *v) };
                 }
             }};
         }
-        match k {
+        match x.len() {
             8 => tile!(8),
             7 => tile!(7),
             6 => tile!(6),

@@ -373,58 +373,49 @@ pub(super) struct QuantizedActs {
 impl QuantizedActs {
     /// `kind`: the weights' (int4 or int8), which sets the order and the offset.
     pub(super) fn new(x: &[f32], group: usize, kind: QuantKind, isa: Isa) -> Self {
-        let nibble_order = kind == QuantKind::Int4;
+        let int4 = kind == QuantKind::Int4;
         let mut q = vec![0i8; x.len()];
         let mut scale = Vec::with_capacity(x.len() / group);
         let mut off = Vec::with_capacity(x.len() / group);
         let (nb, bias) = (nibble_block(group), unsigned_offset(kind));
-        let mut codes = vec![0i8; if nibble_order { group } else { 0 }];
+        let mut codes = vec![0i8; if int4 { group } else { 0 }];
         for (g, xs) in x.chunks(group).enumerate() {
             let qg = &mut q[g * group..(g + 1) * group];
-            let dst = if nibble_order {
-                &mut codes[..]
+            if int4 {
+                scale.push(quantize_group(xs, &mut codes, isa));
+                nibble_order(&codes, qg, nb, isa);
             } else {
-                &mut *qg
-            };
-            scale.push(quantize_group(xs, dst, isa));
-            let src = nibble_order.then_some(&codes[..]);
-            let sum = match simd_finish(src, qg, nb, isa) {
-                Some(sum) => sum,
-                None => {
-                    if let Some(codes) = src {
-                        for (dst, src) in qg.chunks_exact_mut(nb).zip(codes.chunks_exact(nb)) {
-                            for (i, pair) in src.chunks_exact(2).enumerate() {
-                                dst[i] = pair[0];
-                                dst[nb / 2 + i] = pair[1];
-                            }
-                        }
-                    }
-                    qg.iter().map(|&v| v as i32).sum()
-                }
-            };
-            off.push(bias * sum);
+                scale.push(quantize_group(xs, qg, isa));
+            }
+            off.push(bias * code_sum(qg, isa));
         }
         Self { q, scale, off }
     }
 }
 
-/// On AVX2 (and VNNI) for groups that are multiples of 32: `codes` (when given) put in nibble
-/// order into `qg`, and the sum of `qg`; `None` elsewhere. The same bytes and sum as the scalar
-/// loops of [`QuantizedActs::new`].
-fn simd_finish(codes: Option<&[i8]>, qg: &mut [i8], nb: usize, isa: Isa) -> Option<i32> {
-    #[cfg(target_arch = "x86_64")]
-    if matches!(isa, Isa::Avx2 | Isa::Avx512Vnni) && qg.len().is_multiple_of(32) {
+/// `dst` = `src`'s codes in nibble order, blocks of `nb` (see [`nibble_block`]): each block's
+/// even elements, then its odd ones. Every ISA moves the same bytes.
+pub(super) fn nibble_order(src: &[i8], dst: &mut [i8], nb: usize, isa: Isa) {
+    assert!(src.len() == dst.len() && src.len().is_multiple_of(nb));
+    match isa {
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` is only constructed after checking avx2 and fma (implied by
         // Avx512Vnni).
-        return Some(unsafe {
-            if let Some(codes) = codes {
-                avx2::nibble_order(codes, qg, nb);
-            }
-            avx2::sum_i8(qg)
-        });
+        Isa::Avx2 | Isa::Avx512Vnni if nb == 32 || nb == 64 => unsafe {
+            avx2::nibble_order(src, dst, nb)
+        },
+        _ => scalar::nibble_order(src, dst, nb),
     }
-    let _ = (codes, qg, nb, isa);
-    None
+}
+
+/// The sum of a group's int8 codes, the same on every ISA.
+pub(super) fn code_sum(xs: &[i8], isa: Isa) -> i32 {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in [`nibble_order`].
+        Isa::Avx2 | Isa::Avx512Vnni if xs.len().is_multiple_of(32) => unsafe { avx2::sum_i8(xs) },
+        _ => scalar::code_sum(xs),
+    }
 }
 
 /// Quantizes one group of activations to int8 codes (scale `amax / 127`, round half away from

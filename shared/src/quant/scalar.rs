@@ -11,6 +11,22 @@ pub(super) fn quantize_group(xs: &[f32], out: &mut [i8]) -> f32 {
     d
 }
 
+/// Reference twin of [`super::nibble_order`]: each block of `nb` codes as its even elements,
+/// then its odd ones.
+pub(super) fn nibble_order(src: &[i8], dst: &mut [i8], nb: usize) {
+    for (d, s) in dst.chunks_exact_mut(nb).zip(src.chunks_exact(nb)) {
+        for (i, pair) in s.chunks_exact(2).enumerate() {
+            d[i] = pair[0];
+            d[nb / 2 + i] = pair[1];
+        }
+    }
+}
+
+/// Reference twin of [`super::code_sum`].
+pub(super) fn code_sum(xs: &[i8]) -> i32 {
+    xs.iter().map(|&v| v as i32).sum()
+}
+
 /// Decodes 8 weights starting at element `i` of a packed row into integer codes as f32.
 #[inline]
 pub(super) fn codes8(kind: QuantKind, row: &[u8], i: usize) -> [f32; 8] {
