@@ -197,7 +197,7 @@ fn curve(e: &Engine, prompt: &[u32], drafts: usize, steps: usize, opts: ForwardO
         m.forward(&oracle[at..at + stride], c, opts, None).unwrap();
     };
     // distinct routed experts per step of `k` drafts, counted on an untimed pass
-    let distinct = |k: usize| {
+    let count_distinct = |k: usize| {
         let mut c = prefilled();
         let mut distinct = 0usize;
         for i in 0..steps {
@@ -214,7 +214,7 @@ fn curve(e: &Engine, prompt: &[u32], drafts: usize, steps: usize, opts: ForwardO
         }
         distinct as f64 / steps as f64
     };
-    let distinct: Vec<f64> = (0..=drafts).map(distinct).collect();
+    let distinct: Vec<f64> = (0..=drafts).map(count_distinct).collect();
     let mut caches: Vec<KvCache> = (0..=drafts).map(|_| prefilled()).collect();
     let mut secs = vec![0.0; drafts + 1];
     for i in 0..steps {
