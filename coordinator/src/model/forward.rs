@@ -629,10 +629,13 @@ impl Model {
         // applied to each head's latent context. Every (query, head) pair has the same
         // arithmetic in both layouts below.
         // Each unit reads its heads' rows of `kv_b` (heads x (nope + v) x latent, as stored):
-        // once per query. Where re-reading it for every further query of the step would cost
-        // more than a few passes over the units, the step splits instead (below).
+        // once per query. A step of several queries splits instead (below) where that would
+        // decode quantized rows again for every further query, or re-read more than a few passes
+        // over the units cost.
         let rereads = (n - 1) * w.kv_b.bytes();
-        if opts.mla == MlaMode::Absorbed && rereads < ABSORB_SPLIT_BYTES {
+        let per_query =
+            n == 1 || (matches!(w.kv_b, Linear::F32(_)) && rereads < ABSORB_SPLIT_BYTES);
+        if opts.mla == MlaMode::Absorbed && per_query {
             charm_shared::par::for_each_chunk_mut(&mut out, vd * g, |u, og| {
                 let (t, h0) = ((u * g) / nh, (u * g) % nh);
                 let mut q_abs = vec![0.0f32; g * kvr];
@@ -686,9 +689,12 @@ impl Model {
     }
 }
 
-/// Bytes of `kv_b` that a step's further queries would re-read, from which absorbed attention
-/// runs in three passes that read it once. Below it the two extra passes' hand-offs cost more
-/// than the re-reads (GLM-5.2's `kv_b` is 14.7 MB a layer at int8).
+/// Bytes of an f32 `kv_b` that a step's further queries would re-read, from which absorbed
+/// attention runs in three passes that read it once. Below it the two extra passes' hand-offs
+/// cost more than the re-reads (f32 rows are read as they are). Quantized rows split from two
+/// queries on: decoding them again per query costs more than the hand-offs (the yardstick's
+/// 0.26 MB int8 `kv_b`: 0.2-0.35 ms less attention per step of 2-4 tokens, 5 layers; GLM-5.2's
+/// is 14.7 MB a layer at int8).
 const ABSORB_SPLIT_BYTES: usize = 1 << 20;
 
 /// Absorbed MLA, `W_uk` folded into queries: `out[t][c] = sum_d q[t][d] * kv_b[first + d][c]`,
