@@ -1,6 +1,6 @@
 use std::arch::x86_64::*;
 
-use super::{QuantKind, QuantizedActs, PREFETCH_GROUPS};
+use super::{QuantKind, QuantizedActs, PREFETCH_SPANS};
 
 /// VNNI twin of [`super::scalar::row_dot_i8`] for `R` rows and `T` tokens, `R * T` being 1
 /// or 4 (see [`super::block_dot_i8`]), for groups that are multiples of 64. `vpdpbusd`
@@ -330,17 +330,19 @@ fn packed_dot<const P: usize>(
         // d)` in `blk`, which holds `16 * ng * gb` bytes; activation offsets stay below
         // `(g + 1) * group <= ng * group`.
         let w = unsafe { blk.as_ptr().add(16 * g * gb) };
-        if P > 1 {
-            // the lines of the group PREFETCH_GROUPS ahead (past the block's end: the next
-            // block's, which the caller computes next) into L2; a prefetch never faults.
-            // Prefetched into L1 instead, four tokens read DRAM 0.7-0.8x as fast on Zen 4
-            // (docs/benchmarks.md, design notes). One token keeps up with the hardware
-            // prefetchers alone (and runs slower with these).
-            let ahead = w.wrapping_add(16 * PREFETCH_GROUPS * gb);
-            for l in 0..gb / 4 {
-                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * l) as *const i8);
+        // The lines of the 64-column span PREFETCH_SPANS spans ahead of span `c` of this group
+        // (past the block's end: the next block's, which the caller computes next), into L2,
+        // as span `c` is read; a prefetch never faults. Prefetched into L1 instead, four tokens
+        // read DRAM 0.7-0.8x as fast on Zen 4 (docs/benchmarks.md, design notes). One token
+        // keeps up with the hardware prefetchers alone (and runs slower with these).
+        let prefetch = |c: usize, lines: usize| {
+            if P > 1 {
+                let ahead = w.wrapping_add((c + PREFETCH_SPANS) * 64 * lines);
+                for l in 0..lines {
+                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * l) as *const i8);
+                }
             }
-        }
+        };
         let ld = |d: usize| unsafe { _mm512_loadu_si512(w.add(64 * d) as *const _) };
         let bc = |t: usize, i: usize| unsafe {
             _mm512_set1_epi32((qp[t].add(g * group + i) as *const i32).read_unaligned())
@@ -348,20 +350,25 @@ fn packed_dot<const P: usize>(
         let mut s0 = [_mm512_setzero_si512(); P];
         let mut s1 = [_mm512_setzero_si512(); P];
         if kind == QuantKind::Int8 {
-            for d in (0..gb / 4).step_by(2) {
-                let (w0, w1) = (
-                    _mm512_xor_si512(ld(d), flip),
-                    _mm512_xor_si512(ld(d + 1), flip),
-                );
-                for t in 0..P {
-                    s0[t] = _mm512_dpbusd_epi32(s0[t], w0, bc(t, 4 * d));
-                    s1[t] = _mm512_dpbusd_epi32(s1[t], w1, bc(t, 4 * d + 4));
+            // span `c`: dwords 16c .. 16c + 16 of each row, one line each
+            for c in 0..group / 64 {
+                prefetch(c, 16);
+                for d in (16 * c..16 * c + 16).step_by(2) {
+                    let (w0, w1) = (
+                        _mm512_xor_si512(ld(d), flip),
+                        _mm512_xor_si512(ld(d + 1), flip),
+                    );
+                    for t in 0..P {
+                        s0[t] = _mm512_dpbusd_epi32(s0[t], w0, bc(t, 4 * d));
+                        s1[t] = _mm512_dpbusd_epi32(s1[t], w1, bc(t, 4 * d + 4));
+                    }
                 }
             }
         } else {
             // int4: dword j of a 32-byte nibble block holds elements 4j.. (low nibbles, the
             // block's first half of activations) and 32 + 4j.. (high nibbles)
             for c in 0..group / 64 {
+                prefetch(c, 8);
                 for j in 0..8 {
                     let p = ld(8 * c + j);
                     let lo = _mm512_and_si512(p, m);

@@ -71,9 +71,19 @@ impl QuantKind {
 pub const SCALE_BYTES: usize = 4;
 /// Rows interleaved per block of [`Layout::Lanes16`].
 pub const LANE_ROWS: usize = 16;
-/// How many groups ahead the [`Layout::Lanes16`] kernels prefetch a block's weights (4-8 KiB):
-/// the hardware prefetchers stop at 4 KiB page boundaries, and while a step of several tokens
-/// computes, the next lines would otherwise arrive late.
+/// How far ahead the AVX-512 [`Layout::Lanes16`] kernel prefetches a block's weights, in spans
+/// of 64 columns (16 rows x 64 codes: 1 KiB of int8, 512 bytes of int4, so 4-8 KiB): the
+/// hardware prefetchers stop at 4 KiB page boundaries, and while a step of several tokens
+/// computes, the next lines would otherwise arrive late. One span's lines are prefetched as each
+/// span is read, whatever the group size: a matrix with one scale per row (a head stored like an
+/// embedding table) streams like one of 64-wide groups.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_SPANS: usize = 8;
+/// How many groups ahead the AVX2 [`Layout::Lanes16`] kernel prefetches a block's weights, a
+/// group at a time (the same lines as [`PREFETCH_SPANS`] with 64-wide groups; with wider ones it
+/// runs further ahead, in bursts). Prefetching span by span there, as the AVX-512 kernel does,
+/// changed the int4 loop's code enough to lose up to 45% at 4-6 tokens with the weights in cache
+/// (the AVX2 path on Zen 4).
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_GROUPS: usize = 8;
 

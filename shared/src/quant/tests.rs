@@ -158,8 +158,9 @@ fn int8_activation_path_is_bit_identical_across_isas_and_batches() {
 #[test]
 fn lane_layout_is_a_lossless_permutation_with_bit_identical_products() {
     for kind in [QuantKind::Int8, QuantKind::Int4] {
-        // 1, 3 and 6 blocks of 16 rows; groups of 64 and 128; a row of 3 groups
-        for (r, c, g) in [(16, 64, 64), (48, 192, 64), (96, 256, 128)] {
+        // 1, 3, 6 and 2 blocks of 16 rows; groups of 64 and 128; a row of 3 groups; one group
+        // of the whole row (a per-row scale, as heads stored like embedding tables have)
+        for (r, c, g) in [(16, 64, 64), (48, 192, 64), (96, 256, 128), (32, 512, 512)] {
             let q =
                 QMatrix::quantize(&Matrix::new(r, c, data(r as u64 + 7, r * c)), kind, g).unwrap();
             let l = q.to_lanes().expect("lane layout applies");
