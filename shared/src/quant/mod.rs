@@ -140,14 +140,15 @@ impl Isa {
     }
 }
 
-/// The path every kernel uses: [`Isa::detect`], unless `CHARM_ISA=scalar` forces the reference
-/// path (for comparisons). Read once.
 /// Quantizes one group of activations to int8 codes the way the integer path does (scale
 /// `amax / 127`; every ISA gives these codes) and returns the scale.
 pub fn quantize_activation_group(xs: &[f32], out: &mut [i8]) -> f32 {
     scalar::quantize_group(xs, out)
 }
 
+/// The path every kernel uses: [`Isa::detect`], unless `CHARM_ISA=scalar` forces the reference
+/// path or `CHARM_ISA=avx2` the AVX2 path on a CPU that also has AVX-512 (for comparisons). Read
+/// once.
 pub fn active_isa() -> Isa {
     static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
     *ISA.get_or_init(|| match std::env::var("CHARM_ISA").as_deref() {
