@@ -22,18 +22,59 @@ pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
 }
 
 /// The indices [`top_k`] returns, in ascending index order (no ranking among them needed).
+///
+/// Each index is packed with its value into one integer key whose order is [`rank_order`]'s
+/// (value first, then the lower index), so the selection compares plain integers in one array
+/// rather than values reached through indices: the DSA indexer runs it over every cached
+/// position, for every query of every indexed layer.
 pub fn top_k_set(values: &[f32], k: usize) -> Vec<usize> {
     if k == 0 {
         return Vec::new();
     }
-    let mut idx: Vec<usize> = (0..values.len()).collect();
-    if k < idx.len() {
-        // a total order, so the first `k` selected are the first `k` of a full sort
+    if k >= values.len() {
+        return (0..values.len()).collect();
+    }
+    if values.len() > u32::MAX as usize {
+        let mut idx: Vec<usize> = (0..values.len()).collect();
         idx.select_nth_unstable_by(k - 1, rank_order(values));
         idx.truncate(k);
+        idx.sort_unstable();
+        return idx;
     }
+    let mut keys: Vec<u64> = values
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| (u64::from(rank_bits(v)) << 32) | u64::from(!(i as u32)))
+        .collect();
+    // the k largest keys: the k best values, ties to the lower index
+    let n = keys.len();
+    keys.select_nth_unstable(n - k);
+    let mut idx: Vec<usize> = keys[n - k..]
+        .iter()
+        .map(|&key| !(key as u32) as usize)
+        .collect();
     idx.sort_unstable();
     idx
+}
+
+/// An integer whose order is the values' order as [`rank_order`] sees it: NaN as negative
+/// infinity, -0.0 equal to 0.0.
+fn rank_bits(v: f32) -> u32 {
+    let v = if v.is_nan() {
+        f32::NEG_INFINITY
+    } else if v == 0.0 {
+        0.0
+    } else {
+        v
+    };
+    let b = v.to_bits();
+    // negative values: every bit flipped (larger magnitude, smaller key); positive: the sign
+    // bit set, above every negative
+    if b >> 31 == 1 {
+        !b
+    } else {
+        b | 1 << 31
+    }
 }
 
 /// Largest first, ties to the lower index, NaN below everything.
@@ -137,10 +178,20 @@ mod tests {
             let values: Vec<f32> = raw
                 .iter()
                 .zip(&zeros)
-                .map(|(&v, &neg)| if v == 0 && neg { -0.0 } else { v as f32 / 2.0 })
+                .map(|(&v, &neg)| match v {
+                    0 if neg => -0.0,
+                    -4 => f32::NAN,
+                    -3 if neg => f32::NEG_INFINITY,
+                    3 if neg => f32::INFINITY,
+                    _ => v as f32 / 2.0,
+                })
                 .collect();
+            // NaN ranks as negative infinity (ties to the lower index), below every number
+            let rank = |v: f32| if v.is_nan() { 0.0 } else { (v + 2.0).max(0.0) };
             let mut want: Vec<usize> = (0..values.len()).collect();
-            want.sort_by(|&a, &b| values[b].partial_cmp(&values[a]).unwrap().then(a.cmp(&b)));
+            want.sort_by(|&a, &b| {
+                rank(values[b]).partial_cmp(&rank(values[a])).unwrap().then(a.cmp(&b))
+            });
             want.truncate(k);
             proptest::prop_assert_eq!(top_k(&values, k), want.clone());
             want.sort_unstable();
