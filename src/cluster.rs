@@ -36,9 +36,9 @@ pub struct WorkerArgs {
     /// checksummed, resuming after a restart (journal `shard.log` in MODEL).
     #[arg(long)]
     pub fetch_shard: bool,
-    /// Microseconds this worker keeps its core awake after each answer, so that the next
-    /// request of a decode finds it running instead of asleep (0: sleep at once; costs a core
-    /// while requests come).
+    /// Microseconds this worker's network thread keeps polling after each answer, so that the
+    /// next request of a decode finds it running instead of asleep (0: sleep at once; costs a
+    /// core while requests come).
     #[arg(long, default_value_t = charm_worker::server::WORKER_SPIN_US)]
     pub spin_us: u64,
     #[command(flatten)]
@@ -115,7 +115,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
             max_tokens: 1 << 16,
         },
         shard,
-        warm: charm_worker::server::Warm::start(std::time::Duration::from_micros(a.spin_us)),
+        warm: charm_worker::server::Warm::new(std::time::Duration::from_micros(a.spin_us)),
     });
     eprintln!(
         "worker {node}: {} MoE layers, {:.2} GiB for experts, {rate:.0} expert rows/s",

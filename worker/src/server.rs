@@ -110,73 +110,71 @@ pub struct Service {
     /// The shard this worker fetches from the coordinator, when it started without every
     /// expert record (see [`crate::shard`]).
     pub shard: Option<Arc<crate::shard::Shard>>,
-    /// Keeps this worker's core awake for a while after each answer; `None`: it sleeps as soon
-    /// as it is idle.
-    pub warm: Option<Warm>,
+    /// Keeps this worker's network thread polling for a while after each answer; `None`: it
+    /// sleeps as soon as it is idle.
+    pub warm: Option<Arc<Warm>>,
 }
 
-/// Keeps a core awake for `spin` after each answer, so that the next request of a decode (one
-/// per MoE layer, a dense pass apart) finds the network thread on a running core rather than
-/// on one the machine has put to sleep: waking an idle core costs 10-30 us on a virtual
-/// machine, paid twice by every round trip. A thread yields the core in a loop until `spin` has
-/// passed since the last answer, then parks until the next; any thread that wants the core
-/// gets it at the next yield. The price is a core kept busy while requests come, which costs
-/// power and takes time from other processes on the machine: `charm worker --spin-us 0` turns
-/// it off, and workers started on loopback beside their coordinator have it off.
+/// Keeps the network thread polling its sockets for `spin` after each answer, so that the next
+/// request of a decode (one per MoE layer, a dense pass apart) is read by a thread that is
+/// already running rather than by one woken for it: waking a thread costs 10-30 us on a virtual
+/// machine when its core sleeps, and a cross-core interrupt and a context switch when it does
+/// not, paid by every round trip. A task on the worker's runtime yields in a loop until `spin`
+/// has passed since the last answer, so the thread that runs it polls the sockets between
+/// yields instead of blocking in them; then it waits for the next answer. The price is a core
+/// kept busy while requests come, which costs power and takes time from other processes on the
+/// machine: `charm worker --spin-us 0` turns it off, and workers started on loopback beside
+/// their coordinator have it off.
 #[derive(Debug)]
 pub struct Warm {
     base: std::time::Instant,
     /// Nanoseconds from `base` to the last answer.
-    last: Arc<std::sync::atomic::AtomicU64>,
-    thread: std::thread::Thread,
+    last: std::sync::atomic::AtomicU64,
+    spin: Duration,
+    answered: tokio::sync::Notify,
 }
 
 /// How long a worker keeps its core awake after an answer by default, microseconds.
 pub const WORKER_SPIN_US: u64 = 1000;
 
 impl Warm {
-    /// The spinning thread, started; `None` when `spin` is zero. It ends when this is dropped.
-    pub fn start(spin: Duration) -> Option<Self> {
-        use std::sync::atomic::Ordering;
-        if spin.is_zero() {
-            return None;
-        }
-        let base = std::time::Instant::now();
-        let last = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let seen = Arc::downgrade(&last);
-        let spin_ns = spin.as_nanos() as u64;
-        let thread = std::thread::Builder::new()
-            .name("charm-warm".into())
-            .spawn(move || loop {
-                std::thread::park();
-                let Some(last) = seen.upgrade() else { return };
-                while (base.elapsed().as_nanos() as u64)
-                    .saturating_sub(last.load(Ordering::Relaxed))
-                    < spin_ns
-                {
-                    std::thread::yield_now();
-                }
+    /// `None` when `spin` is zero. [`serve`] runs its polling task.
+    pub fn new(spin: Duration) -> Option<Arc<Self>> {
+        (!spin.is_zero()).then(|| {
+            Arc::new(Self {
+                base: std::time::Instant::now(),
+                last: std::sync::atomic::AtomicU64::new(0),
+                spin,
+                answered: tokio::sync::Notify::new(),
             })
-            .ok()?
-            .thread()
-            .clone();
-        Some(Self { base, last, thread })
+        })
     }
 
-    /// An answer went out: spin from now.
+    /// Whether the last answer went out less than `spin` ago.
+    fn warm(&self) -> bool {
+        let since = (self.base.elapsed().as_nanos() as u64)
+            .saturating_sub(self.last.load(std::sync::atomic::Ordering::Relaxed));
+        since < self.spin.as_nanos() as u64
+    }
+
+    /// The polling task: after each answer, yields (so the runtime thread polls its sockets
+    /// without blocking) until `spin` has passed since the last one.
+    async fn poll(self: Arc<Self>) {
+        loop {
+            self.answered.notified().await;
+            while self.warm() {
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+
+    /// An answer went out: poll from now.
     pub fn answered(&self) {
         self.last.store(
             self.base.elapsed().as_nanos() as u64,
             std::sync::atomic::Ordering::Relaxed,
         );
-        self.thread.unpark();
-    }
-}
-
-impl Drop for Warm {
-    fn drop(&mut self) {
-        // (the thread finds `last` gone and ends)
-        self.thread.unpark();
+        self.answered.notify_one();
     }
 }
 
@@ -447,6 +445,9 @@ pub fn listen(
 
 /// Accepts connections on `endpoint` until it closes.
 pub async fn serve(endpoint: quinn::Endpoint, svc: Arc<Service>) {
+    if let Some(w) = &svc.warm {
+        tokio::spawn(w.clone().poll());
+    }
     while let Some(incoming) = endpoint.accept().await {
         let svc = svc.clone();
         tokio::spawn(async move {
@@ -633,7 +634,7 @@ mod tests {
                 max_tokens: 16,
             },
             shard: None,
-            warm: Warm::start(Duration::from_millis(1)),
+            warm: Warm::new(Duration::from_millis(1)),
         });
         let addr = serving(&dir, svc);
 
