@@ -120,8 +120,9 @@ pub struct Service {
 /// already running rather than by one woken for it: waking a thread costs 10-30 us on a virtual
 /// machine when its core sleeps, and a cross-core interrupt and a context switch when it does
 /// not, paid by every round trip. A task on the worker's runtime yields in a loop until `spin`
-/// has passed since the last answer, so the thread that runs it polls the sockets between
-/// yields instead of blocking in them; then it waits for the next answer. The price is a core
+/// has passed since the last answer (to the runtime, which then polls the sockets without
+/// blocking in them, and the core to any other thread that wants it); then it waits for the
+/// next answer. The price is a core
 /// kept busy while requests come, which costs power and takes time from other processes on the
 /// machine: `charm worker --spin-us 0` turns it off, and workers started on loopback beside
 /// their coordinator have it off.
@@ -133,6 +134,12 @@ pub struct Warm {
     spin: Duration,
     answered: tokio::sync::Notify,
 }
+
+/// Polls of the sockets (a microsecond or two each) between two offers of the core to other
+/// threads while a worker polls: often enough that a thread sharing the core waits a few tens of
+/// microseconds at most, seldom enough that the offers (a system call each) add little to a
+/// request's wait on a core of its own.
+const YIELD_CORE_EVERY: u32 = 8;
 
 /// How long a worker keeps its core awake after an answer by default, microseconds.
 pub const WORKER_SPIN_US: u64 = 1000;
@@ -162,7 +169,15 @@ impl Warm {
     async fn poll(self: Arc<Self>) {
         loop {
             self.answered.notified().await;
+            let mut polls = 0u32;
             while self.warm() {
+                // now and then the core, to any other thread that wants it (on a machine shared
+                // with other work, a coordinator among them); each time the runtime, which polls
+                // the sockets
+                polls = polls.wrapping_add(1);
+                if polls.is_multiple_of(YIELD_CORE_EVERY) {
+                    std::thread::yield_now();
+                }
                 tokio::task::yield_now().await;
             }
         }
