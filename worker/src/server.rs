@@ -121,11 +121,10 @@ pub struct Service {
 /// machine when its core sleeps, and a cross-core interrupt and a context switch when it does
 /// not, paid by every round trip. A task on the worker's runtime yields in a loop until `spin`
 /// has passed since the last answer (to the runtime, which then polls the sockets without
-/// blocking in them, and the core to any other thread that wants it); then it waits for the
-/// next answer. The price is a core
-/// kept busy while requests come, which costs power and takes time from other processes on the
-/// machine: `charm worker --spin-us 0` turns it off, and workers started on loopback beside
-/// their coordinator have it off.
+/// blocking in them, and now and then the core to any other thread that wants it); then it
+/// waits for the next answer. The price is a core kept busy while requests come, which costs
+/// power and takes time from other processes on the machine: `charm worker --spin-us 0` turns
+/// it off, and workers started on loopback beside their coordinator have it off.
 #[derive(Debug)]
 pub struct Warm {
     base: std::time::Instant,
@@ -458,11 +457,10 @@ pub fn listen(
     Ok(quinn::Endpoint::server(cfg, addr)?)
 }
 
-/// Accepts connections on `endpoint` until it closes.
+/// Accepts connections on `endpoint` until it closes (and runs `svc`'s polling task until
+/// then).
 pub async fn serve(endpoint: quinn::Endpoint, svc: Arc<Service>) {
-    if let Some(w) = &svc.warm {
-        tokio::spawn(w.clone().poll());
-    }
+    let poller = svc.warm.as_ref().map(|w| tokio::spawn(w.clone().poll()));
     while let Some(incoming) = endpoint.accept().await {
         let svc = svc.clone();
         tokio::spawn(async move {
@@ -471,6 +469,9 @@ pub async fn serve(endpoint: quinn::Endpoint, svc: Arc<Service>) {
                 connection(conn, svc).await;
             }
         });
+    }
+    if let Some(p) = poller {
+        p.abort();
     }
 }
 

@@ -81,9 +81,10 @@ pub const LANE_ROWS: usize = 16;
 const PREFETCH_SPANS: usize = 8;
 /// How many groups ahead the AVX2 [`Layout::Lanes16`] kernel prefetches a block's weights, a
 /// group at a time (the same lines as [`PREFETCH_SPANS`] with 64-wide groups; with wider ones it
-/// runs further ahead, in bursts). Prefetching span by span there, as the AVX-512 kernel does,
-/// changed the int4 loop's code enough to lose up to 45% at 4-6 tokens with the weights in cache
-/// (the AVX2 path on Zen 4).
+/// runs further ahead, in bursts). Span by span, as the AVX-512 kernel does, read int4 at 4-6
+/// tokens in cache at 44-49 against 52-53 GB/s x tokens on Zen 4's AVX2 path, though that
+/// loop's rate there also moves with where its code is placed (docs/benchmarks.md, design
+/// notes); not timed on an AVX2-only CPU.
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_GROUPS: usize = 8;
 
