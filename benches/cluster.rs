@@ -25,7 +25,10 @@
 //! on separate machines); unpinned, none (the processes share the cores, as `charm demo`'s
 //! loopback workers do). The echoes' threads block, as plain sockets do; the QUIC echo's
 //! asking side runs on a single-threaded runtime driven by the thread that waits, as the
-//! coordinator's client does, and its echoing side on a runtime of a worker's threads.
+//! coordinator's client does, and its echoing side on a runtime of a worker's threads. Where
+//! both sides of the cluster poll (pinned, by default), the QUIC echo is timed a second time
+//! with both of its sides polling too: QUIC's own cost under the cluster's waiting scheme, which
+//! a request's rest cannot go below.
 //!
 //! Tokens are sampled (temperature 1, seed 1; `--temperature` to change) so that random synthetic
 //! weights do not repeat one token; every run decodes the same tokens (checked). With `--draft N`
@@ -222,7 +225,11 @@ impl Relay {
 }
 
 /// Median round trip of a bare QUIC exchange on a fresh stream: `up` bytes out, `down` back,
-/// with the cluster's TLS identities and transport settings, to `server` or via `via`.
+/// with the cluster's TLS identities and transport settings, to `server` or via `via`. With
+/// `polled`, neither side's thread sleeps between exchanges: a task on each runtime yields in a
+/// loop, so the runtime polls its sockets without blocking in them (the worker's network thread
+/// does so after an answer, offering its core to other threads every 8 polls, and the
+/// coordinator's forward thread while it waits for a layer's answers).
 fn quic_echo(
     dir: &std::path::Path,
     up: usize,
@@ -230,6 +237,7 @@ fn quic_echo(
     delay: Option<Duration>,
     echo_cpu: Option<usize>,
     echo_threads: usize,
+    polled: bool,
 ) -> f64 {
     use charm_worker::tls::Identity;
     // the echoing side on a runtime of its own (on `echo_cpu` when given) with as many threads
@@ -246,6 +254,7 @@ fn quic_echo(
             .enable_all()
             .build()
             .unwrap();
+        let poller = polled.then(|| rt.spawn(poll_forever(true)));
         rt.block_on(async move {
             let server_id = Identity::load(&server_dir, "w1").unwrap();
             let ep =
@@ -267,6 +276,9 @@ fn quic_echo(
                 });
             }
         });
+        if let Some(p) = poller {
+            p.abort();
+        }
     });
     let (addr, server) = addr_rx.recv().unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -285,6 +297,7 @@ fn quic_echo(
         cl.set_default_client_config(cfg);
         let c = cl.connect(target, "w1").unwrap().await.unwrap();
         let payload = vec![1u8; up];
+        let poller = polled.then(|| tokio::spawn(poll_forever(false)));
         let mut times = Vec::new();
         for i in 0..220 {
             let t = Instant::now();
@@ -297,6 +310,9 @@ fn quic_echo(
                 times.push(t.elapsed().as_secs_f64() * 1e3);
             }
         }
+        if let Some(p) = poller {
+            p.abort();
+        }
         drop(relay);
         times.sort_by(f64::total_cmp);
         times[times.len() / 2]
@@ -304,6 +320,17 @@ fn quic_echo(
     server.close(0u32.into(), b"");
     echo.join().unwrap();
     median
+}
+
+/// Yields to its runtime in a loop (and, with `offer_core`, to other threads every 8 polls), so
+/// that the runtime's thread polls its sockets instead of sleeping in them.
+async fn poll_forever(offer_core: bool) {
+    for polls in 1u32.. {
+        if offer_core && polls.is_multiple_of(8) {
+            std::thread::yield_now();
+        }
+        tokio::task::yield_now().await;
+    }
 }
 
 /// Pins the calling thread (and the threads it starts later) to `cpu`.
@@ -641,7 +668,21 @@ fn main() {
             delay,
             a.pin.then_some(1),
             per,
+            false,
         );
+        // where both sides poll (pinned, by default), the same echo with its sides polling too
+        let polled =
+            (spin.is_some_and(|(w, c)| w > 0 && !c.is_zero()) && delay.is_none()).then(|| {
+                quic_echo(
+                    &lb.dir,
+                    (up as f64 / n) as usize,
+                    (down as f64 / n) as usize,
+                    delay,
+                    a.pin.then_some(1),
+                    per,
+                    true,
+                )
+            });
         let udp = udp_echo(
             (up as f64 / n) as usize,
             (down as f64 / n) as usize,
@@ -677,12 +718,17 @@ fn main() {
             )
         };
         println!(
-            "added RTT {delay_ms} ms: decode {:.2} tok/s = {:.2}x single | per layer request: round trip {rtt:.3} ms, worker compute {compute:.3} ms, rest {:.3} ms ({}); raw UDP echo of the same sizes {}, bare QUIC echo {echo:.3} ms | wire {:.1} KB/token = {:.2}x the exact scheme's floor {:.1} KB | network per token {net:.2} ms vs {moe} MoE layers x RTT: {}",
+            "added RTT {delay_ms} ms: decode {:.2} tok/s = {:.2}x single | per layer request: round trip {rtt:.3} ms, worker compute {compute:.3} ms, rest {:.3} ms ({}); raw UDP echo of the same sizes {}, bare QUIC echo {echo:.3} ms{} | wire {:.1} KB/token = {:.2}x the exact scheme's floor {:.1} KB | network per token {net:.2} ms vs {moe} MoE layers x RTT: {}",
             run.tok_s,
             run.tok_s / base_tok_s,
             rtt - compute,
             udp_ratio,
             udp_ms,
+            polled.map_or(String::new(), |p| format!(
+                ", with both sides polling {p:.3} ms ({:.2}x the raw UDP echo; rest {:.2}x it)",
+                p / udp,
+                (rtt - compute) / p
+            )),
             wire / 1e3,
             wire / floor,
             floor / 1e3,
