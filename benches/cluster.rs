@@ -661,33 +661,24 @@ fn main() {
         }
         let n = reqs.max(1) as f64;
         let (rtt, compute) = (rtt / n, compute / n);
-        let echo = quic_echo(
-            &lb.dir,
-            (up as f64 / n) as usize,
-            (down as f64 / n) as usize,
-            delay,
-            a.pin.then_some(1),
-            per,
-            false,
-        );
+        // the mean request's and answer's sizes
+        let (up_n, down_n) = ((up as f64 / n) as usize, (down as f64 / n) as usize);
+        let echo_of = |polled| {
+            quic_echo(
+                &lb.dir,
+                up_n,
+                down_n,
+                delay,
+                a.pin.then_some(1),
+                per,
+                polled,
+            )
+        };
+        let echo = echo_of(false);
         // where both sides poll (pinned, by default), the same echo with its sides polling too
-        let polled =
-            (spin.is_some_and(|(w, c)| w > 0 && !c.is_zero()) && delay.is_none()).then(|| {
-                quic_echo(
-                    &lb.dir,
-                    (up as f64 / n) as usize,
-                    (down as f64 / n) as usize,
-                    delay,
-                    a.pin.then_some(1),
-                    per,
-                    true,
-                )
-            });
-        let udp = udp_echo(
-            (up as f64 / n) as usize,
-            (down as f64 / n) as usize,
-            a.pin.then_some(1),
-        );
+        let polled = (spin.is_some_and(|(w, c)| w > 0 && !c.is_zero()) && delay.is_none())
+            .then(|| echo_of(true));
+        let udp = udp_echo(up_n, down_n, a.pin.then_some(1));
         let wire = (up + down) as f64 / passes;
         // exact scheme's floor: top_k unweighted rows back, one activation row out (as int8
         // codes with a scale per group when the requests carried codes)
