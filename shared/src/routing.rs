@@ -57,8 +57,8 @@ pub fn top_k_set(values: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-/// An integer whose order is the values' order as [`rank_order`] sees it: NaN as negative
-/// infinity, -0.0 equal to 0.0.
+/// An integer in the values' order, with NaN as negative infinity and -0.0 equal to 0.0: the
+/// order [`top_k`] and [`top_k_set`] rank by.
 fn rank_bits(v: f32) -> u32 {
     let v = if v.is_nan() {
         f32::NEG_INFINITY
@@ -77,20 +77,11 @@ fn rank_bits(v: f32) -> u32 {
     }
 }
 
-/// Largest first, ties to the lower index, NaN below everything.
+/// Largest first (by [`rank_bits`]), ties to the lower index.
 fn rank_order(values: &[f32]) -> impl Fn(&usize, &usize) -> std::cmp::Ordering + '_ {
-    let key = |i: usize| {
-        let v = values[i];
-        if v.is_nan() {
-            f32::NEG_INFINITY
-        } else {
-            v
-        }
-    };
     move |a, b| {
-        key(*b)
-            .partial_cmp(&key(*a))
-            .unwrap_or(std::cmp::Ordering::Equal)
+        rank_bits(values[*b])
+            .cmp(&rank_bits(values[*a]))
             .then(a.cmp(b))
     }
 }
