@@ -226,10 +226,9 @@ impl Relay {
 
 /// Median round trip of a bare QUIC exchange on a fresh stream: `up` bytes out, `down` back,
 /// with the cluster's TLS identities and transport settings, to `server` or via `via`. With
-/// `polled`, neither side's thread sleeps between exchanges: a task on each runtime yields in a
-/// loop, so the runtime polls its sockets without blocking in them (the worker's network thread
-/// does so after an answer, offering its core to other threads every 8 polls, and the
-/// coordinator's forward thread while it waits for a layer's answers).
+/// `polled` (a worker's spin), neither side's thread sleeps between exchanges: the echoing side
+/// polls after each answer as a worker does ([`charm_worker::server::Warm`]), and the asking
+/// side while it waits, as the coordinator's forward thread does for a layer's answers.
 fn quic_echo(
     dir: &std::path::Path,
     up: usize,
@@ -237,7 +236,7 @@ fn quic_echo(
     delay: Option<Duration>,
     echo_cpu: Option<usize>,
     echo_threads: usize,
-    polled: bool,
+    polled: Option<Duration>,
 ) -> f64 {
     use charm_worker::tls::Identity;
     // the echoing side on a runtime of its own (on `echo_cpu` when given) with as many threads
@@ -254,7 +253,8 @@ fn quic_echo(
             .enable_all()
             .build()
             .unwrap();
-        let poller = polled.then(|| rt.spawn(poll_forever(true)));
+        let warm = polled.and_then(charm_worker::server::Warm::new);
+        let poller = warm.clone().map(|w| rt.spawn(w.poll()));
         rt.block_on(async move {
             let server_id = Identity::load(&server_dir, "w1").unwrap();
             let ep =
@@ -264,13 +264,18 @@ fn quic_echo(
                 .send((ep.local_addr().unwrap(), ep.clone()))
                 .unwrap();
             while let Some(inc) = ep.accept().await {
+                let warm = warm.clone();
                 tokio::spawn(async move {
                     let Ok(c) = inc.await else { return };
                     while let Ok((mut s, mut r)) = c.accept_bi().await {
+                        let warm = warm.clone();
                         tokio::spawn(async move {
                             let _ = r.read_to_end(64 << 20).await;
                             let _ = s.write_all(&vec![7u8; down]).await;
                             let _ = s.finish();
+                            if let Some(w) = &warm {
+                                w.answered();
+                            }
                         });
                     }
                 });
@@ -297,7 +302,7 @@ fn quic_echo(
         cl.set_default_client_config(cfg);
         let c = cl.connect(target, "w1").unwrap().await.unwrap();
         let payload = vec![1u8; up];
-        let poller = polled.then(|| tokio::spawn(poll_forever(false)));
+        let poller = polled.map(|_| tokio::spawn(keep_polling()));
         let mut times = Vec::new();
         for i in 0..220 {
             let t = Instant::now();
@@ -322,13 +327,10 @@ fn quic_echo(
     median
 }
 
-/// Yields to its runtime in a loop (and, with `offer_core`, to other threads every 8 polls), so
-/// that the runtime's thread polls its sockets instead of sleeping in them.
-async fn poll_forever(offer_core: bool) {
-    for polls in 1u32.. {
-        if offer_core && polls.is_multiple_of(8) {
-            std::thread::yield_now();
-        }
+/// Yields to its runtime in a loop, so that the runtime's thread polls its sockets instead of
+/// sleeping in them (as the coordinator's forward thread does while it waits for answers).
+async fn keep_polling() {
+    loop {
         tokio::task::yield_now().await;
     }
 }
@@ -663,7 +665,7 @@ fn main() {
         let (rtt, compute) = (rtt / n, compute / n);
         // the mean request's and answer's sizes
         let (up_n, down_n) = ((up as f64 / n) as usize, (down as f64 / n) as usize);
-        let echo_of = |polled| {
+        let echo_of = |polled: Option<Duration>| {
             quic_echo(
                 &lb.dir,
                 up_n,
@@ -674,10 +676,14 @@ fn main() {
                 polled,
             )
         };
-        let echo = echo_of(false);
+        let echo = echo_of(None);
         // where both sides poll (pinned, by default), the same echo with its sides polling too
-        let polled = (spin.is_some_and(|(w, c)| w > 0 && !c.is_zero()) && delay.is_none())
-            .then(|| echo_of(true));
+        let polled = match spin {
+            Some((w, c)) if w > 0 && !c.is_zero() && delay.is_none() => {
+                Some(echo_of(Some(Duration::from_micros(w))))
+            }
+            _ => None,
+        };
         let udp = udp_echo(up_n, down_n, a.pin.then_some(1));
         let wire = (up + down) as f64 / passes;
         // exact scheme's floor: top_k unweighted rows back, one activation row out (as int8

@@ -163,9 +163,10 @@ impl Warm {
         since < self.spin.as_nanos() as u64
     }
 
-    /// The polling task: after each answer, yields (so the runtime thread polls its sockets
-    /// without blocking) until `spin` has passed since the last one.
-    async fn poll(self: Arc<Self>) {
+    /// The polling task ([`serve`] runs it on the worker's runtime): after each answer, yields
+    /// (so the runtime thread polls its sockets without blocking) until `spin` has passed since
+    /// the last one.
+    pub async fn poll(self: Arc<Self>) {
         loop {
             self.answered.notified().await;
             let mut polls = 0u32;
