@@ -224,7 +224,8 @@ impl Relay {
     }
 }
 
-/// Median round trip of a bare QUIC exchange on a fresh stream: `up` bytes out, `down` back,
+/// Median round trip of a bare QUIC exchange on a stream kept open (as a worker's compute
+/// requests go on one, [`charm_coordinator::cluster`]): `up` bytes out, `down` back,
 /// with the cluster's TLS identities and transport settings, to `server` or via `via`. With
 /// `polled` (a worker's spin), neither side's thread sleeps between exchanges: the echoing side
 /// polls after each answer as a worker does ([`charm_worker::server::Warm`]), and the asking
@@ -270,11 +271,14 @@ fn quic_echo(
                     while let Ok((mut s, mut r)) = c.accept_bi().await {
                         let warm = warm.clone();
                         tokio::spawn(async move {
-                            let _ = r.read_to_end(64 << 20).await;
-                            let _ = s.write_all(&vec![7u8; down]).await;
-                            let _ = s.finish();
-                            if let Some(w) = &warm {
-                                w.answered();
+                            let (mut ask, answer) = (vec![0u8; up], vec![7u8; down]);
+                            while r.read_exact(&mut ask).await.is_ok() {
+                                if s.write_all(&answer).await.is_err() {
+                                    break;
+                                }
+                                if let Some(w) = &warm {
+                                    w.answered();
+                                }
                             }
                         });
                     }
@@ -304,13 +308,12 @@ fn quic_echo(
         let payload = vec![1u8; up];
         let poller = polled.map(|_| tokio::spawn(keep_polling()));
         let mut times = Vec::new();
+        let (mut s, mut r) = c.open_bi().await.unwrap();
+        let mut got = vec![0u8; down];
         for i in 0..220 {
             let t = Instant::now();
-            let (mut s, mut r) = c.open_bi().await.unwrap();
             s.write_all(&payload).await.unwrap();
-            s.finish().unwrap();
-            let got = r.read_to_end(64 << 20).await.unwrap();
-            assert_eq!(got.len(), down);
+            r.read_exact(&mut got).await.unwrap();
             if i >= 20 {
                 times.push(t.elapsed().as_secs_f64() * 1e3);
             }

@@ -69,6 +69,8 @@ fn all_served_remotely(v: &Value, n: usize) {
     assert_eq!(ws.len(), n, "{c}");
     for w in ws {
         assert!(w["requests"].as_u64().unwrap() > 0, "{c}");
+        // one after another on one stream kept open
+        assert_eq!(w["compute_streams"], 1, "{c}");
         assert_eq!(w["failures"], 0, "{c}");
         assert_eq!(w["connected"], true, "{c}");
     }
@@ -352,6 +354,8 @@ fn a_worker_killed_mid_generation_changes_no_token_and_rejoins_after_a_restart()
         assert_eq!(again, want);
         let st = r.status();
         assert_eq!(st[0].joins, 2, "{st:?}");
+        // the lost connection's stream, then one on the new connection
+        assert_eq!(st[0].compute_streams, 2, "{st:?}");
         assert!(
             st[0].requests > before,
             "the rejoined worker was not used: {st:?}"

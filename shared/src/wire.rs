@@ -17,8 +17,10 @@
 
 use rkyv::{Archive, Deserialize, Serialize};
 
-/// Protocol version; a peer speaking another is refused at the handshake.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Protocol version; a peer speaking another is refused at the handshake. Version 2: a stream
+/// carries frames one after another, each request answered on it before the next is read, until
+/// its sender finishes it (version 1: one request per stream).
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Bytes of the frame length prefix.
 pub const LEN_BYTES: usize = 4;
 /// Largest payload accepted (a 512-token step of GLM-5.2's 6144-wide activations is 12 MiB).

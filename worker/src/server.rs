@@ -2,8 +2,11 @@
 //!
 //! Every connection is mutual TLS ([`crate::tls`]). Its first stream carries the handshake: the
 //! coordinator's [`Hello`], then this worker's, or [`Message::Refused`] naming what differs
-//! (protocol version, model). Every later stream carries one request and its answer, so requests
-//! run concurrently and a malformed one costs only its own stream.
+//! (protocol version, model). Every later stream carries requests, each answered on it in order
+//! before the next is read, until the peer finishes the stream: a coordinator keeps one stream
+//! open per worker for its compute requests (opening none per request, and so no stream credit
+//! to send back) and opens more only for requests that overlap, heartbeats and fetches, which
+//! then run concurrently. A malformed frame ends only its own stream.
 //!
 //! A [`ComputeRequest`] is served with the worker's [`ExpertExecutor`] as one batch of one
 //! expert per row and gate weight 1, which returns each row's unweighted expert output exactly
@@ -33,15 +36,30 @@ pub enum FrameError {
 }
 
 /// Reads one frame and decodes it (length checked before anything is allocated); returns the
-/// message and the frame's size in bytes.
+/// message and the frame's size in bytes. For a stream that carries one frame: its end is
+/// consumed when it came with the frame.
 pub async fn read_frame(recv: &mut quinn::RecvStream) -> Result<(Message, usize), FrameError> {
+    let m = read_next(recv)
+        .await?
+        .ok_or(FrameError::Read(quinn::ReadExactError::FinishedEarly(0)))?;
+    read_fin(recv);
+    Ok(m)
+}
+
+/// Reads the next frame of a stream that carries several, or `None` where the stream ends
+/// before one starts.
+pub async fn read_next(
+    recv: &mut quinn::RecvStream,
+) -> Result<Option<(Message, usize)>, FrameError> {
     let mut prefix = [0u8; LEN_BYTES];
-    recv.read_exact(&mut prefix).await?;
+    match recv.read_exact(&mut prefix).await {
+        Err(quinn::ReadExactError::FinishedEarly(0)) => return Ok(None),
+        r => r?,
+    }
     let n = frame_len(prefix)?;
     let mut payload = vec![0u8; n];
     recv.read_exact(&mut payload).await?;
-    read_fin(recv);
-    Ok((decode(&payload)?, LEN_BYTES + n))
+    Ok(Some((decode(&payload)?, LEN_BYTES + n)))
 }
 
 /// Consumes the end of `recv` when it has already arrived (the peer finishes each stream right
@@ -521,49 +539,80 @@ async fn connection(conn: quinn::Connection, svc: Arc<Service>) {
         ));
     }
     let assigned_tx = Arc::new(assigned_tx);
-    while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-        let svc = svc.clone();
-        let assigned = assigned_tx.clone();
-        tokio::spawn(async move {
-            let reply = match read_frame(&mut recv).await.map(|f| f.0) {
-                Ok(Message::Assign { experts }) => {
-                    let list = experts
-                        .iter()
-                        .flat_map(|l| l.ids.iter().map(move |&e| (l.layer as usize, e)))
-                        .collect();
-                    let _ = assigned.send(list);
-                    Message::Pong { seq: 0 }
-                }
-                // a decode-sized request is computed on this task's thread: the hand-off to the
-                // blocking pool and back would cost more than the work
-                Ok(Message::Compute(req)) if inline(&req) => svc.answer(&req),
-                Ok(Message::Compute(req)) => {
-                    let svc2 = svc.clone();
-                    tokio::task::spawn_blocking(move || svc2.answer(&req))
-                        .await
-                        .unwrap_or_else(|e| Message::Failed {
-                            id: 0,
-                            class: FailureClass::Internal,
-                            message: format!("compute task: {e}"),
-                        })
-                }
-                Ok(Message::Ping { seq }) => Message::Pong { seq },
-                Ok(_) => Message::Failed {
-                    id: 0,
-                    class: FailureClass::BadRequest,
-                    message: "unexpected message".into(),
-                },
-                Err(e) => Message::Failed {
+    while let Ok((send, recv)) = conn.accept_bi().await {
+        tokio::spawn(requests(send, recv, svc.clone(), assigned_tx.clone()));
+    }
+}
+
+/// Serves the requests of one stream in order until the peer finishes it (or a frame cannot be
+/// read: its answer says why, and the stream ends).
+async fn requests(
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    svc: Arc<Service>,
+    assigned: Arc<tokio::sync::watch::Sender<Vec<(usize, u32)>>>,
+) {
+    loop {
+        let (reply, more) = match read_next(&mut recv).await {
+            Ok(None) => break,
+            Ok(Some((m, _))) => (reply(m, &svc, &assigned).await, true),
+            Err(e) => (
+                Message::Failed {
                     id: 0,
                     class: FailureClass::BadRequest,
                     message: e.to_string(),
                 },
-            };
-            let _ = write_frame(&mut send, &reply).await;
-            if let Some(w) = &svc.warm {
-                w.answered();
-            }
-        });
+                false,
+            ),
+        };
+        let written = match encode(&reply) {
+            Ok(frame) => send.write_all(&frame).await.is_ok(),
+            Err(_) => false,
+        };
+        if let Some(w) = &svc.warm {
+            w.answered();
+        }
+        if !written || !more {
+            break;
+        }
+    }
+    let _ = send.finish();
+}
+
+/// The answer to one request.
+async fn reply(
+    m: Message,
+    svc: &Arc<Service>,
+    assigned: &tokio::sync::watch::Sender<Vec<(usize, u32)>>,
+) -> Message {
+    match m {
+        Message::Assign { experts } => {
+            let list = experts
+                .iter()
+                .flat_map(|l| l.ids.iter().map(move |&e| (l.layer as usize, e)))
+                .collect();
+            let _ = assigned.send(list);
+            Message::Pong { seq: 0 }
+        }
+        // a decode-sized request is computed on this task's thread: the hand-off to the
+        // blocking pool and back would cost more than the work
+        Message::Compute(req) if inline(&req) => svc.answer(&req),
+        Message::Compute(req) => {
+            let svc2 = svc.clone();
+            tokio::task::spawn_blocking(move || svc2.answer(&req))
+                .await
+                .unwrap_or_else(|e| Message::Failed {
+                    id: 0,
+                    class: FailureClass::Internal,
+                    message: format!("compute task: {e}"),
+                })
+        }
+        Message::Ping { seq } => Message::Pong { seq },
+        _ => Message::Failed {
+            id: 0,
+            class: FailureClass::BadRequest,
+            message: "unexpected message".into(),
+        },
     }
 }
 
@@ -788,6 +837,43 @@ mod tests {
             Message::Pong { seq } => assert_eq!(seq, 4),
             m => panic!("{m:?}"),
         }
+        // one stream carries requests one after another, each answered in order, also when the
+        // next is written before the last is answered
+        let (mut s, mut rx) = c.open_bi().await.unwrap();
+        let asks: Vec<ComputeRequest> = [&[1u32, 3][..], &[0], &[2, 3]]
+            .iter()
+            .enumerate()
+            .map(|(i, e)| ComputeRequest {
+                id: 10 + i as u64,
+                ..req(e)
+            })
+            .collect();
+        let answered = |m: Option<(Message, usize)>, r: &ComputeRequest| match m {
+            Some((Message::Computed(res), _)) => res.check(r).unwrap(),
+            m => panic!("{m:?}"),
+        };
+        s.write_all(&encode(&Message::Compute(asks[0].clone())).unwrap())
+            .await
+            .unwrap();
+        answered(read_next(&mut rx).await.unwrap(), &asks[0]);
+        for r in &asks[1..] {
+            s.write_all(&encode(&Message::Compute(r.clone())).unwrap())
+                .await
+                .unwrap();
+        }
+        for r in &asks[1..] {
+            answered(read_next(&mut rx).await.unwrap(), r);
+        }
+        // a frame it cannot read is answered with why, and ends that stream (only)
+        s.write_all(&((MAX_FRAME + 1) as u32).to_le_bytes())
+            .await
+            .unwrap();
+        bad(read_next(&mut rx).await.unwrap().unwrap().0, "exceeds");
+        assert!(read_next(&mut rx).await.unwrap().is_none());
+        match exchange(&c, &encode(&Message::Ping { seq: 5 }).unwrap()).await {
+            Message::Pong { seq } => assert_eq!(seq, 5),
+            m => panic!("{m:?}"),
+        }
         std::fs::remove_dir_all(&dir).unwrap();
         std::fs::remove_dir_all(&other).unwrap();
     }
@@ -869,6 +955,26 @@ mod tests {
         assert!(sends <= n + n / 4, "{sends} send calls for {n} requests");
         assert_eq!(after.frame_tx.stop_sending, 0, "this side stopped streams");
         assert_eq!(after.frame_rx.stop_sending, 0, "the worker stopped streams");
+        // on one stream kept open: the same, and the worker sends no credit for new streams
+        // (a stream a request opens is one more for it to allow, which it says every few
+        // requests in a packet of its own)
+        assert!(after.frame_rx.max_streams_bidi > before.frame_rx.max_streams_bidi);
+        let (mut s, mut rx) = c.open_bi().await.unwrap();
+        for _ in 0..n {
+            s.write_all(&frame).await.unwrap();
+            match read_next(&mut rx).await.unwrap() {
+                Some((Message::Computed(r), _)) => r.check(&req).unwrap(),
+                m => panic!("{m:?}"),
+            }
+        }
+        let kept = c.stats();
+        let sends = kept.udp_tx.ios - after.udp_tx.ios;
+        assert!(sends <= n + n / 4, "{sends} send calls for {n} requests");
+        assert_eq!(
+            kept.frame_rx.max_streams_bidi, after.frame_rx.max_streams_bidi,
+            "stream credit for requests on one stream"
+        );
+        assert_eq!(kept.frame_rx.stop_sending, 0, "the worker stopped streams");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use charm_shared::wire::{encode, ComputeRequest, ComputeResult, Hello, Message, PROTOCOL_VERSION};
-use charm_worker::server::{read_frame, write_frame};
+use charm_worker::server::{read_frame, read_next, write_frame, FrameError};
 
-use super::workers::{Shared, Worker};
+use super::workers::{LaneUse, Shared, Worker};
 use crate::cluster::WorkerAddr;
 
 /// Keeps worker `i` in use: pings it while connected, dials it again while not.
@@ -133,22 +133,46 @@ pub(super) async fn request(
         unreachable!("built above")
     };
     let req = &req;
+    let lane = w.take_lane(&conn);
+    let own = matches!(lane, LaneUse::Own);
     let go = async {
-        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
         let frame = frame.map_err(|e| e.to_string())?;
+        let (mut send, mut recv) = match lane {
+            LaneUse::Kept(send, recv) => (send, recv),
+            LaneUse::Opening | LaneUse::Own => {
+                w.streams.fetch_add(1, Ordering::Relaxed);
+                conn.open_bi().await.map_err(|e| e.to_string())?
+            }
+        };
         send.write_all(&frame).await.map_err(|e| e.to_string())?;
-        send.finish().map_err(|e| e.to_string())?;
+        if own {
+            send.finish().map_err(|e| e.to_string())?;
+        }
         drop(sent.take());
         w.sent.fetch_add(frame.len() as u64, Ordering::Relaxed);
-        let (m, n) = read_frame(&mut recv).await.map_err(|e| e.to_string())?;
+        let (m, n) = if own {
+            read_frame(&mut recv).await
+        } else {
+            read_next(&mut recv)
+                .await
+                .and_then(|m| m.ok_or(FrameError::Read(quinn::ReadExactError::FinishedEarly(0))))
+        }
+        .map_err(|e| e.to_string())?;
         w.received.fetch_add(n as u64, Ordering::Relaxed);
+        if !own {
+            w.keep_lane(&conn, send, recv);
+        }
         Ok::<_, String>(m)
     };
     w.requests.fetch_add(1, Ordering::Relaxed);
     if req.group > 0 {
         w.coded.fetch_add(1, Ordering::Relaxed);
     }
-    let a = match tokio::time::timeout(limit, go).await {
+    let got = tokio::time::timeout(limit, go).await;
+    if !own && !matches!(got, Ok(Ok(_))) {
+        w.end_lane();
+    }
+    let a = match got {
         Err(_) => Answer::Broken(format!("no answer within {limit:?}")),
         Ok(Err(e)) => Answer::Broken(e),
         Ok(Ok(Message::Computed(r))) => match r.check(req) {

@@ -70,6 +70,9 @@ pub struct WorkerStatus {
     /// The group its int8 activation codes come in (0: it takes f32).
     pub act_group: u32,
     pub requests: u64,
+    /// Streams opened for them: one kept open carries them one after another, so more than one
+    /// per connection means requests overlapped or one failed.
+    pub compute_streams: u64,
     /// Of them, requests whose activations went as int8 codes.
     pub coded_requests: u64,
     pub failures: u64,
@@ -207,6 +210,8 @@ impl RemoteExperts {
                     shard_records: AtomicU64::new(0),
                     shard_bytes: AtomicU64::new(0),
                     ping_us: AtomicU64::new(0),
+                    lane: Mutex::new(Default::default()),
+                    streams: AtomicU64::new(0),
                 })
                 .collect(),
             layers: moe_layers(spec),
@@ -306,6 +311,7 @@ impl RemoteExperts {
                     expert_rate: hello.as_ref().map_or(0.0, |h| h.expert_rate),
                     act_group: hello.as_ref().map_or(0, |h| h.act_group),
                     requests,
+                    compute_streams: w.streams.load(Ordering::Relaxed),
                     coded_requests: w.coded.load(Ordering::Relaxed),
                     failures: w.failures.load(Ordering::Relaxed),
                     joins: w.joins.load(Ordering::Relaxed),

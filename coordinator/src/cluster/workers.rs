@@ -33,12 +33,65 @@ pub(super) struct Worker {
     /// Expert records (whole) and bytes sent to it for its shard.
     pub(super) shard_records: AtomicU64,
     pub(super) shard_bytes: AtomicU64,
+    /// The stream kept open to it for compute requests ([`Lane`]).
+    pub(super) lane: Mutex<Lane>,
+    /// Streams opened for compute requests.
+    pub(super) streams: AtomicU64,
+}
+
+/// Which stream a compute request goes on.
+pub(super) enum LaneUse {
+    /// The worker's lane, open.
+    Kept(quinn::SendStream, quinn::RecvStream),
+    /// The lane, to be opened (and kept).
+    Opening,
+    /// One of its own (the lane is busy), finished after the request.
+    Own,
+}
+
+/// A worker's compute requests go one at a time on one stream kept open: a request then opens
+/// no stream, so neither side does a stream's setup and teardown and the worker sends no credit
+/// for new streams (a packet of its own every few requests, on the request's way). A request
+/// that finds the stream in use by another goes on a stream of its own.
+#[derive(Debug, Default)]
+pub(super) enum Lane {
+    /// None open yet (or the last one broke).
+    #[default]
+    None,
+    /// A request has it.
+    Busy,
+    /// Open on the connection with this `stable_id`, free.
+    Free(usize, quinn::SendStream, quinn::RecvStream),
 }
 
 impl Worker {
     pub(super) fn conn(&self) -> Option<quinn::Connection> {
         let g = self.conn.lock().expect("worker lock");
         g.as_ref().filter(|c| c.close_reason().is_none()).cloned()
+    }
+    /// The stream a compute request on `conn` goes on; the worker's lane is busy until
+    /// [`Worker::keep_lane`] or [`Worker::end_lane`].
+    pub(super) fn take_lane(&self, conn: &quinn::Connection) -> LaneUse {
+        let mut l = self.lane.lock().expect("worker lock");
+        match std::mem::replace(&mut *l, Lane::Busy) {
+            Lane::Free(id, send, recv) if id == conn.stable_id() => LaneUse::Kept(send, recv),
+            Lane::Busy => LaneUse::Own,
+            // none yet, or one of a connection since lost
+            _ => LaneUse::Opening,
+        }
+    }
+    /// A request on the lane has its answer: the stream is free for the next.
+    pub(super) fn keep_lane(
+        &self,
+        conn: &quinn::Connection,
+        send: quinn::SendStream,
+        recv: quinn::RecvStream,
+    ) {
+        *self.lane.lock().expect("worker lock") = Lane::Free(conn.stable_id(), send, recv);
+    }
+    /// A request on the lane failed: the next opens another.
+    pub(super) fn end_lane(&self) {
+        *self.lane.lock().expect("worker lock") = Lane::None;
     }
     pub(super) fn lost(&self, why: String) {
         if let Some(c) = self.conn.lock().expect("worker lock").take() {
