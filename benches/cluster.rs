@@ -666,6 +666,20 @@ fn main() {
         }
         let n = reqs.max(1) as f64;
         let (rtt, compute) = (rtt / n, compute / n);
+        // each request's rest (its round trip less the worker's compute), for the median: the
+        // echoes below are medians too
+        let mut rests: Vec<f64> = s0
+            .iter()
+            .enumerate()
+            .flat_map(|(i, x)| {
+                r.recent(i)
+                    .into_iter()
+                    .filter(|t| t.seq > x.requests)
+                    .map(|t| t.rtt_ns.saturating_sub(t.compute_ns) as f64 / 1e6)
+            })
+            .collect();
+        rests.sort_by(f64::total_cmp);
+        let rest_median = rests.get(rests.len() / 2).copied().unwrap_or(f64::NAN);
         // the mean request's and answer's sizes
         let (up_n, down_n) = ((up as f64 / n) as usize, (down as f64 / n) as usize);
         let echo_of = |polled: Option<Duration>| {
@@ -713,7 +727,11 @@ fn main() {
             )
         } else {
             (
-                format!("{:.2}x the raw UDP echo", (rtt - compute) / udp),
+                format!(
+                    "{:.2}x the raw UDP echo; per request median {rest_median:.3} ms, {:.2}x",
+                    (rtt - compute) / udp,
+                    rest_median / udp
+                ),
                 format!("{udp:.3} ms"),
             )
         };
@@ -725,9 +743,10 @@ fn main() {
             udp_ratio,
             udp_ms,
             polled.map_or(String::new(), |p| format!(
-                ", with both sides polling {p:.3} ms ({:.2}x the raw UDP echo; rest {:.2}x it)",
+                ", with both sides polling {p:.3} ms ({:.2}x the raw UDP echo; rest {:.2}x it, median {:.2}x)",
                 p / udp,
-                (rtt - compute) / p
+                (rtt - compute) / p,
+                rest_median / p
             )),
             wire / 1e3,
             wire / floor,

@@ -356,6 +356,13 @@ fn a_worker_killed_mid_generation_changes_no_token_and_rejoins_after_a_restart()
         assert_eq!(st[0].joins, 2, "{st:?}");
         // the lost connection's stream, then one on the new connection
         assert_eq!(st[0].compute_streams, 2, "{st:?}");
+        // each answered request's times, in order, its round trip holding the worker's compute
+        let times = r.recent(1);
+        assert!(!times.is_empty(), "{st:?}");
+        assert!(times.windows(2).all(|p| p[0].seq < p[1].seq), "{times:?}");
+        assert!(times
+            .iter()
+            .all(|t| t.seq <= st[1].requests && t.compute_ns > 0 && t.rtt_ns > t.compute_ns));
         assert!(
             st[0].requests > before,
             "the rejoined worker was not used: {st:?}"
@@ -951,7 +958,7 @@ fn lying_worker(
                                 // one value short per run
                                 Message::Computed(ComputeResult {
                                     id: req.id,
-                                    compute_us: 0,
+                                    compute_ns: 0,
                                     outputs: req
                                         .runs
                                         .iter()

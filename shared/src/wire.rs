@@ -75,6 +75,23 @@ pub enum Message {
     },
 }
 
+impl Message {
+    /// About the bytes its archive takes (its arrays, and room for the rest).
+    fn size_hint(&self) -> usize {
+        let arrays = match self {
+            Message::Compute(r) => {
+                4 * (r.x.len() + r.amax.len())
+                    + r.codes.len()
+                    + r.runs.iter().map(|r| 16 + 4 * r.rows.len()).sum::<usize>()
+            }
+            Message::Computed(r) => r.outputs.iter().map(|o| 16 + 4 * o.len()).sum(),
+            Message::Chunk { data, .. } => data.len(),
+            _ => 0,
+        };
+        arrays + 256
+    }
+}
+
 /// Largest piece of an expert record one [`Message::Chunk`] carries.
 pub const MAX_CHUNK: usize = 8 << 20;
 const _: () = assert!(MAX_CHUNK + 4096 <= MAX_FRAME);
@@ -177,9 +194,9 @@ pub struct Run {
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct ComputeResult {
     pub id: u64,
-    /// Microseconds the worker spent computing (statistics only: the round trip less this is
+    /// Nanoseconds the worker spent computing (statistics only: the round trip less this is
     /// what the network and framing cost).
-    pub compute_us: u64,
+    pub compute_ns: u64,
     /// Per run, `[rows, hidden]` unweighted expert outputs.
     pub outputs: Vec<Vec<f32>>,
 }
@@ -271,8 +288,12 @@ pub struct Limits {
 
 /// A frame: the length prefix, then `m` archived.
 pub fn encode(m: &Message) -> Result<Vec<u8>, WireError> {
-    let body = rkyv::to_bytes::<rkyv::rancor::Error>(m)
-        .map_err(|e| WireError::Malformed(e.to_string()))?;
+    // sized for the message at once rather than grown while it is written
+    let body = rkyv::api::high::to_bytes_in::<_, rkyv::rancor::Error>(
+        m,
+        Payload::with_capacity(m.size_hint()),
+    )
+    .map_err(|e| WireError::Malformed(e.to_string()))?;
     if body.len() > MAX_FRAME {
         return Err(WireError::TooLarge(body.len()));
     }
@@ -291,15 +312,32 @@ pub fn frame_len(prefix: [u8; LEN_BYTES]) -> Result<usize, WireError> {
     Ok(n)
 }
 
+/// A frame's payload as [`decode_payload`] reads it: aligned as rkyv reads archives in place.
+pub type Payload = rkyv::util::AlignedVec<16>;
+
+/// A zeroed payload buffer of `n` bytes to read a frame's payload into.
+pub fn payload_buffer(n: usize) -> Payload {
+    let mut p = Payload::with_capacity(n);
+    p.resize(n, 0);
+    p
+}
+
 /// A message from a frame's payload, validated before it is read.
 pub fn decode(payload: &[u8]) -> Result<Message, WireError> {
     if payload.len() > MAX_FRAME {
         return Err(WireError::TooLarge(payload.len()));
     }
-    // rkyv reads archives in place: give it the alignment it needs.
-    let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(payload.len());
+    let mut aligned = Payload::with_capacity(payload.len());
     aligned.extend_from_slice(payload);
-    rkyv::from_bytes::<Message, rkyv::rancor::Error>(&aligned)
+    decode_payload(&aligned)
+}
+
+/// [`decode`] of a payload already aligned (read into a [`payload_buffer`]), without a copy.
+pub fn decode_payload(payload: &Payload) -> Result<Message, WireError> {
+    if payload.len() > MAX_FRAME {
+        return Err(WireError::TooLarge(payload.len()));
+    }
+    rkyv::from_bytes::<Message, rkyv::rancor::Error>(payload)
         .map_err(|e| WireError::Malformed(e.to_string()))
 }
 
@@ -489,7 +527,7 @@ mod tests {
             Message::Compute(req.clone()),
             Message::Computed(ComputeResult {
                 id: 7,
-                compute_us: 120,
+                compute_ns: 120_000,
                 outputs: vec![vec![1.5; 16], vec![-0.0; 8]],
             }),
             Message::Hello(Hello {
@@ -580,7 +618,7 @@ mod tests {
         );
         let res = |id, outputs| ComputeResult {
             id,
-            compute_us: 0,
+            compute_ns: 0,
             outputs,
         };
         assert_eq!(res(7, vec![vec![0.0; 16]]).check(&req), Ok(()));

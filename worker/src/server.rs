@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use charm_shared::expert::{ErrorClass, ExpertBatch, ExpertError, ExpertExecutor};
 use charm_shared::wire::{
-    decode, encode, frame_len, ComputeRequest, ComputeResult, FailureClass, Hello, Limits, Message,
-    WireError, LEN_BYTES, MAX_CHUNK, MAX_FRAME, PROTOCOL_VERSION,
+    decode_payload, encode, frame_len, payload_buffer, ComputeRequest, ComputeResult, FailureClass,
+    Hello, Limits, Message, WireError, LEN_BYTES, MAX_CHUNK, MAX_FRAME, PROTOCOL_VERSION,
 };
 
 /// Why a frame could not be read or written.
@@ -57,9 +57,9 @@ pub async fn read_next(
         r => r?,
     }
     let n = frame_len(prefix)?;
-    let mut payload = vec![0u8; n];
+    let mut payload = payload_buffer(n);
     recv.read_exact(&mut payload).await?;
-    Ok(Some((decode(&payload)?, LEN_BYTES + n)))
+    Ok(Some((decode_payload(&payload)?, LEN_BYTES + n)))
 }
 
 /// Consumes the end of `recv` when it has already arrived (the peer finishes each stream right
@@ -325,7 +325,7 @@ impl Service {
                 }
                 Message::Computed(ComputeResult {
                     id: req.id,
-                    compute_us: t.elapsed().as_micros() as u64,
+                    compute_ns: t.elapsed().as_nanos() as u64,
                     outputs,
                 })
             }

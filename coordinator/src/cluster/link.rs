@@ -164,7 +164,7 @@ pub(super) async fn request(
         }
         Ok::<_, String>(m)
     };
-    w.requests.fetch_add(1, Ordering::Relaxed);
+    let seq = w.requests.fetch_add(1, Ordering::Relaxed) + 1;
     if req.group > 0 {
         w.coded.fetch_add(1, Ordering::Relaxed);
     }
@@ -186,9 +186,7 @@ pub(super) async fn request(
     };
     match &a {
         Answer::Done(r) => {
-            w.rtt_us
-                .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
-            w.compute_us.fetch_add(r.compute_us, Ordering::Relaxed);
+            w.answered(seq, t.elapsed().as_nanos() as u64, r.compute_ns);
         }
         Answer::Refused(why) => {
             w.failures.fetch_add(1, Ordering::Relaxed);

@@ -34,6 +34,7 @@ use serde::Serialize;
 use super::drive::Drive;
 use super::layer::{serve, OwnedBatch};
 use super::link::{handshake, keep};
+pub use super::workers::RequestTime;
 use super::workers::{Shared, Source, Worker};
 use crate::cluster::{ClusterOptions, Placement};
 
@@ -204,8 +205,9 @@ impl RemoteExperts {
                     joins: AtomicU64::new(0),
                     sent: AtomicU64::new(0),
                     received: AtomicU64::new(0),
-                    rtt_us: AtomicU64::new(0),
-                    compute_us: AtomicU64::new(0),
+                    rtt_ns: AtomicU64::new(0),
+                    compute_ns: AtomicU64::new(0),
+                    recent: Mutex::new(Default::default()),
                     coded: AtomicU64::new(0),
                     shard_records: AtomicU64::new(0),
                     shard_bytes: AtomicU64::new(0),
@@ -317,10 +319,10 @@ impl RemoteExperts {
                     joins: w.joins.load(Ordering::Relaxed),
                     bytes_sent: w.sent.load(Ordering::Relaxed),
                     bytes_received: w.received.load(Ordering::Relaxed),
-                    mean_rtt_ms: w.rtt_us.load(Ordering::Relaxed) as f64 / ok.max(1) as f64 / 1e3,
-                    mean_compute_ms: w.compute_us.load(Ordering::Relaxed) as f64
+                    mean_rtt_ms: w.rtt_ns.load(Ordering::Relaxed) as f64 / ok.max(1) as f64 / 1e6,
+                    mean_compute_ms: w.compute_ns.load(Ordering::Relaxed) as f64
                         / ok.max(1) as f64
-                        / 1e3,
+                        / 1e6,
                     ping_ms: (ping > 0).then(|| ping as f64 / 1e3),
                     fetches: hello.as_ref().is_some_and(|h| h.fetches),
                     shard_records_sent: w.shard_records.load(Ordering::Relaxed),
@@ -328,6 +330,18 @@ impl RemoteExperts {
                 }
             })
             .collect()
+    }
+
+    /// Worker `i`'s last answered requests' times (up to 8,192), oldest first.
+    pub fn recent(&self, i: usize) -> Vec<RequestTime> {
+        self.inner.shared.workers.get(i).map_or(Vec::new(), |w| {
+            w.recent
+                .lock()
+                .expect("worker lock")
+                .iter()
+                .copied()
+                .collect()
+        })
     }
 
     /// The placement in use.

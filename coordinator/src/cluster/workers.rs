@@ -25,8 +25,11 @@ pub(super) struct Worker {
     pub(super) joins: AtomicU64,
     pub(super) sent: AtomicU64,
     pub(super) received: AtomicU64,
-    pub(super) rtt_us: AtomicU64,
-    pub(super) compute_us: AtomicU64,
+    /// Sums over its answered requests, nanoseconds.
+    pub(super) rtt_ns: AtomicU64,
+    pub(super) compute_ns: AtomicU64,
+    /// Its last answered requests' times.
+    pub(super) recent: Mutex<std::collections::VecDeque<RequestTime>>,
     pub(super) ping_us: AtomicU64,
     /// Requests whose activations went as int8 codes.
     pub(super) coded: AtomicU64,
@@ -37,6 +40,37 @@ pub(super) struct Worker {
     pub(super) lane: Mutex<Lane>,
     /// Streams opened for compute requests.
     pub(super) streams: AtomicU64,
+}
+
+/// Answered requests whose times a worker keeps ([`crate::cluster::remote::RemoteExperts::recent`]).
+pub(super) const RECENT: usize = 8192;
+
+/// One answered compute request's times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestTime {
+    /// Its number among the worker's requests (from 1, as `WorkerStatus::requests` counts).
+    pub seq: u64,
+    /// From encoding the request to its answer read and checked, nanoseconds.
+    pub rtt_ns: u64,
+    /// The worker's compute, as it reports, nanoseconds.
+    pub compute_ns: u64,
+}
+
+impl Worker {
+    /// Notes an answered request's times.
+    pub(super) fn answered(&self, seq: u64, rtt_ns: u64, compute_ns: u64) {
+        self.rtt_ns.fetch_add(rtt_ns, Ordering::Relaxed);
+        self.compute_ns.fetch_add(compute_ns, Ordering::Relaxed);
+        let mut r = self.recent.lock().expect("worker lock");
+        if r.len() == RECENT {
+            r.pop_front();
+        }
+        r.push_back(RequestTime {
+            seq,
+            rtt_ns,
+            compute_ns,
+        });
+    }
 }
 
 /// Which stream a compute request goes on.
