@@ -159,7 +159,8 @@ pub(super) async fn request(
         }
         .map_err(|e| e.to_string())?;
         w.received.fetch_add(n as u64, Ordering::Relaxed);
-        if !own {
+        // (a worker ends a stream whose frame it could not read, after saying why)
+        if !own && matches!(m, Message::Computed(_)) {
             w.keep_lane(&conn, send, recv);
         }
         Ok::<_, String>(m)
@@ -169,7 +170,7 @@ pub(super) async fn request(
         w.coded.fetch_add(1, Ordering::Relaxed);
     }
     let got = tokio::time::timeout(limit, go).await;
-    if !own && !matches!(got, Ok(Ok(_))) {
+    if !own && !matches!(got, Ok(Ok(Message::Computed(_)))) {
         w.end_lane();
     }
     let a = match got {
