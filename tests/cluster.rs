@@ -372,6 +372,62 @@ fn a_worker_killed_mid_generation_changes_no_token_and_rejoins_after_a_restart()
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A layer's work for a worker split into requests of two tokens each, as a long prefill at a
+/// model's full width is (each request and answer within `request_bytes`): the single-box
+/// tokens, every expert answered by the workers, each worker's requests on one stream.
+#[test]
+fn a_prefill_split_into_requests_of_a_few_tokens_changes_no_token() {
+    let model = fixture("glm5-tiny");
+    let dir = certs("cl-split");
+    let prompt: Vec<u32> = oracle_ids("glm5-tiny", "tf_input_ids")
+        .into_iter()
+        .cycle()
+        .take(20)
+        .collect();
+    let opts = EngineOptions {
+        history: HistoryPolicy::Off,
+        ..Default::default()
+    };
+    let steps = 6;
+    let want = decode(
+        &Engine::load(&model, &opts).unwrap(),
+        &prompt,
+        steps,
+        |_| {},
+    );
+    let (w1, w2) = (
+        Worker::start(&model, &dir, "w1", 0, &[]),
+        Worker::start(&model, &dir, "w2", 0, &[]),
+    );
+    let spec = charm_shared::config::ModelSpec::from_dir(&model).unwrap();
+    let top_k = spec.router.as_ref().unwrap().top_k;
+    let mut c = ClusterOptions::new(
+        dir.clone(),
+        "coordinator",
+        vec![
+            w1.addr("w1").parse::<WorkerAddr>().unwrap(),
+            w2.addr("w2").parse().unwrap(),
+        ],
+    );
+    // two tokens' rows out and their results back
+    c.request_bytes = 2 * spec.hidden_size * 4 * (1 + top_k);
+    let e = on_cluster(&model, &opts, c);
+    assert!(e.warnings.is_empty(), "{:?}", e.warnings);
+    let r = e.remote.clone().unwrap();
+    assert_eq!(decode(&e, &prompt, steps, |_| {}), want);
+    assert_eq!(r.fallbacks(), 0);
+    let st = r.status();
+    let moe = moe_layers(&spec).len() - spec.mtp_layers;
+    // unsplit, each worker gets at most one request per MoE layer and step
+    let requests: u64 = st.iter().map(|w| w.requests).sum();
+    assert!(requests > (2 * moe * steps) as u64, "{st:?}");
+    for w in &st {
+        assert_eq!((w.failures, w.compute_streams), (0, 1), "{st:?}");
+    }
+    drop((w1, w2));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn the_demo_runs_a_loopback_cluster_with_single_box_tokens() {
     let (ok, out, err) = charm(&["demo"]);

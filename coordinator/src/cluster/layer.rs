@@ -3,6 +3,7 @@
 //! answers combined in ascending expert order.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -87,9 +88,30 @@ pub(super) fn assign(
     (out, local)
 }
 
-/// The request for `runs[idx]` of batch `b`: each token's row once, runs ascending by expert;
-/// the rows as int8 codes in groups of `codes_group` where that is exact (int8 activations, a
-/// worker whose experts all quantize them in such groups), else f32.
+/// Consecutive token ranges of a batch of `n_tokens` whose requests to one worker each stay
+/// within `bytes`: a token's activation row out and up to `top_k` result rows back, `hidden`
+/// floats each (at least one token a range).
+pub(super) fn token_ranges(
+    n_tokens: usize,
+    hidden: usize,
+    top_k: usize,
+    bytes: usize,
+) -> Vec<Range<usize>> {
+    let per = (hidden * 4 * (1 + top_k)).max(1);
+    let n = (bytes / per).max(1);
+    (0..n_tokens)
+        .step_by(n)
+        .map(|s| s..(s + n).min(n_tokens))
+        .collect()
+}
+
+/// The request for the slots of `runs[idx]` whose tokens are in `tokens`, of batch `b`, and
+/// the runs it carries (those with such slots, in its order): each token's row once, runs
+/// ascending by expert; the rows as int8 codes in groups of `codes_group` where that is exact
+/// (int8 activations, a worker whose experts all quantize them in such groups), else f32. A
+/// run's slots are ascending, so its outputs from consecutive token ranges, joined in order,
+/// are its outputs.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn build_request(
     id: u64,
     b: &ExpertBatch<'_>,
@@ -98,14 +120,17 @@ pub(super) fn build_request(
     codes_group: usize,
     runs: &[(u32, Vec<usize>)],
     idx: &[usize],
-) -> ComputeRequest {
+    tokens: Range<usize>,
+) -> (ComputeRequest, Vec<usize>) {
     let mut row_of: HashMap<usize, u32> = HashMap::new();
     let mut x = Vec::new();
     let mut out = Vec::with_capacity(idx.len());
+    let mut carried = Vec::with_capacity(idx.len());
     for &r in idx {
         let (expert, slots) = &runs[r];
-        let rows = slots
+        let rows: Vec<u32> = slots
             .iter()
+            .filter(|&&s| tokens.contains(&(s / b.top_k)))
             .map(|&s| {
                 let t = s / b.top_k;
                 *row_of.entry(t).or_insert_with(|| {
@@ -114,6 +139,10 @@ pub(super) fn build_request(
                 })
             })
             .collect();
+        if rows.is_empty() {
+            continue;
+        }
+        carried.push(r);
         out.push(Run {
             expert: *expert,
             rows,
@@ -126,7 +155,7 @@ pub(super) fn build_request(
         Some(c) => (vec![], codes_group as u32, c.codes, c.amax),
         None => (x, 0, vec![], vec![]),
     };
-    ComputeRequest {
+    let req = ComputeRequest {
         id,
         step: b.step,
         layer: b.layer as u32,
@@ -137,7 +166,8 @@ pub(super) fn build_request(
         codes,
         amax,
         runs: out,
-    }
+    };
+    (req, carried)
 }
 
 /// One run's unweighted outputs from `local`: its rows as a batch of one expert per row with
@@ -211,22 +241,47 @@ pub(super) async fn serve(
                 .expect("worker lock")
                 .as_ref()
                 .map_or(0, |h| h.act_group as usize);
-            let req = build_request(
-                self_.next_id.fetch_add(1, Ordering::Relaxed),
-                &b,
-                h,
-                s.hello.activations.first().map_or("f32", |a| a.as_str()),
-                codes_group,
-                &runs,
-                &idx,
-            );
+            // one request, or for a long prefill several of consecutive tokens, sent one
+            // after another
+            let parts: Vec<(ComputeRequest, Vec<usize>)> =
+                token_ranges(b.n_tokens, h, b.top_k, s.opts.request_bytes)
+                    .into_iter()
+                    .map(|tokens| {
+                        build_request(
+                            self_.next_id.fetch_add(1, Ordering::Relaxed),
+                            &b,
+                            h,
+                            s.hello.activations.first().map_or("f32", |a| a.as_str()),
+                            codes_group,
+                            &runs,
+                            &idx,
+                            tokens,
+                        )
+                    })
+                    .filter(|(_, carried)| !carried.is_empty())
+                    .collect();
             let s2 = s.clone();
-            let mine = gate.clone();
+            let mut mine = gate.clone();
             tasks.push((
                 w,
                 idx,
                 tokio::spawn(async move {
-                    request(&s2.workers[w], conn, req, s2.opts.deadline, mine).await
+                    let mut answers = Vec::with_capacity(parts.len());
+                    for (req, carried) in parts {
+                        let a = request(
+                            &s2.workers[w],
+                            conn.clone(),
+                            req,
+                            s2.opts.deadline,
+                            mine.take(),
+                        )
+                        .await;
+                        match a {
+                            Answer::Done(r) => answers.push((carried, r.outputs)),
+                            _ => return None,
+                        }
+                    }
+                    Some(answers)
                 }),
             ));
         }
@@ -234,12 +289,17 @@ pub(super) async fn serve(
         drop(gate);
         for (w, idx, t) in tasks {
             match t.await {
-                Ok(Answer::Done(r)) => {
-                    for (i, o) in idx.into_iter().zip(r.outputs) {
-                        outs[i] = Some(o);
+                Ok(Some(answers)) => {
+                    for (carried, outputs) in answers {
+                        for (i, o) in carried.into_iter().zip(outputs) {
+                            match &mut outs[i] {
+                                Some(v) => v.extend_from_slice(&o),
+                                None => outs[i] = Some(o),
+                            }
+                        }
                     }
                 }
-                Ok(Answer::Refused(_)) | Ok(Answer::Broken(_)) | Err(_) => {
+                Ok(None) | Err(_) => {
                     avoid.push(w);
                     todo.extend(idx);
                 }
@@ -291,4 +351,19 @@ pub(super) async fn serve(
         })
         .collect::<Result<_, _>>()?;
     Ok(combine(&b, h, &runs, &outs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token_ranges;
+
+    #[test]
+    fn token_ranges_cover_the_batch_in_order_within_the_budget() {
+        // 4 floats out and 2 x 4 back per token: 48 bytes
+        assert_eq!(token_ranges(5, 4, 2, 100), vec![0..2, 2..4, 4..5]);
+        assert_eq!(token_ranges(5, 4, 2, 48 * 5), vec![0..5]);
+        // a budget under one token still moves one token a request
+        assert_eq!(token_ranges(3, 4, 2, 1), vec![0..1, 1..2, 2..3]);
+        assert!(token_ranges(0, 4, 2, 100).is_empty());
+    }
 }

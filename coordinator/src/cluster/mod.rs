@@ -96,7 +96,16 @@ pub struct ClusterOptions {
     /// is usually shorter, and a sleeping thread on an idle core wakes 10-30 us late on a
     /// virtual machine, every layer (zero: sleep at once).
     pub spin: Duration,
+    /// The most bytes one compute request and its answer may carry each: a layer's work for a
+    /// worker is sent as requests of consecutive tokens, one after another, each within it
+    /// (default [`REQUEST_BYTES`]; a decode step's is one request).
+    pub request_bytes: usize,
 }
+
+/// Default [`ClusterOptions::request_bytes`]: half the wire's frame limit, which leaves room for
+/// the archive's own bytes (GLM-5.2, 6144 wide with 8 experts a token: up to 151 tokens a
+/// request).
+pub const REQUEST_BYTES: usize = charm_shared::wire::MAX_FRAME / 2;
 
 impl ClusterOptions {
     /// Options with the defaults for everything but the certificates, node and workers.
@@ -111,6 +120,7 @@ impl ClusterOptions {
             hot_share: 0.25,
             rebalance_steps: 256,
             spin: COORDINATOR_SPIN,
+            request_bytes: REQUEST_BYTES,
         }
     }
 
@@ -185,6 +195,12 @@ impl ClusterOptions {
         }
         if self.replicas == 0 {
             return Err("replicas must be at least 1".into());
+        }
+        if self.request_bytes == 0 || self.request_bytes > REQUEST_BYTES {
+            return Err(format!(
+                "request_bytes {} (1 to {REQUEST_BYTES})",
+                self.request_bytes
+            ));
         }
         if !(0.0..=1.0).contains(&self.hot_share) {
             return Err(format!("hot_share {} (0 to 1)", self.hot_share));

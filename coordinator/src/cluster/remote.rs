@@ -4,6 +4,9 @@
 //!
 //! - **Requests.** Per layer and step, one request per worker carries the rows of every token
 //!   routed to the experts asked of it (the union over the step's tokens, each token's row once);
+//!   a long prefill's goes as several requests of consecutive tokens, one after another, each
+//!   request and answer within [`crate::cluster::ClusterOptions::request_bytes`] (the wire
+//!   refuses frames over 64 MiB: a 3,000-token prompt of GLM-5.2 is 74 MB of activations);
 //!   they are in flight while the caller computes its shared expert
 //!   ([`ExpertExecutor::start`]) and while this machine computes the experts no worker takes.
 //! - **Exactness.** Workers return unweighted per-expert outputs, added here in ascending expert
