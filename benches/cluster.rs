@@ -17,7 +17,9 @@
 //! `--pin` (one worker, two or more cores) measures the request overhead without two processes
 //! fighting for cores: this process (the coordinator, one compute thread) is pinned to core 0,
 //! the worker (`--threads 1`) to core 1 (`taskset`), and each layer request's round trip is set
-//! beside a raw UDP echo of the same sizes between the same two cores.
+//! beside a raw UDP echo of the same sizes between the same two cores. A request's rest (its
+//! round trip less the worker's compute) is printed as the run's mean and as the median of the
+//! requests' own (the echoes are medians of their exchanges).
 //!
 //! `--spin-us N` sets how long the workers keep their core awake after an answer and the
 //! coordinator polls for answers before sleeping (`charm worker --spin-us`, the cluster file's
