@@ -372,6 +372,60 @@ fn a_worker_killed_mid_generation_changes_no_token_and_rejoins_after_a_restart()
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Two layers' requests to one worker in flight at once: the second finds the worker's stream
+/// busy and goes on one of its own; both answers are those of the same requests sent one at a
+/// time.
+#[test]
+fn overlapping_requests_to_one_worker_take_a_stream_of_their_own() {
+    use charm_shared::expert::{ExpertBatch, ExpertExecutor};
+    let model = fixture("glm5-tiny");
+    let dir = certs("cl-overlap");
+    let w1 = Worker::start(&model, &dir, "w1", 0, &[]);
+    let c = ClusterOptions::new(
+        dir.clone(),
+        "coordinator",
+        vec![w1.addr("w1").parse::<WorkerAddr>().unwrap()],
+    );
+    let opts = EngineOptions {
+        history: HistoryPolicy::Off,
+        ..Default::default()
+    };
+    let e = on_cluster(&model, &opts, c);
+    let r = e.remote.clone().unwrap();
+    let spec = &e.model.spec;
+    let (h, k) = (spec.hidden_size, spec.router.as_ref().unwrap().top_k);
+    let layer = moe_layers(spec)[0].0;
+    let x: Vec<f32> = (0..2 * h).map(|i| (i as f32 * 0.37).sin()).collect();
+    let ids: Vec<u32> = (0..2 * k as u32).collect();
+    let weights = vec![0.25f32; 2 * k];
+    let batch = |step| ExpertBatch {
+        step,
+        layer,
+        x: &x,
+        n_tokens: 2,
+        ids: &ids,
+        weights: &weights,
+        top_k: k,
+    };
+    let (a, b) = (r.start(batch(1)), r.start(batch(2)));
+    let (a, b) = (a.wait().unwrap(), b.wait().unwrap());
+    let st = r.status();
+    assert_eq!((st[0].requests, st[0].compute_streams), (2, 2), "{st:?}");
+    // one at a time afterwards, on the stream kept
+    let once = r.run(batch(3)).unwrap();
+    assert_eq!(a, once);
+    assert_eq!(b, once);
+    let st = r.status();
+    assert_eq!(
+        (st[0].requests, st[0].compute_streams, st[0].failures),
+        (3, 2, 0),
+        "{st:?}"
+    );
+    assert_eq!(r.fallbacks(), 0);
+    drop(w1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A layer's work for a worker split into requests of two tokens each, as a long prefill at a
 /// model's full width is (each request and answer within `request_bytes`): the single-box
 /// tokens, every expert answered by the workers, each worker's requests on one stream.
