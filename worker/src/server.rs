@@ -39,11 +39,16 @@ pub enum FrameError {
 /// message and the frame's size in bytes. For a stream that carries one frame: its end is
 /// consumed when it came with the frame.
 pub async fn read_frame(recv: &mut quinn::RecvStream) -> Result<(Message, usize), FrameError> {
-    let m = read_next(recv)
-        .await?
-        .ok_or(FrameError::Read(quinn::ReadExactError::FinishedEarly(0)))?;
+    let m = read_message(recv).await?;
     read_fin(recv);
     Ok(m)
+}
+
+/// Reads the next frame of a stream that carries several: an error where the stream ends first.
+pub async fn read_message(recv: &mut quinn::RecvStream) -> Result<(Message, usize), FrameError> {
+    read_next(recv)
+        .await?
+        .ok_or(FrameError::Read(quinn::ReadExactError::FinishedEarly(0)))
 }
 
 /// Reads the next frame of a stream that carries several, or `None` where the stream ends
@@ -111,8 +116,14 @@ pub fn transport(heartbeat: Duration) -> quinn::TransportConfig {
 
 /// Writes one frame and finishes the stream's sending side.
 pub async fn write_frame(send: &mut quinn::SendStream, m: &Message) -> Result<(), FrameError> {
-    send.write_all(&encode(m)?).await?;
+    write_message(send, m).await?;
     send.finish()?;
+    Ok(())
+}
+
+/// Writes one frame of a stream that carries several.
+pub async fn write_message(send: &mut quinn::SendStream, m: &Message) -> Result<(), FrameError> {
+    send.write_all(&encode(m)?).await?;
     Ok(())
 }
 
@@ -565,10 +576,7 @@ async fn requests(
                 false,
             ),
         };
-        let written = match encode(&reply) {
-            Ok(frame) => send.write_all(&frame).await.is_ok(),
-            Err(_) => false,
-        };
+        let written = write_message(&mut send, &reply).await.is_ok();
         if let Some(w) = &svc.warm {
             w.answered();
         }

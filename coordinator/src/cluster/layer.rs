@@ -230,6 +230,9 @@ pub(super) async fn serve(
         // the first wave's requests share it; none goes out: it fires when dropped below
         let gate = sent.take().map(Sent::new);
         let mut tasks = Vec::new();
+        // one request per worker, or for a long prefill several of consecutive tokens, sent one
+        // after another
+        let ranges = token_ranges(b.n_tokens, h, b.top_k, s.opts.request_bytes);
         for (w, idx) in asked {
             let Some(conn) = s.workers[w].conn() else {
                 todo.extend(idx);
@@ -241,25 +244,22 @@ pub(super) async fn serve(
                 .expect("worker lock")
                 .as_ref()
                 .map_or(0, |h| h.act_group as usize);
-            // one request, or for a long prefill several of consecutive tokens, sent one
-            // after another
-            let parts: Vec<(ComputeRequest, Vec<usize>)> =
-                token_ranges(b.n_tokens, h, b.top_k, s.opts.request_bytes)
-                    .into_iter()
-                    .map(|tokens| {
-                        build_request(
-                            self_.next_id.fetch_add(1, Ordering::Relaxed),
-                            &b,
-                            h,
-                            s.hello.activations.first().map_or("f32", |a| a.as_str()),
-                            codes_group,
-                            &runs,
-                            &idx,
-                            tokens,
-                        )
-                    })
-                    .filter(|(_, carried)| !carried.is_empty())
-                    .collect();
+            let parts: Vec<(ComputeRequest, Vec<usize>)> = ranges
+                .iter()
+                .map(|tokens| {
+                    build_request(
+                        self_.next_id.fetch_add(1, Ordering::Relaxed),
+                        &b,
+                        h,
+                        s.hello.activations.first().map_or("f32", |a| a.as_str()),
+                        codes_group,
+                        &runs,
+                        &idx,
+                        tokens.clone(),
+                    )
+                })
+                .filter(|(_, carried)| !carried.is_empty())
+                .collect();
             let s2 = s.clone();
             let mut mine = gate.clone();
             tasks.push((

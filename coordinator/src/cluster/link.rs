@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use charm_shared::wire::{encode, ComputeRequest, ComputeResult, Hello, Message, PROTOCOL_VERSION};
-use charm_worker::server::{read_frame, read_next, write_frame, FrameError};
+use charm_worker::server::{read_frame, read_message, write_frame};
 
 use super::workers::{LaneUse, Shared, Worker};
 use crate::cluster::WorkerAddr;
@@ -153,9 +153,7 @@ pub(super) async fn request(
         let (m, n) = if own {
             read_frame(&mut recv).await
         } else {
-            read_next(&mut recv)
-                .await
-                .and_then(|m| m.ok_or(FrameError::Read(quinn::ReadExactError::FinishedEarly(0))))
+            read_message(&mut recv).await
         }
         .map_err(|e| e.to_string())?;
         w.received.fetch_add(n as u64, Ordering::Relaxed);
