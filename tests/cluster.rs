@@ -262,6 +262,15 @@ fn decode(e: &Engine, prompt: &[u32], n: usize, mut between: impl FnMut(usize)) 
     out
 }
 
+/// Engine options without a routing history (the placement then does not depend on earlier
+/// runs).
+fn no_history() -> EngineOptions {
+    EngineOptions {
+        history: HistoryPolicy::Off,
+        ..Default::default()
+    }
+}
+
 /// The model in `model` loaded with `opts` on cluster `c`.
 fn on_cluster(model: &Path, opts: &EngineOptions, c: ClusterOptions) -> Engine {
     Engine::load(
@@ -290,10 +299,7 @@ fn a_worker_killed_mid_generation_changes_no_token_and_rejoins_after_a_restart()
     let model = fixture("glm5-tiny");
     let dir = certs("cl-kill");
     let prompt = oracle_ids("glm5-tiny", "tf_input_ids")[..4].to_vec();
-    let opts = EngineOptions {
-        history: HistoryPolicy::Off,
-        ..Default::default()
-    };
+    let opts = no_history();
     let single = Engine::load(&model, &opts).unwrap();
     let want = generate(
         &single.model,
@@ -386,10 +392,7 @@ fn overlapping_requests_to_one_worker_take_a_stream_of_their_own() {
         "coordinator",
         vec![w1.addr("w1").parse::<WorkerAddr>().unwrap()],
     );
-    let opts = EngineOptions {
-        history: HistoryPolicy::Off,
-        ..Default::default()
-    };
+    let opts = no_history();
     let e = on_cluster(&model, &opts, c);
     let r = e.remote.clone().unwrap();
     let spec = &e.model.spec;
@@ -438,10 +441,7 @@ fn a_prefill_split_into_requests_of_a_few_tokens_changes_no_token() {
         .cycle()
         .take(20)
         .collect();
-    let opts = EngineOptions {
-        history: HistoryPolicy::Off,
-        ..Default::default()
-    };
+    let opts = no_history();
     let steps = 6;
     let want = decode(
         &Engine::load(&model, &opts).unwrap(),
@@ -855,10 +855,7 @@ fn a_worker_without_experts_fetches_its_shard_resumes_after_a_kill_and_serves_it
     let wdir = partial_copy(&model, "cl-shard-worker", &["config.json", "charm.json"]);
     let dir = certs("cl-shard");
     let prompt = [5u32, 17, 3, 99, 100];
-    let opts = EngineOptions {
-        history: HistoryPolicy::Off,
-        ..Default::default()
-    };
+    let opts = no_history();
     let want = decode(&Engine::load(&model, &opts).unwrap(), &prompt, 12, |_| {});
 
     // killed (abort, as kill -9) once it has stored 5 records
@@ -927,10 +924,7 @@ fn placement_follows_the_routing_while_serving_without_changing_tokens() {
         Worker::start(&model, &dir, "w2", 0, &[]),
     );
     let prompt = oracle_ids("glm5-tiny", "tf_input_ids")[..4].to_vec();
-    let opts = EngineOptions {
-        history: HistoryPolicy::Off,
-        ..Default::default()
-    };
+    let opts = no_history();
     let want = decode(&Engine::load(&model, &opts).unwrap(), &prompt, 16, |_| {});
     let mut c = ClusterOptions::new(
         dir.clone(),
@@ -1093,10 +1087,7 @@ fn a_worker_answering_malformed_results_is_dropped_and_changes_no_token() {
     let model = fixture("glm5-tiny");
     let dir = certs("cl-liar");
     let prompt = oracle_ids("glm5-tiny", "tf_input_ids")[..4].to_vec();
-    let opts = EngineOptions {
-        history: HistoryPolicy::Off,
-        ..Default::default()
-    };
+    let opts = no_history();
     let want = decode(&Engine::load(&model, &opts).unwrap(), &prompt, 12, |_| {});
     let (addr, lies, _t) = lying_worker(&dir, &model, charm_shared::wire::PROTOCOL_VERSION);
     let honest = Worker::start(&model, &dir, "w2", 0, &[]);
@@ -1132,10 +1123,7 @@ fn a_worker_speaking_another_protocol_version_is_refused_naming_both_versions() 
     let model = fixture("glm5-tiny");
     let dir = certs("cl-version");
     let prompt = oracle_ids("glm5-tiny", "tf_input_ids")[..4].to_vec();
-    let opts = EngineOptions {
-        history: HistoryPolicy::Off,
-        ..Default::default()
-    };
+    let opts = no_history();
     let want = decode(&Engine::load(&model, &opts).unwrap(), &prompt, 6, |_| {});
     // a real QUIC + mTLS peer with w1's certificate, for the right model, but another version
     let other = PROTOCOL_VERSION + 1000;
