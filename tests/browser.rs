@@ -541,6 +541,8 @@ fn with_an_api_key_the_page_asks_for_it_and_refuses_without_it() {
         .filter(|e| !e.contains("401") && !e.contains("ERR_BLOCKED_BY_CLIENT"))
         .collect();
     assert!(errors.is_empty(), "console errors: {errors:?}");
+    drop(srv);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// The `/metrics` counter `name`.
@@ -655,6 +657,9 @@ fn the_dashboard_follows_workers_down_and_up_and_stop_cancels_on_the_server() {
     let errors = s.console_errors();
     assert!(errors.is_empty(), "console errors: {errors:?}");
     drop(w1);
+    drop(_w2);
+    drop(srv);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
