@@ -19,7 +19,9 @@
 //! the worker (`--threads 1`) to core 1 (`taskset`), and each layer request's round trip is set
 //! beside a raw UDP echo of the same sizes between the same two cores. A request's rest (its
 //! round trip less the worker's compute) is printed as the run's mean and as the median of the
-//! requests' own (the echoes are medians of their exchanges).
+//! requests' own (the echoes are medians of their exchanges), and that median per MoE layer:
+//! the first after the dense pass (output layer, dense layers, megabytes of weights through the
+//! coordinator's core) pays for the network path's code and data read back into its caches.
 //!
 //! `--spin-us N` sets how long the workers keep their core awake after an answer and the
 //! coordinator polls for answers before sleeping (`charm worker --spin-us`, the cluster file's
@@ -670,18 +672,33 @@ fn main() {
         let (rtt, compute) = (rtt / n, compute / n);
         // each request's rest (its round trip less the worker's compute), for the median: the
         // echoes below are medians too
-        let mut rests: Vec<f64> = s0
+        let timed: Vec<(u32, f64)> = s0
             .iter()
             .enumerate()
             .flat_map(|(i, x)| {
                 r.recent(i)
                     .into_iter()
                     .filter(|t| t.seq > x.requests)
-                    .map(|t| t.rtt_ns.saturating_sub(t.compute_ns) as f64 / 1e6)
+                    .map(|t| (t.layer, t.rtt_ns.saturating_sub(t.compute_ns) as f64 / 1e6))
             })
             .collect();
-        rests.sort_by(f64::total_cmp);
-        let rest_median = rests.get(rests.len() / 2).copied().unwrap_or(f64::NAN);
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+        };
+        let rest_median = median(timed.iter().map(|t| t.1).collect());
+        // the same per MoE layer: the first after the dense pass (the output layer, the dense
+        // layers) finds the network path's code and data evicted from the core's caches
+        let mut layers: Vec<u32> = timed.iter().map(|t| t.0).collect();
+        layers.sort_unstable();
+        layers.dedup();
+        let by_layer: Vec<(u32, f64)> = layers
+            .iter()
+            .map(|&l| {
+                let v = timed.iter().filter(|t| t.0 == l).map(|t| t.1).collect();
+                (l, median(v))
+            })
+            .collect();
         // the mean request's and answer's sizes
         let (up_n, down_n) = ((up as f64 / n) as usize, (down as f64 / n) as usize);
         let echo_of = |polled: Option<Duration>| {
@@ -769,6 +786,16 @@ fn main() {
                 )
             },
         );
+        if !udp.is_nan() && by_layer.len() > 1 {
+            println!(
+                "added RTT {delay_ms} ms: rest per request by MoE layer, median (x the raw UDP echo): {}",
+                by_layer
+                    .iter()
+                    .map(|(l, m)| format!("layer {l} {m:.4} ms ({:.2}x)", m / udp))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
         if let Some(p) = &predicted {
             let t = &p.token;
             println!(

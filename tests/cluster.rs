@@ -369,6 +369,12 @@ fn a_worker_killed_mid_generation_changes_no_token_and_rejoins_after_a_restart()
         assert!(times
             .iter()
             .all(|t| t.seq <= st[1].requests && t.compute_ns > 0 && t.rtt_ns > t.compute_ns));
+        // each names the MoE layer it computed
+        let moe: Vec<u32> = moe_layers(&single.model.spec)
+            .iter()
+            .map(|&(l, _)| l as u32)
+            .collect();
+        assert!(times.iter().all(|t| moe.contains(&t.layer)), "{times:?}");
         assert!(
             st[0].requests > before,
             "the rejoined worker was not used: {st:?}"

@@ -185,7 +185,7 @@ pub(super) async fn request(
     };
     match &a {
         Answer::Done(r) => {
-            w.answered(seq, t.elapsed().as_nanos() as u64, r.compute_ns);
+            w.answered(seq, req.layer, t.elapsed().as_nanos() as u64, r.compute_ns);
         }
         Answer::Refused(why) => {
             w.failures.fetch_add(1, Ordering::Relaxed);

@@ -50,6 +50,8 @@ pub(super) const RECENT: usize = 8192;
 pub struct RequestTime {
     /// Its number among the worker's requests (from 1, as `WorkerStatus::requests` counts).
     pub seq: u64,
+    /// The layer it computed.
+    pub layer: u32,
     /// From encoding the request to its answer read and checked, nanoseconds.
     pub rtt_ns: u64,
     /// The worker's compute, as it reports, nanoseconds.
@@ -58,7 +60,7 @@ pub struct RequestTime {
 
 impl Worker {
     /// Notes an answered request's times.
-    pub(super) fn answered(&self, seq: u64, rtt_ns: u64, compute_ns: u64) {
+    pub(super) fn answered(&self, seq: u64, layer: u32, rtt_ns: u64, compute_ns: u64) {
         self.rtt_ns.fetch_add(rtt_ns, Ordering::Relaxed);
         self.compute_ns.fetch_add(compute_ns, Ordering::Relaxed);
         let mut r = self.recent.lock().expect("worker lock");
@@ -67,6 +69,7 @@ impl Worker {
         }
         r.push_back(RequestTime {
             seq,
+            layer,
             rtt_ns,
             compute_ns,
         });
