@@ -17,7 +17,7 @@ fuzz_target!(|data: &[u8]| {
             let _ = r.check(&limits);
         }
         Ok(Message::Computed(res)) => {
-            let _ = res.outputs.iter().map(Vec::len).sum::<usize>();
+            let _ = res.out.len();
         }
         _ => {}
     }

@@ -404,11 +404,11 @@ pub fn gather(batch: &ExpertBatch<'_>, slots: &[usize], hidden: usize) -> Vec<f3
 
 /// The weighted per-token sum of expert outputs `outs[r]` (rows in `runs[r]`'s slot order),
 /// added in ascending expert order.
-pub fn combine(
+pub fn combine<O: AsRef<[f32]>>(
     batch: &ExpertBatch<'_>,
     hidden: usize,
     runs: &[(u32, Vec<usize>)],
-    outs: &[Vec<f32>],
+    outs: &[O],
 ) -> Vec<f32> {
     let k = batch.top_k;
     // slot -> (run, row)
@@ -426,7 +426,10 @@ pub fn combine(
         for s in slots {
             let w = batch.weights[s];
             let (r, row) = at[s];
-            for (a, b) in o.iter_mut().zip(&outs[r][row * hidden..(row + 1) * hidden]) {
+            for (a, b) in o
+                .iter_mut()
+                .zip(&outs[r].as_ref()[row * hidden..(row + 1) * hidden])
+            {
                 *a += w * b;
             }
         }

@@ -17,10 +17,11 @@
 
 use rkyv::{Archive, Deserialize, Serialize};
 
-/// Protocol version; a peer speaking another is refused at the handshake. Version 2: a stream
+/// Protocol version; a peer speaking another is refused at the handshake. Version 3: a result's
+/// outputs are one array, run after run (version 2: an array per run). Since version 2 a stream
 /// carries frames one after another, each request answered on it before the next is read, until
 /// its sender finishes it (version 1: one request per stream).
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// Bytes of the frame length prefix.
 pub const LEN_BYTES: usize = 4;
 /// Largest payload accepted (a 512-token step of GLM-5.2's 6144-wide activations is 12 MiB).
@@ -84,7 +85,7 @@ impl Message {
                     + r.codes.len()
                     + r.runs.iter().map(|r| 16 + 4 * r.rows.len()).sum::<usize>()
             }
-            Message::Computed(r) => r.outputs.iter().map(|o| 16 + 4 * o.len()).sum(),
+            Message::Computed(r) => 4 * r.out.len(),
             Message::Chunk { data, .. } => data.len(),
             _ => 0,
         };
@@ -197,8 +198,10 @@ pub struct ComputeResult {
     /// Nanoseconds the worker spent computing (statistics only: the round trip less this is
     /// what the network and framing cost).
     pub compute_ns: u64,
-    /// Per run, `[rows, hidden]` unweighted expert outputs.
-    pub outputs: Vec<Vec<f32>>,
+    /// The unweighted expert outputs of every run of the request, in its order: per run
+    /// `[rows, hidden]`, its rows in the order the run lists them (one array, so that the worker
+    /// sends its compute's output as it is and the coordinator reads it into one buffer).
+    pub out: Vec<f32>,
 }
 
 /// Activations as the int8 codes the integer path quantizes them to (`--activations int8`),
@@ -453,29 +456,20 @@ impl ComputeRequest {
 }
 
 impl ComputeResult {
-    /// Refuses a result that does not answer `req`: another id, another number of runs, or
-    /// outputs that are not `[rows, hidden]` per run.
+    /// Refuses a result that does not answer `req`: another id, or not `[rows, hidden]` for
+    /// every row of its runs.
     pub fn check(&self, req: &ComputeRequest) -> Result<(), WireError> {
         if self.id != req.id {
             return Err(shape(format!("result {} for request {}", self.id, req.id)));
         }
-        if self.outputs.len() != req.runs.len() {
+        let rows: usize = req.runs.iter().map(|r| r.rows.len()).sum();
+        if Some(self.out.len()) != rows.checked_mul(req.hidden as usize) {
             return Err(shape(format!(
-                "{} outputs for {} experts",
-                self.outputs.len(),
+                "{} values for {rows} rows of {} ({} experts)",
+                self.out.len(),
+                req.hidden,
                 req.runs.len()
             )));
-        }
-        for (o, r) in self.outputs.iter().zip(&req.runs) {
-            if Some(o.len()) != r.rows.len().checked_mul(req.hidden as usize) {
-                return Err(shape(format!(
-                    "expert {}: {} values for {} rows of {}",
-                    r.expert,
-                    o.len(),
-                    r.rows.len(),
-                    req.hidden
-                )));
-            }
         }
         Ok(())
     }
@@ -528,7 +522,7 @@ mod tests {
             Message::Computed(ComputeResult {
                 id: 7,
                 compute_ns: 120_000,
-                outputs: vec![vec![1.5; 16], vec![-0.0; 8]],
+                out: [vec![1.5; 16], vec![-0.0; 8]].concat(),
             }),
             Message::Hello(Hello {
                 version: PROTOCOL_VERSION,
@@ -616,14 +610,15 @@ mod tests {
                 rows: vec![0, 1],
             }],
         );
-        let res = |id, outputs| ComputeResult {
+        let res = |id, out| ComputeResult {
             id,
             compute_ns: 0,
-            outputs,
+            out,
         };
-        assert_eq!(res(7, vec![vec![0.0; 16]]).check(&req), Ok(()));
-        assert!(res(8, vec![vec![0.0; 16]]).check(&req).is_err());
-        assert!(res(7, vec![vec![0.0; 15]]).check(&req).is_err());
+        assert_eq!(res(7, vec![0.0; 16]).check(&req), Ok(()));
+        assert!(res(8, vec![0.0; 16]).check(&req).is_err());
+        assert!(res(7, vec![0.0; 15]).check(&req).is_err());
+        assert!(res(7, vec![0.0; 24]).check(&req).is_err());
         assert!(res(7, vec![]).check(&req).is_err());
     }
 

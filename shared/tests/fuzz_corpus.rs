@@ -102,7 +102,7 @@ fn the_wire_seeds_are_current() {
             payload(&Message::Computed(ComputeResult {
                 id: 7,
                 compute_ns: 850_000,
-                outputs: vec![vec![1.5; 16], vec![-0.25; 8]],
+                out: [vec![1.5; 16], vec![-0.25; 8]].concat(),
             })),
         ),
         (

@@ -193,6 +193,22 @@ pub(super) fn local_rows(
     })
 }
 
+/// One run's unweighted outputs.
+enum Out {
+    /// These values of answer `.0`'s outputs (read into one buffer, not copied out).
+    Answer(usize, Range<usize>),
+    Here(Vec<f32>),
+}
+
+impl Out {
+    fn rows<'a>(&'a self, answers: &'a [Vec<f32>]) -> &'a [f32] {
+        match self {
+            Out::Answer(a, rows) => &answers[*a][rows.clone()],
+            Out::Here(v) => v,
+        }
+    }
+}
+
 /// Serves one layer: requests to workers, retries on other holders, the rest locally. `sent`
 /// fires once the first wave's requests are written (or none goes out).
 pub(super) async fn serve(
@@ -205,7 +221,10 @@ pub(super) async fn serve(
     let b = owned.batch();
     let h = self_.hidden;
     let p = s.placement.read().expect("placement lock").clone();
-    let mut outs: Vec<Option<Vec<f32>>> = vec![None; runs.len()];
+    // each run's outputs: rows of an answer, or computed here (or joined from the answers to a
+    // long prefill's several requests)
+    let mut outs: Vec<Option<Out>> = (0..runs.len()).map(|_| None).collect();
+    let mut answers: Vec<Vec<f32>> = Vec::new();
     let mut todo: Vec<usize> = (0..runs.len()).collect();
     let mut avoid: Vec<usize> = Vec::new();
     let mut local_jobs = Vec::new();
@@ -244,7 +263,7 @@ pub(super) async fn serve(
                 .expect("worker lock")
                 .as_ref()
                 .map_or(0, |h| h.act_group as usize);
-            let parts: Vec<(ComputeRequest, Vec<usize>)> = ranges
+            let parts: Vec<(ComputeRequest, Vec<usize>, Vec<usize>)> = ranges
                 .iter()
                 .map(|tokens| {
                     build_request(
@@ -259,6 +278,11 @@ pub(super) async fn serve(
                     )
                 })
                 .filter(|(_, carried)| !carried.is_empty())
+                .map(|(req, carried)| {
+                    // where each carried run's rows are in the answer's outputs
+                    let lens = req.runs.iter().map(|r| r.rows.len() * h).collect();
+                    (req, carried, lens)
+                })
                 .collect();
             let s2 = s.clone();
             let mut mine = gate.clone();
@@ -266,8 +290,8 @@ pub(super) async fn serve(
                 w,
                 idx,
                 tokio::spawn(async move {
-                    let mut answers = Vec::with_capacity(parts.len());
-                    for (req, carried) in parts {
+                    let mut got = Vec::with_capacity(parts.len());
+                    for (req, carried, lens) in parts {
                         let a = request(
                             &s2.workers[w],
                             conn.clone(),
@@ -277,11 +301,11 @@ pub(super) async fn serve(
                         )
                         .await;
                         match a {
-                            Answer::Done(r) => answers.push((carried, r.outputs)),
+                            Answer::Done(r) => got.push((carried, lens, r.out)),
                             _ => return None,
                         }
                     }
-                    Some(answers)
+                    Some(got)
                 }),
             ));
         }
@@ -289,14 +313,23 @@ pub(super) async fn serve(
         drop(gate);
         for (w, idx, t) in tasks {
             match t.await {
-                Ok(Some(answers)) => {
-                    for (carried, outputs) in answers {
-                        for (i, o) in carried.into_iter().zip(outputs) {
-                            match &mut outs[i] {
-                                Some(v) => v.extend_from_slice(&o),
-                                None => outs[i] = Some(o),
-                            }
+                Ok(Some(got)) => {
+                    for (carried, lens, out) in got {
+                        let mut at = 0;
+                        for (i, n) in carried.into_iter().zip(lens) {
+                            let rows = at..at + n;
+                            outs[i] = Some(match outs[i].take() {
+                                None => Out::Answer(answers.len(), rows),
+                                // a later token range of the run: its rows follow
+                                Some(Out::Here(mut v)) => {
+                                    v.extend_from_slice(&out[rows]);
+                                    Out::Here(v)
+                                }
+                                Some(o) => Out::Here([o.rows(&answers), &out[rows]].concat()),
+                            });
+                            at += n;
                         }
+                        answers.push(out);
                     }
                 }
                 Ok(None) | Err(_) => {
@@ -336,18 +369,20 @@ pub(super) async fn serve(
                 e => e,
             })?;
         for (i, o) in done {
-            outs[i] = Some(o);
+            outs[i] = Some(Out::Here(o));
         }
     }
-    let outs: Vec<Vec<f32>> = outs
-        .into_iter()
+    let outs: Vec<&[f32]> = outs
+        .iter()
         .enumerate()
         .map(|(i, o)| {
-            o.ok_or_else(|| ExpertError::Unavailable {
-                layer: b.layer,
-                expert: runs[i].0,
-                why: "no holder answered".into(),
-            })
+            o.as_ref()
+                .map(|o| o.rows(&answers))
+                .ok_or_else(|| ExpertError::Unavailable {
+                    layer: b.layer,
+                    expert: runs[i].0,
+                    why: "no holder answered".into(),
+                })
         })
         .collect::<Result<_, _>>()?;
     Ok(combine(&b, h, &runs, &outs))
