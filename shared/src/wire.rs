@@ -291,6 +291,16 @@ pub struct Limits {
 
 /// A frame: the length prefix, then `m` archived.
 pub fn encode(m: &Message) -> Result<Vec<u8>, WireError> {
+    let body = encode_payload(m)?;
+    let mut f = Vec::with_capacity(LEN_BYTES + body.len());
+    f.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    f.extend_from_slice(&body);
+    Ok(f)
+}
+
+/// `m` archived: a frame's payload, which goes after its length prefix (`(len as u32)`, little
+/// endian), refused over [`MAX_FRAME`].
+pub fn encode_payload(m: &Message) -> Result<Payload, WireError> {
     // sized for the message at once rather than grown while it is written
     let body = rkyv::api::high::to_bytes_in::<_, rkyv::rancor::Error>(
         m,
@@ -300,10 +310,7 @@ pub fn encode(m: &Message) -> Result<Vec<u8>, WireError> {
     if body.len() > MAX_FRAME {
         return Err(WireError::TooLarge(body.len()));
     }
-    let mut f = Vec::with_capacity(LEN_BYTES + body.len());
-    f.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    f.extend_from_slice(&body);
-    Ok(f)
+    Ok(body)
 }
 
 /// The payload length a frame's prefix announces, refused past [`MAX_FRAME`].
@@ -318,13 +325,6 @@ pub fn frame_len(prefix: [u8; LEN_BYTES]) -> Result<usize, WireError> {
 /// A frame's payload as [`decode_payload`] reads it: aligned as rkyv reads archives in place.
 pub type Payload = rkyv::util::AlignedVec<16>;
 
-/// A zeroed payload buffer of `n` bytes to read a frame's payload into.
-pub fn payload_buffer(n: usize) -> Payload {
-    let mut p = Payload::with_capacity(n);
-    p.resize(n, 0);
-    p
-}
-
 /// A message from a frame's payload, validated before it is read.
 pub fn decode(payload: &[u8]) -> Result<Message, WireError> {
     if payload.len() > MAX_FRAME {
@@ -335,7 +335,7 @@ pub fn decode(payload: &[u8]) -> Result<Message, WireError> {
     decode_payload(&aligned)
 }
 
-/// [`decode`] of a payload already aligned (read into a [`payload_buffer`]), without a copy.
+/// [`decode`] of a payload already aligned (read into a [`Payload`]), without a copy.
 pub fn decode_payload(payload: &Payload) -> Result<Message, WireError> {
     if payload.len() > MAX_FRAME {
         return Err(WireError::TooLarge(payload.len()));

@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use charm_shared::expert::{ErrorClass, ExpertBatch, ExpertError, ExpertExecutor};
 use charm_shared::wire::{
-    decode_payload, encode, frame_len, payload_buffer, ComputeRequest, ComputeResult, FailureClass,
-    Hello, Limits, Message, WireError, LEN_BYTES, MAX_CHUNK, MAX_FRAME, PROTOCOL_VERSION,
+    decode_payload, encode_payload, frame_len, ComputeRequest, ComputeResult, FailureClass, Hello,
+    Limits, Message, Payload, WireError, LEN_BYTES, MAX_CHUNK, MAX_FRAME, PROTOCOL_VERSION,
 };
 
 /// Why a frame could not be read or written.
@@ -62,8 +62,19 @@ pub async fn read_next(
         r => r?,
     }
     let n = frame_len(prefix)?;
-    let mut payload = payload_buffer(n);
-    recv.read_exact(&mut payload).await?;
+    // the stream's received pieces copied once into an aligned buffer, which rkyv reads in
+    // place
+    let mut payload = Payload::with_capacity(n);
+    while payload.len() < n {
+        match recv
+            .read_chunk(n - payload.len(), true)
+            .await
+            .map_err(quinn::ReadExactError::ReadError)?
+        {
+            Some(c) => payload.extend_from_slice(&c.bytes),
+            None => return Err(quinn::ReadExactError::FinishedEarly(payload.len()).into()),
+        }
+    }
     Ok(Some((decode_payload(&payload)?, LEN_BYTES + n)))
 }
 
@@ -123,8 +134,24 @@ pub async fn write_frame(send: &mut quinn::SendStream, m: &Message) -> Result<()
 
 /// Writes one frame of a stream that carries several.
 pub async fn write_message(send: &mut quinn::SendStream, m: &Message) -> Result<(), FrameError> {
-    send.write_all(&encode(m)?).await?;
+    write_payload(send, encode_payload(m)?).await?;
     Ok(())
+}
+
+/// Writes a frame of `payload` ([`encode_payload`]): its length, then the payload handed to the
+/// stream as it is, not copied into the stream's buffer. Returns the frame's size in bytes.
+pub async fn write_payload(
+    send: &mut quinn::SendStream,
+    payload: Payload,
+) -> Result<usize, FrameError> {
+    let n = payload.len();
+    if n > MAX_FRAME {
+        return Err(WireError::TooLarge(n).into());
+    }
+    let prefix = bytes::Bytes::copy_from_slice(&(n as u32).to_le_bytes());
+    send.write_all_chunks(&mut [prefix, bytes::Bytes::from_owner(payload)])
+        .await?;
+    Ok(LEN_BYTES + n)
 }
 
 /// What a worker serves.
@@ -622,6 +649,7 @@ mod tests {
     use crate::tls::{init_cluster, Identity};
     use crate::RamExperts;
     use charm_shared::linear::SwiGlu;
+    use charm_shared::wire::encode;
     use charm_shared::wire::{LayerExperts, Run};
 
     const H: usize = 8;

@@ -5,8 +5,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use charm_shared::wire::{encode, ComputeRequest, ComputeResult, Hello, Message, PROTOCOL_VERSION};
-use charm_worker::server::{read_frame, read_message, write_frame};
+use charm_shared::wire::{
+    encode_payload, ComputeRequest, ComputeResult, Hello, Message, PROTOCOL_VERSION,
+};
+use charm_worker::server::{read_frame, read_message, write_frame, write_payload};
 
 use super::workers::{LaneUse, Shared, Worker};
 use crate::cluster::WorkerAddr;
@@ -128,7 +130,7 @@ pub(super) async fn request(
     let t = Instant::now();
     // encoded in place (the activations are not copied), kept to check the answer against
     let m = Message::Compute(req);
-    let frame = encode(&m);
+    let payload = encode_payload(&m);
     let Message::Compute(req) = m else {
         unreachable!("built above")
     };
@@ -136,7 +138,7 @@ pub(super) async fn request(
     let lane = w.take_lane(&conn);
     let own = matches!(lane, LaneUse::Own);
     let go = async {
-        let frame = frame.map_err(|e| e.to_string())?;
+        let payload = payload.map_err(|e| e.to_string())?;
         let (mut send, mut recv) = match lane {
             LaneUse::Kept(send, recv) => (send, recv),
             LaneUse::Opening | LaneUse::Own => {
@@ -144,12 +146,14 @@ pub(super) async fn request(
                 conn.open_bi().await.map_err(|e| e.to_string())?
             }
         };
-        send.write_all(&frame).await.map_err(|e| e.to_string())?;
+        let n = write_payload(&mut send, payload)
+            .await
+            .map_err(|e| e.to_string())?;
         if own {
             send.finish().map_err(|e| e.to_string())?;
         }
         drop(sent.take());
-        w.sent.fetch_add(frame.len() as u64, Ordering::Relaxed);
+        w.sent.fetch_add(n as u64, Ordering::Relaxed);
         let (m, n) = if own {
             read_frame(&mut recv).await
         } else {
