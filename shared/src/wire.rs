@@ -459,20 +459,104 @@ impl ComputeResult {
     /// Refuses a result that does not answer `req`: another id, or not `[rows, hidden]` for
     /// every row of its runs.
     pub fn check(&self, req: &ComputeRequest) -> Result<(), WireError> {
-        if self.id != req.id {
-            return Err(shape(format!("result {} for request {}", self.id, req.id)));
-        }
-        let rows: usize = req.runs.iter().map(|r| r.rows.len()).sum();
-        if Some(self.out.len()) != rows.checked_mul(req.hidden as usize) {
-            return Err(shape(format!(
-                "{} values for {rows} rows of {} ({} experts)",
-                self.out.len(),
-                req.hidden,
-                req.runs.len()
-            )));
-        }
-        Ok(())
+        check_result(self.id, self.out.len(), req)
     }
+}
+
+fn check_result(id: u64, values: usize, req: &ComputeRequest) -> Result<(), WireError> {
+    if id != req.id {
+        return Err(shape(format!("result {id} for request {}", req.id)));
+    }
+    let rows: usize = req.runs.iter().map(|r| r.rows.len()).sum();
+    if Some(values) != rows.checked_mul(req.hidden as usize) {
+        return Err(shape(format!(
+            "{values} values for {rows} rows of {} ({} experts)",
+            req.hidden,
+            req.runs.len()
+        )));
+    }
+    Ok(())
+}
+
+/// A frame's message as the coordinator reads it: a computed result's outputs stay in the
+/// frame's payload, read where they are rather than copied out; any other message is decoded.
+#[derive(Debug)]
+pub enum Received {
+    Computed(ResultView),
+    Other(Message),
+}
+
+/// A [`ComputeResult`] read in place from its frame's payload (validated).
+#[derive(Debug)]
+pub struct ResultView {
+    pub id: u64,
+    pub compute_ns: u64,
+    payload: Payload,
+    /// Byte offset and count of the outputs in `payload`.
+    at: usize,
+    len: usize,
+    /// The outputs copied out, where the payload's bytes cannot be read as this machine's
+    /// floats (a big-endian machine).
+    copied: Option<Vec<f32>>,
+}
+
+impl ResultView {
+    /// The outputs, as [`ComputeResult::out`].
+    pub fn out(&self) -> &[f32] {
+        match &self.copied {
+            Some(v) => v,
+            None => floats(&self.payload[self.at..self.at + 4 * self.len])
+                .expect("checked when received"),
+        }
+    }
+
+    /// [`ComputeResult::check`].
+    pub fn check(&self, req: &ComputeRequest) -> Result<(), WireError> {
+        check_result(self.id, self.len, req)
+    }
+}
+
+/// `bytes` as the little-endian floats they hold, where that needs no copy.
+#[cfg(target_endian = "little")]
+fn floats(bytes: &[u8]) -> Option<&[f32]> {
+    // SAFETY: every bit pattern is a valid f32, and this machine's floats are little-endian
+    let (head, mid, tail) = unsafe { bytes.align_to::<f32>() };
+    (head.is_empty() && tail.is_empty()).then_some(mid)
+}
+
+#[cfg(not(target_endian = "little"))]
+fn floats(_: &[u8]) -> Option<&[f32]> {
+    None
+}
+
+/// A frame's payload read as [`Received`]: validated like [`decode_payload`], a computed
+/// result's outputs left in place.
+pub fn receive(payload: Payload) -> Result<Received, WireError> {
+    if payload.len() > MAX_FRAME {
+        return Err(WireError::TooLarge(payload.len()));
+    }
+    let bad = |e: rkyv::rancor::Error| WireError::Malformed(e.to_string());
+    let m = rkyv::access::<ArchivedMessage, rkyv::rancor::Error>(&payload).map_err(bad)?;
+    let ArchivedMessage::Computed(r) = m else {
+        return Ok(Received::Other(
+            rkyv::deserialize::<Message, rkyv::rancor::Error>(m).map_err(bad)?,
+        ));
+    };
+    let out = r.out.as_slice();
+    let at = out.as_ptr() as usize - payload.as_ptr() as usize;
+    let len = out.len();
+    let copied = floats(&payload[at..at + 4 * len])
+        .is_none()
+        .then(|| out.iter().map(|v| v.to_native()).collect());
+    let (id, compute_ns) = (r.id.to_native(), r.compute_ns.to_native());
+    Ok(Received::Computed(ResultView {
+        id,
+        compute_ns,
+        payload,
+        at,
+        len,
+        copied,
+    }))
 }
 
 #[cfg(test)]
@@ -620,6 +704,45 @@ mod tests {
         assert!(res(7, vec![0.0; 15]).check(&req).is_err());
         assert!(res(7, vec![0.0; 24]).check(&req).is_err());
         assert!(res(7, vec![]).check(&req).is_err());
+    }
+
+    #[test]
+    fn results_are_read_in_place_and_other_messages_decoded() {
+        let r = ComputeResult {
+            id: 4,
+            compute_ns: 9,
+            out: (0..40).map(|i| i as f32 * 0.5 - 3.0).collect(),
+        };
+        let payload = |m: &Message| encode_payload(m).unwrap();
+        match receive(payload(&Message::Computed(r.clone()))).unwrap() {
+            Received::Computed(v) => {
+                assert_eq!((v.id, v.compute_ns, v.out()), (4, 9, &r.out[..]));
+                let rows = vec![0, 1, 2, 3, 4];
+                let req = request(5, 8, vec![Run { expert: 1, rows }]);
+                assert_eq!(
+                    v.check(&ComputeRequest {
+                        id: 4,
+                        ..req.clone()
+                    }),
+                    Ok(())
+                );
+                assert!(v.check(&req).is_err());
+            }
+            m => panic!("{m:?}"),
+        }
+        let failed = Message::Failed {
+            id: 2,
+            class: FailureClass::Internal,
+            message: "x".into(),
+        };
+        match receive(payload(&failed)).unwrap() {
+            Received::Other(m) => assert_eq!(m, failed),
+            m => panic!("{m:?}"),
+        }
+        let whole = payload(&Message::Computed(r));
+        let mut cut = Payload::new();
+        cut.extend_from_slice(&whole[..whole.len() - 8]);
+        assert!(receive(cut).is_err());
     }
 
     #[test]

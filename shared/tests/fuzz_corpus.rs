@@ -27,10 +27,11 @@ fn replay_safetensors_header_corpus() {
 }
 
 /// Replays the wire-message corpus (`fuzz/corpus/wire_message`): `valid*` seeds decode and pass
-/// their checks, `checkfail*` decode and fail them, `bad*` are refused; none may panic.
+/// their checks, `checkfail*` decode and fail them, `bad*` are refused; none may panic, and the
+/// coordinator's in-place read ([`charm_shared::wire::receive`]) agrees with the decoder.
 #[test]
 fn replay_wire_message_corpus() {
-    use charm_shared::wire::{decode, Limits, Message};
+    use charm_shared::wire::{decode, receive, Limits, Message, Payload, Received};
     let limits = Limits {
         hidden: 8,
         n_experts: 16,
@@ -43,6 +44,21 @@ fn replay_wire_message_corpus() {
         let bytes = std::fs::read(&p).unwrap();
         let name = p.file_name().unwrap().to_string_lossy().into_owned();
         let r = decode(&bytes);
+        // the coordinator's in-place read accepts and refuses the same payloads, and reads the
+        // same message
+        let mut aligned = Payload::with_capacity(bytes.len());
+        aligned.extend_from_slice(&bytes);
+        match (receive(aligned), &r) {
+            (Ok(Received::Computed(v)), Ok(Message::Computed(m))) => {
+                assert_eq!(
+                    (v.id, v.compute_ns, v.out()),
+                    (m.id, m.compute_ns, &m.out[..])
+                )
+            }
+            (Ok(Received::Other(o)), Ok(m)) => assert_eq!(&o, m, "{name}"),
+            (Err(_), Err(_)) => {}
+            (got, want) => panic!("{name}: received {got:?}, decoded {want:?}"),
+        }
         let checked = |m: &Message| match m {
             Message::Compute(c) => c.check(&limits).is_ok(),
             _ => true,

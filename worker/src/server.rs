@@ -18,8 +18,9 @@ use std::time::Duration;
 
 use charm_shared::expert::{ErrorClass, ExpertBatch, ExpertError, ExpertExecutor};
 use charm_shared::wire::{
-    decode_payload, encode_payload, frame_len, ComputeRequest, ComputeResult, FailureClass, Hello,
-    Limits, Message, Payload, WireError, LEN_BYTES, MAX_CHUNK, MAX_FRAME, PROTOCOL_VERSION,
+    decode_payload, encode_payload, frame_len, receive, ComputeRequest, ComputeResult,
+    FailureClass, Hello, Limits, Message, Payload, Received, WireError, LEN_BYTES, MAX_CHUNK,
+    MAX_FRAME, PROTOCOL_VERSION,
 };
 
 /// Why a frame could not be read or written.
@@ -56,6 +57,32 @@ pub async fn read_message(recv: &mut quinn::RecvStream) -> Result<(Message, usiz
 pub async fn read_next(
     recv: &mut quinn::RecvStream,
 ) -> Result<Option<(Message, usize)>, FrameError> {
+    let Some(payload) = read_payload(recv).await? else {
+        return Ok(None);
+    };
+    let n = LEN_BYTES + payload.len();
+    Ok(Some((decode_payload(&payload)?, n)))
+}
+
+/// [`read_message`] (and for a stream that carries one frame, `last`, [`read_frame`]), a
+/// computed result read in place ([`Received`]); returns the frame's size in bytes too.
+pub async fn read_received(
+    recv: &mut quinn::RecvStream,
+    last: bool,
+) -> Result<(Received, usize), FrameError> {
+    let payload = read_payload(recv)
+        .await?
+        .ok_or(FrameError::Read(quinn::ReadExactError::FinishedEarly(0)))?;
+    if last {
+        read_fin(recv);
+    }
+    let n = LEN_BYTES + payload.len();
+    Ok((receive(payload)?, n))
+}
+
+/// The next frame's payload of a stream that carries several (its length checked before
+/// anything is allocated), or `None` where the stream ends before one starts.
+async fn read_payload(recv: &mut quinn::RecvStream) -> Result<Option<Payload>, FrameError> {
     let mut prefix = [0u8; LEN_BYTES];
     match recv.read_exact(&mut prefix).await {
         Err(quinn::ReadExactError::FinishedEarly(0)) => return Ok(None),
@@ -75,7 +102,7 @@ pub async fn read_next(
             None => return Err(quinn::ReadExactError::FinishedEarly(payload.len()).into()),
         }
     }
-    Ok(Some((decode_payload(&payload)?, LEN_BYTES + n)))
+    Ok(Some(payload))
 }
 
 /// Consumes the end of `recv` when it has already arrived (the peer finishes each stream right

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use charm_shared::expert::{combine, gather, ExpertBatch, ExpertError, ExpertExecutor};
-use charm_shared::wire::{ComputeRequest, Run};
+use charm_shared::wire::{ComputeRequest, ResultView, Run};
 
 use super::link::{request, Answer, Sent};
 use super::remote::Inner;
@@ -195,15 +195,15 @@ pub(super) fn local_rows(
 
 /// One run's unweighted outputs.
 enum Out {
-    /// These values of answer `.0`'s outputs (read into one buffer, not copied out).
+    /// These values of answer `.0`'s outputs (where its frame was read, not copied out).
     Answer(usize, Range<usize>),
     Here(Vec<f32>),
 }
 
 impl Out {
-    fn rows<'a>(&'a self, answers: &'a [Vec<f32>]) -> &'a [f32] {
+    fn rows<'a>(&'a self, answers: &'a [ResultView]) -> &'a [f32] {
         match self {
-            Out::Answer(a, rows) => &answers[*a][rows.clone()],
+            Out::Answer(a, rows) => &answers[*a].out()[rows.clone()],
             Out::Here(v) => v,
         }
     }
@@ -224,7 +224,7 @@ pub(super) async fn serve(
     // each run's outputs: rows of an answer, or computed here (or joined from the answers to a
     // long prefill's several requests)
     let mut outs: Vec<Option<Out>> = (0..runs.len()).map(|_| None).collect();
-    let mut answers: Vec<Vec<f32>> = Vec::new();
+    let mut answers: Vec<ResultView> = Vec::new();
     let mut todo: Vec<usize> = (0..runs.len()).collect();
     let mut avoid: Vec<usize> = Vec::new();
     let mut local_jobs = Vec::new();
@@ -301,7 +301,7 @@ pub(super) async fn serve(
                         )
                         .await;
                         match a {
-                            Answer::Done(r) => got.push((carried, lens, r.out)),
+                            Answer::Done(r) => got.push((carried, lens, r)),
                             _ => return None,
                         }
                     }
@@ -322,10 +322,10 @@ pub(super) async fn serve(
                                 None => Out::Answer(answers.len(), rows),
                                 // a later token range of the run: its rows follow
                                 Some(Out::Here(mut v)) => {
-                                    v.extend_from_slice(&out[rows]);
+                                    v.extend_from_slice(&out.out()[rows]);
                                     Out::Here(v)
                                 }
-                                Some(o) => Out::Here([o.rows(&answers), &out[rows]].concat()),
+                                Some(o) => Out::Here([o.rows(&answers), &out.out()[rows]].concat()),
                             });
                             at += n;
                         }

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use charm_shared::wire::{
-    encode_payload, ComputeRequest, ComputeResult, Hello, Message, PROTOCOL_VERSION,
+    encode_payload, ComputeRequest, Hello, Message, Received, ResultView, PROTOCOL_VERSION,
 };
-use charm_worker::server::{read_frame, read_message, write_frame, write_payload};
+use charm_worker::server::{read_frame, read_received, write_frame, write_payload};
 
 use super::workers::{LaneUse, Shared, Worker};
 use crate::cluster::WorkerAddr;
@@ -92,7 +92,7 @@ pub(super) async fn handshake(
 
 /// What one request to one worker came back with.
 pub(super) enum Answer {
-    Done(ComputeResult),
+    Done(ResultView),
     /// The worker is fine but could not serve it.
     Refused(String),
     /// The connection or the answer is broken: the worker is dropped from use.
@@ -154,15 +154,13 @@ pub(super) async fn request(
         }
         drop(sent.take());
         w.sent.fetch_add(n as u64, Ordering::Relaxed);
-        let (m, n) = if own {
-            read_frame(&mut recv).await
-        } else {
-            read_message(&mut recv).await
-        }
-        .map_err(|e| e.to_string())?;
+        // a result's outputs stay in the frame they came in, to be added from there
+        let (m, n) = read_received(&mut recv, own)
+            .await
+            .map_err(|e| e.to_string())?;
         w.received.fetch_add(n as u64, Ordering::Relaxed);
         // (a worker ends a stream whose frame it could not read, after saying why)
-        if !own && matches!(m, Message::Computed(_)) {
+        if !own && matches!(m, Received::Computed(_)) {
             w.keep_lane(&conn, send, recv);
         }
         Ok::<_, String>(m)
@@ -172,17 +170,17 @@ pub(super) async fn request(
         w.coded.fetch_add(1, Ordering::Relaxed);
     }
     let got = tokio::time::timeout(limit, go).await;
-    if !own && !matches!(got, Ok(Ok(Message::Computed(_)))) {
+    if !own && !matches!(got, Ok(Ok(Received::Computed(_)))) {
         w.end_lane();
     }
     let a = match got {
         Err(_) => Answer::Broken(format!("no answer within {limit:?}")),
         Ok(Err(e)) => Answer::Broken(e),
-        Ok(Ok(Message::Computed(r))) => match r.check(req) {
+        Ok(Ok(Received::Computed(r))) => match r.check(req) {
             Ok(()) => Answer::Done(r),
             Err(e) => Answer::Broken(format!("malformed result: {e}")),
         },
-        Ok(Ok(Message::Failed { class, message, .. })) => {
+        Ok(Ok(Received::Other(Message::Failed { class, message, .. }))) => {
             Answer::Refused(format!("{class:?}: {message}"))
         }
         Ok(Ok(_)) => Answer::Broken("answered with something else".into()),
