@@ -326,8 +326,7 @@ fn quic_echo(
             p.abort();
         }
         drop(relay);
-        times.sort_by(f64::total_cmp);
-        times[times.len() / 2]
+        median(times)
     });
     server.close(0u32.into(), b"");
     echo.join().unwrap();
@@ -470,9 +469,13 @@ fn udp_echo(up: usize, down: usize, echo_cpu: Option<usize>) -> f64 {
         eprintln!("the raw UDP echo lost {lost} exchanges: no figure");
         return f64::NAN;
     }
-    let mut t: Vec<f64> = times.into_iter().skip(20).collect();
-    t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
+    median(times.into_iter().skip(20).collect())
+}
+
+/// The median of `v` (NaN when empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 struct Run {
@@ -682,23 +685,15 @@ fn main() {
                     .map(|t| (t.layer, t.rtt_ns.saturating_sub(t.compute_ns) as f64 / 1e6))
             })
             .collect();
-        let median = |mut v: Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-        };
         let rest_median = median(timed.iter().map(|t| t.1).collect());
         // the same per MoE layer: the first after the dense pass (the output layer, the dense
         // layers) finds the network path's code and data evicted from the core's caches
-        let mut layers: Vec<u32> = timed.iter().map(|t| t.0).collect();
-        layers.sort_unstable();
-        layers.dedup();
-        let by_layer: Vec<(u32, f64)> = layers
-            .iter()
-            .map(|&l| {
-                let v = timed.iter().filter(|t| t.0 == l).map(|t| t.1).collect();
-                (l, median(v))
-            })
-            .collect();
+        let mut per_layer: std::collections::BTreeMap<u32, Vec<f64>> = Default::default();
+        for &(l, rest) in &timed {
+            per_layer.entry(l).or_default().push(rest);
+        }
+        let by_layer: Vec<(u32, f64)> =
+            per_layer.into_iter().map(|(l, v)| (l, median(v))).collect();
         // the mean request's and answer's sizes
         let (up_n, down_n) = ((up as f64 / n) as usize, (down as f64 / n) as usize);
         let echo_of = |polled: Option<Duration>| {

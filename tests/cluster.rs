@@ -271,6 +271,11 @@ fn no_history() -> EngineOptions {
     }
 }
 
+/// The first `n` greedy tokens after `prompt` of the model in `model` in one process.
+fn single_box(model: &Path, opts: &EngineOptions, prompt: &[u32], n: usize) -> Vec<u32> {
+    decode(&Engine::load(model, opts).unwrap(), prompt, n, |_| {})
+}
+
 /// The model in `model` loaded with `opts` on cluster `c`.
 fn on_cluster(model: &Path, opts: &EngineOptions, c: ClusterOptions) -> Engine {
     Engine::load(
@@ -449,12 +454,7 @@ fn a_prefill_split_into_requests_of_a_few_tokens_changes_no_token() {
         .collect();
     let opts = no_history();
     let steps = 6;
-    let want = decode(
-        &Engine::load(&model, &opts).unwrap(),
-        &prompt,
-        steps,
-        |_| {},
-    );
+    let want = single_box(&model, &opts, &prompt, steps);
     let (w1, w2) = (
         Worker::start(&model, &dir, "w1", 0, &[]),
         Worker::start(&model, &dir, "w2", 0, &[]),
@@ -862,7 +862,7 @@ fn a_worker_without_experts_fetches_its_shard_resumes_after_a_kill_and_serves_it
     let dir = certs("cl-shard");
     let prompt = [5u32, 17, 3, 99, 100];
     let opts = no_history();
-    let want = decode(&Engine::load(&model, &opts).unwrap(), &prompt, 12, |_| {});
+    let want = single_box(&model, &opts, &prompt, 12);
 
     // killed (abort, as kill -9) once it has stored 5 records
     let mut w = Worker::start_env(
@@ -931,7 +931,7 @@ fn placement_follows_the_routing_while_serving_without_changing_tokens() {
     );
     let prompt = oracle_ids("glm5-tiny", "tf_input_ids")[..4].to_vec();
     let opts = no_history();
-    let want = decode(&Engine::load(&model, &opts).unwrap(), &prompt, 16, |_| {});
+    let want = single_box(&model, &opts, &prompt, 16);
     let mut c = ClusterOptions::new(
         dir.clone(),
         "coordinator",
@@ -1091,7 +1091,7 @@ fn a_worker_answering_malformed_results_is_dropped_and_changes_no_token() {
     let dir = certs("cl-liar");
     let prompt = oracle_ids("glm5-tiny", "tf_input_ids")[..4].to_vec();
     let opts = no_history();
-    let want = decode(&Engine::load(&model, &opts).unwrap(), &prompt, 12, |_| {});
+    let want = single_box(&model, &opts, &prompt, 12);
     let (addr, lies, _t) = lying_worker(&dir, &model, charm_shared::wire::PROTOCOL_VERSION);
     let honest = Worker::start(&model, &dir, "w2", 0, &[]);
     let c = ClusterOptions::new(
@@ -1127,7 +1127,7 @@ fn a_worker_speaking_another_protocol_version_is_refused_naming_both_versions() 
     let dir = certs("cl-version");
     let prompt = oracle_ids("glm5-tiny", "tf_input_ids")[..4].to_vec();
     let opts = no_history();
-    let want = decode(&Engine::load(&model, &opts).unwrap(), &prompt, 6, |_| {});
+    let want = single_box(&model, &opts, &prompt, 6);
     // a real QUIC + mTLS peer with w1's certificate, for the right model, but another version
     let other = PROTOCOL_VERSION + 1000;
     let (addr, asked, _t) = lying_worker(&dir, &model, other);

@@ -47,9 +47,12 @@ pub async fn read_frame(recv: &mut quinn::RecvStream) -> Result<(Message, usize)
 
 /// Reads the next frame of a stream that carries several: an error where the stream ends first.
 pub async fn read_message(recv: &mut quinn::RecvStream) -> Result<(Message, usize), FrameError> {
-    read_next(recv)
-        .await?
-        .ok_or(FrameError::Read(quinn::ReadExactError::FinishedEarly(0)))
+    read_next(recv).await?.ok_or_else(ended)
+}
+
+/// A stream that ended where a frame was due.
+fn ended() -> FrameError {
+    FrameError::Read(quinn::ReadExactError::FinishedEarly(0))
 }
 
 /// Reads the next frame of a stream that carries several, or `None` where the stream ends
@@ -70,9 +73,7 @@ pub async fn read_received(
     recv: &mut quinn::RecvStream,
     last: bool,
 ) -> Result<(Received, usize), FrameError> {
-    let payload = read_payload(recv)
-        .await?
-        .ok_or(FrameError::Read(quinn::ReadExactError::FinishedEarly(0)))?;
+    let payload = read_payload(recv).await?.ok_or_else(ended)?;
     if last {
         read_fin(recv);
     }

@@ -106,7 +106,8 @@ pub(super) fn token_ranges(
 }
 
 /// The request for the slots of `runs[idx]` whose tokens are in `tokens`, of batch `b`, and
-/// the runs it carries (those with such slots, in its order): each token's row once, runs
+/// the runs it carries (those with such slots, in its order) with the number of output values
+/// each has in the answer: each token's row once, runs
 /// ascending by expert; the rows as int8 codes in groups of `codes_group` where that is exact
 /// (int8 activations, a worker whose experts all quantize them in such groups), else f32. A
 /// run's slots are ascending, so its outputs from consecutive token ranges, joined in order,
@@ -121,7 +122,7 @@ pub(super) fn build_request(
     runs: &[(u32, Vec<usize>)],
     idx: &[usize],
     tokens: Range<usize>,
-) -> (ComputeRequest, Vec<usize>) {
+) -> (ComputeRequest, Vec<(usize, usize)>) {
     let mut row_of: HashMap<usize, u32> = HashMap::new();
     let mut x = Vec::new();
     let mut out = Vec::with_capacity(idx.len());
@@ -142,7 +143,7 @@ pub(super) fn build_request(
         if rows.is_empty() {
             continue;
         }
-        carried.push(r);
+        carried.push((r, rows.len() * h));
         out.push(Run {
             expert: *expert,
             rows,
@@ -263,7 +264,7 @@ pub(super) async fn serve(
                 .expect("worker lock")
                 .as_ref()
                 .map_or(0, |h| h.act_group as usize);
-            let parts: Vec<(ComputeRequest, Vec<usize>, Vec<usize>)> = ranges
+            let parts: Vec<(ComputeRequest, Vec<(usize, usize)>)> = ranges
                 .iter()
                 .map(|tokens| {
                     build_request(
@@ -278,11 +279,6 @@ pub(super) async fn serve(
                     )
                 })
                 .filter(|(_, carried)| !carried.is_empty())
-                .map(|(req, carried)| {
-                    // where each carried run's rows are in the answer's outputs
-                    let lens = req.runs.iter().map(|r| r.rows.len() * h).collect();
-                    (req, carried, lens)
-                })
                 .collect();
             let s2 = s.clone();
             let mut mine = gate.clone();
@@ -291,7 +287,7 @@ pub(super) async fn serve(
                 idx,
                 tokio::spawn(async move {
                     let mut got = Vec::with_capacity(parts.len());
-                    for (req, carried, lens) in parts {
+                    for (req, carried) in parts {
                         let a = request(
                             &s2.workers[w],
                             conn.clone(),
@@ -301,7 +297,7 @@ pub(super) async fn serve(
                         )
                         .await;
                         match a {
-                            Answer::Done(r) => got.push((carried, lens, r)),
+                            Answer::Done(r) => got.push((carried, r)),
                             _ => return None,
                         }
                     }
@@ -314,9 +310,9 @@ pub(super) async fn serve(
         for (w, idx, t) in tasks {
             match t.await {
                 Ok(Some(got)) => {
-                    for (carried, lens, out) in got {
+                    for (carried, out) in got {
                         let mut at = 0;
-                        for (i, n) in carried.into_iter().zip(lens) {
+                        for (i, n) in carried {
                             let rows = at..at + n;
                             outs[i] = Some(match outs[i].take() {
                                 None => Out::Answer(answers.len(), rows),
