@@ -396,10 +396,12 @@ pub fn layer_norm(x: &mut [f32], w: &[f32], b: &[f32], eps: f32) {
     }
 }
 
-/// `x * sigmoid(x)`.
+/// `x * sigmoid(x)` as `x / (1 + e^-x)`, with charm's own exponential
+/// ([`crate::softfloat::silu`]): built from correctly rounded f32 steps only, so that the GPU's
+/// soft-float twin gives the same bits (libm's `expf` is not reproducible there).
 #[inline]
 pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+    crate::softfloat::silu(x)
 }
 
 /// Numerically stable softmax in place.

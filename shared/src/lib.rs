@@ -15,6 +15,7 @@
 //! - [`quant`]: int8 / int4 / int2 / bf16 weight formats, the lane layout, and their kernels (one
 //!   module per ISA, chosen at run time, each bit-identical to the scalar twin).
 //! - [`routing`]: pure MoE routing maths.
+//! - [`softfloat`]: IEEE f32 arithmetic in integers (the GPU's scalar twin) and charm's own SiLU.
 //! - [`expert`]: the routed-expert seam: [`expert::ExpertExecutor`], its batch, errors and
 //!   statistics, and the grouping and ascending-order combine every executor shares.
 //! - [`wire`]: the cluster's typed messages, their framing and the checks they pass on receipt.
@@ -34,6 +35,7 @@ pub mod par;
 pub mod quant;
 pub mod routing;
 pub mod safetensors;
+pub mod softfloat;
 pub mod wire;
 
 pub use error::LoadError;
