@@ -101,6 +101,15 @@ pub struct StoreArgs {
     /// Copies of each hot expert on different workers (instead of the cluster file's).
     #[arg(long, requires = "cluster")]
     pub replicas: Option<usize>,
+    /// VRAM in GiB for routed experts on the GPU (needs `--activations int8` and a container
+    /// with int8/int4 experts): the hottest experts run there with the CPU's bits, the rest stay
+    /// in RAM or stream from disk.
+    #[arg(long)]
+    pub vram: Option<String>,
+    /// The GPU adapter for `--vram` (its number in `charm doctor`; default: the first that
+    /// passes its self-check).
+    #[arg(long, requires = "vram")]
+    pub gpu: Option<usize>,
 }
 
 impl StoreArgs {
@@ -139,7 +148,21 @@ impl StoreArgs {
             trace: self.io_trace.is_some(),
             activations,
             cluster: self.cluster_options()?,
+            vram: self.vram_bytes()?,
+            gpu: self.gpu,
         })
+    }
+
+    /// `--vram` in bytes.
+    fn vram_bytes(&self) -> Result<Option<u64>> {
+        match self.vram.as_deref() {
+            None => Ok(None),
+            Some("auto") => bail!("--vram auto is not available: this build cannot read a device's free memory; give the GiB to use"),
+            Some(v) => match v.parse::<f64>() {
+                Ok(g) if g > 0.0 && g.is_finite() => Ok(Some((g * GIB) as u64)),
+                _ => bail!("--vram must be a positive number of GiB"),
+            },
+        }
     }
 
     /// The cluster to use: the cluster file, with `--workers` and `--replicas` applied.

@@ -176,6 +176,11 @@ pub struct ExpertStats {
     pub cache_peak_bytes: u64,
     pub pinned: u64,
     pub direct_io: bool,
+    /// Expert uses computed on the GPU from the VRAM tier (not counted in `hits` or `misses`).
+    pub vram_hits: u64,
+    /// Experts held in VRAM and their bytes.
+    pub vram_experts: u64,
+    pub vram_bytes: u64,
 }
 
 impl ExpertStats {
@@ -215,6 +220,7 @@ impl ExpertStats {
             early_reads: self.early_reads - earlier.early_reads,
             early_used: self.early_used - earlier.early_used,
             disk_busy_seconds: self.disk_busy_seconds - earlier.disk_busy_seconds,
+            vram_hits: self.vram_hits - earlier.vram_hits,
             ..self.clone()
         }
     }

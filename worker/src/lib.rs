@@ -8,10 +8,13 @@
 //! - [`store::StreamingExperts`]: experts streamed from a container on disk through a bounded RAM
 //!   cache (single-box mode): its cache policy, reader threads and I/O timeline in submodules,
 //!   with [`history`] for the pinned hot set and [`io`] for the reads.
+//! - [`gpu`]: the GPU backend (wgpu: Vulkan, Metal) with its self-check against the CPU, and
+//!   [`gpu::tier::VramExperts`], the VRAM tier over either store.
 //! - [`iobench`]: the disk benchmark of `charm iobench`.
 //! - [`server`]: the worker's QUIC server; [`tls`]: cluster certificates and mutual TLS;
 //!   [`shard`]: the expert records a worker fetches from its coordinator.
 
+pub mod gpu;
 pub mod history;
 pub mod io;
 pub mod iobench;

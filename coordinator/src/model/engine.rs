@@ -15,6 +15,8 @@ use charm_shared::container::Container;
 use charm_shared::expert::{ExpertExecutor, ExpertStats};
 use charm_shared::quant::Activations;
 use charm_shared::LoadError;
+use charm_worker::gpu::tier::VramExperts;
+use charm_worker::gpu::Gpu;
 use charm_worker::history::container_model_id;
 use charm_worker::{IoEvent, StoreOptions, StreamingExperts};
 
@@ -58,6 +60,11 @@ pub struct EngineOptions {
     pub activations: Activations,
     /// Expert workers to send routed experts to (`None`: this machine computes them all).
     pub cluster: Option<ClusterOptions>,
+    /// VRAM for routed experts, bytes (`None`: no GPU): the hottest experts run there.
+    pub vram: Option<u64>,
+    /// The GPU adapter to use (`charm doctor` lists them; `None`: the first that passes its
+    /// self-check).
+    pub gpu: Option<usize>,
 }
 
 impl Default for EngineOptions {
@@ -73,6 +80,8 @@ impl Default for EngineOptions {
             trace: false,
             activations: Activations::F32,
             cluster: None,
+            vram: None,
+            gpu: None,
         }
     }
 }
@@ -125,6 +134,8 @@ pub struct Engine {
     pub store: Option<Arc<StreamingExperts>>,
     /// The cluster client, when workers compute routed experts.
     pub remote: Option<Arc<RemoteExperts>>,
+    /// The VRAM tier, when routed experts run on a GPU.
+    pub vram: Option<Arc<VramExperts>>,
     /// The memory plan the load followed (containers).
     pub plan: Option<Plan>,
     /// What the user should know about how the load went (buffered reads where `O_DIRECT` was
@@ -145,6 +156,7 @@ impl Engine {
         } else {
             Self::load_local(dir, opts)?
         };
+        e.vram = attach_vram(dir, opts, &mut e.model.experts, &mut e.warnings)?;
         let Some(c) = &opts.cluster else {
             return Ok(e);
         };
@@ -186,6 +198,7 @@ impl Engine {
             model,
             store: None,
             remote: None,
+            vram: None,
             plan: None,
             warnings: vec![format!(
                 "{} has no expert files: every routed expert comes from the workers, and a step whose experts no live worker holds fails",
@@ -206,6 +219,7 @@ impl Engine {
                 model,
                 store: None,
                 remote: None,
+                vram: None,
                 plan: None,
                 warnings,
             });
@@ -252,6 +266,7 @@ impl Engine {
             model,
             store: Some(store),
             remote: None,
+            vram: None,
             plan: Some(p),
             warnings,
         })
@@ -331,6 +346,8 @@ fn io_warnings(store: &StreamingExperts) -> Vec<String> {
 pub struct ExpertHolder {
     pub spec: charm_shared::config::ModelSpec,
     pub executor: Arc<dyn ExpertExecutor>,
+    /// The VRAM tier in front of the store, when experts run on a GPU.
+    pub vram: Option<Arc<VramExperts>>,
     /// The streaming store behind `executor`, for a container.
     pub store: Option<Arc<StreamingExperts>>,
     /// RAM given to experts, bytes (the cache of a container; every expert for a checkpoint).
@@ -379,6 +396,7 @@ impl Engine {
             return Ok(ExpertHolder {
                 spec: model.spec.clone(),
                 executor: model.experts.clone(),
+                vram: None,
                 store: None,
                 ram_bytes: 0,
                 act_group: None,
@@ -429,10 +447,13 @@ impl Engine {
         store
             .wait_warm()
             .map_err(|e| LoadError::config(dir, e.to_string()))?;
-        let warnings = io_warnings(&store);
+        let mut warnings = io_warnings(&store);
+        let mut executor: Arc<dyn ExpertExecutor> = store.clone();
+        let vram = attach_vram(dir, opts, &mut executor, &mut warnings)?;
         Ok(ExpertHolder {
             spec,
-            executor: store.clone(),
+            executor,
+            vram,
             store: Some(store),
             ram_bytes: cache_bytes,
             act_group: (opts.activations == Activations::Int8)
@@ -441,6 +462,77 @@ impl Engine {
             warnings,
         })
     }
+}
+
+/// Puts the VRAM tier in front of `experts` when `opts.vram` asks for one: the experts of the
+/// container in `dir`, hottest first by its routing history (the rest spread over the layers),
+/// while they fit. No usable GPU is a warning and the CPU path; f32 activations are refused (the
+/// GPU kernels are the integer path's twins).
+fn attach_vram(
+    dir: &Path,
+    opts: &EngineOptions,
+    experts: &mut Arc<dyn ExpertExecutor>,
+    warnings: &mut Vec<String>,
+) -> Result<Option<Arc<VramExperts>>, LoadError> {
+    let Some(budget) = opts.vram else {
+        return Ok(None);
+    };
+    if opts.activations != Activations::Int8 {
+        return Err(LoadError::config(
+            dir,
+            "--vram runs routed experts with int8 activations (the GPU kernels are the integer path's exact twins): add --activations int8".to_string(),
+        ));
+    }
+    if !Container::is_container(dir) || !Container::has_expert_files(dir) {
+        warnings.push(format!(
+            "--vram applies to charm containers with int8/int4 experts; {} keeps its experts on the CPU (convert it)",
+            dir.display()
+        ));
+        return Ok(None);
+    }
+    let gpu = match Gpu::open(opts.gpu) {
+        Ok(g) => Arc::new(g),
+        Err(e) => {
+            warnings.push(format!("{e}; routed experts run on the CPU"));
+            return Ok(None);
+        }
+    };
+    let c = Container::open(dir)?;
+    let spec = charm_shared::config::ModelSpec::from_dir(dir)?;
+    let heat = routing_heat(dir, opts);
+    let mut order: Vec<(usize, u32)> = c
+        .expert_layers()
+        .flat_map(|l| (0..l.count as u32).map(move |e| (l.layer, e)))
+        .collect();
+    // hottest first; unseen experts by id, then layer, so a partial tier spans every layer
+    order.sort_by_key(|&(l, e)| {
+        (
+            std::cmp::Reverse(heat.get(&(l, e)).copied().unwrap_or(0)),
+            e,
+            l,
+        )
+    });
+    let tier = VramExperts::new(
+        gpu,
+        experts.clone(),
+        spec.hidden_size,
+        budget,
+        order,
+        |l, e| {
+            let (gate, up, down) = c.expert(l, e as usize).map_err(|e| e.to_string())?;
+            Ok(charm_shared::linear::SwiGlu { gate, up, down })
+        },
+    )
+    .map_err(|e| LoadError::config(dir, e.to_string()))?;
+    if tier.resident() == 0 {
+        warnings.push(format!(
+            "--vram: no routed expert fits {:.2} GiB of VRAM; every expert runs on the CPU",
+            budget as f64 / (1u64 << 30) as f64
+        ));
+    }
+    let tier = Arc::new(tier);
+    *experts = tier.clone();
+    Ok(Some(tier))
 }
 
 /// Uses per `(layer, expert)` from the routing history of a container, for placement.
@@ -475,6 +567,14 @@ pub fn render_stats(run: Option<&ExpertStats>) -> String {
         );
         if let Some(r) = st.lookahead_recall() {
             s += &format!(", lookahead recall {:.1}%", 100.0 * r);
+        }
+        if st.vram_experts > 0 {
+            s += &format!(
+                ", {} expert uses on the GPU ({} experts in {:.2} GiB of VRAM)",
+                st.vram_hits,
+                st.vram_experts,
+                st.vram_bytes as f64 / (1u64 << 30) as f64
+            );
         }
         s += "; ";
     }

@@ -25,7 +25,7 @@ pub enum Status {
 #[derive(Debug, Clone, Serialize)]
 pub struct Check {
     /// Stable identifier (`model.config`, `model.container`, `model.files`, `model.checksums`,
-    /// `ram.budget`, `ram.system`, `fs.o_direct`, `disk.read_speed`, `cpu.isa`, `history`).
+    /// `ram.budget`, `ram.system`, `fs.o_direct`, `disk.read_speed`, `cpu.isa`, `history`, `gpu`).
     pub id: &'static str,
     pub status: Status,
     pub message: String,
@@ -90,6 +90,38 @@ fn huge_pages_check(
     c
 }
 
+/// `gpu`: the adapters for `--vram` (name and driver as they report them, features, the
+/// self-check's verdict). None usable is a note, not a failure: the experts run on the CPU.
+fn gpu_check() -> Check {
+    let adapters = charm_worker::gpu::report();
+    let usable: Vec<_> = adapters.iter().filter(|a| a.verdict == "exact").collect();
+    let list = adapters
+        .iter()
+        .map(|a| {
+            format!(
+                "{}: {} ({}, {}): {}",
+                a.id, a.name, a.backend, a.driver, a.verdict
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    let mut c = match (adapters.is_empty(), usable.is_empty()) {
+        (true, _) => check(
+            "gpu",
+            Status::Skip,
+            "no GPU adapter (Vulkan or Metal): routed experts run on the CPU",
+        ),
+        (false, true) => check(
+            "gpu",
+            Status::Warn,
+            format!("no adapter passes the self-check, --vram runs on the CPU: {list}"),
+        ),
+        (false, false) => check("gpu", Status::Ok, format!("--vram can use {list}")),
+    };
+    c.data = serde_json::to_value(&adapters).ok();
+    c
+}
+
 fn check(id: &'static str, status: Status, message: impl Into<String>) -> Check {
     Check {
         id,
@@ -103,10 +135,13 @@ fn check(id: &'static str, status: Status, message: impl Into<String>) -> Check 
 /// the whole model).
 pub fn doctor(dir: &Path, input: &PlanInput, deep: bool, direct: bool) -> Report {
     let mut checks = Vec::new();
-    let report = |checks: Vec<Check>| Report {
-        model: dir.display().to_string(),
-        runnable: !checks.iter().any(|c: &Check| c.status == Status::Fail),
-        checks,
+    let report = |mut checks: Vec<Check>| {
+        checks.push(gpu_check());
+        Report {
+            model: dir.display().to_string(),
+            runnable: !checks.iter().any(|c: &Check| c.status == Status::Fail),
+            checks,
+        }
     };
     let spec = match ModelSpec::from_dir(dir) {
         Ok(s) => {

@@ -27,6 +27,8 @@ use crate::kernels::{par_lane_blocks, par_row_blocks, par_rows, Matrix};
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+/// The GPU twin of the int8-activation path: its WGSL and buffer layout.
+pub mod gpu;
 mod lanes;
 mod matmul;
 /// The reference kernels.
