@@ -108,6 +108,11 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
             expert_rate: rate,
             fetches: shard.is_some(),
             act_group: e.act_group.unwrap_or(0) as u32,
+            vram_bytes: e.vram.as_ref().map_or(0, |v| v.bytes()),
+            gpu: e
+                .vram
+                .as_ref()
+                .map_or(String::new(), |v| v.gpu().name.clone()),
         },
         limits: Limits {
             hidden: spec.hidden_size,
@@ -117,8 +122,16 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         shard,
         warm: charm_worker::server::Warm::new(std::time::Duration::from_micros(a.spin_us)),
     });
+    let vram = e.vram.as_ref().map_or(String::new(), |v| {
+        format!(
+            " and {:.2} GiB of VRAM on {} ({} experts)",
+            v.bytes() as f64 / (1u64 << 30) as f64,
+            v.gpu().name,
+            v.resident()
+        )
+    });
     eprintln!(
-        "worker {node}: {} MoE layers, {:.2} GiB for experts, {rate:.0} expert rows/s",
+        "worker {node}: {} MoE layers, {:.2} GiB for experts{vram}, {rate:.0} expert rows/s",
         layers.len(),
         e.ram_bytes as f64 / (1u64 << 30) as f64
     );
@@ -260,8 +273,17 @@ fn status(model: &Path, args: &StoreArgs, json: bool) -> Result<()> {
                 (Some(e), false) => format!("down: {e}"),
                 (None, false) => "down".to_string(),
             };
+            let vram = if w.vram_bytes > 0 {
+                format!(
+                    ", {:.1} GiB expert VRAM on {}",
+                    w.vram_bytes as f64 / (1u64 << 30) as f64,
+                    w.gpu
+                )
+            } else {
+                String::new()
+            };
             println!(
-                "  {:<12} {:<22} {health}; {} experts placed, {:.1} GiB expert RAM, {:.0} expert rows/s, {:.0} GiB disk free, ping {}",
+                "  {:<12} {:<22} {health}; {} experts placed, {:.1} GiB expert RAM{vram}, {:.0} expert rows/s, {:.0} GiB disk free, ping {}",
                 w.name,
                 w.addr,
                 w.experts,

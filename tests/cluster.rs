@@ -1062,6 +1062,8 @@ fn lying_worker(
                                 expert_rate: 0.0,
                                 fetches: false,
                                 act_group: 0,
+                                vram_bytes: 0,
+                                gpu: String::new(),
                             }),
                             Message::Compute(req) => {
                                 l3.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

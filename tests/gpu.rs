@@ -436,3 +436,118 @@ fn vram_without_a_usable_adapter_or_with_f32_activations_says_so() {
     }
     let _ = std::fs::remove_dir_all(&c);
 }
+
+/// Completions of a few prompts sent at once (so the gateway batches them), greedy and seeded.
+fn batched_completions(addr: &str) -> Vec<String> {
+    let prompts = [
+        "Once upon a time",
+        "The king said",
+        "In the forest",
+        "A ghost",
+    ];
+    let bodies: Vec<serde_json::Value> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            serde_json::json!({
+                "prompt": p,
+                "max_tokens": 24,
+                "temperature": if i % 2 == 0 { 0.0 } else { 0.9 },
+                "seed": 11 + i,
+            })
+        })
+        .collect();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = bodies
+            .iter()
+            .map(|b| s.spawn(move || common::http::post(addr, "/v1/completions", b)))
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                let r = h.join().unwrap();
+                assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+            })
+            .collect()
+    })
+}
+
+#[test]
+fn the_gateway_batches_the_same_answers_with_experts_in_vram() {
+    if device().is_none() {
+        return;
+    }
+    let c = int4_container("gateway", &common::server::demo());
+    let base = ["--activations", "int8", "--history", "none"];
+    let cpu = {
+        let s = common::server::Server::start_model(&c, &base);
+        batched_completions(&s.addr)
+    };
+    let mut with = base.to_vec();
+    with.extend_from_slice(&["--vram", "4"]);
+    let s = common::server::Server::start_model(&c, &with);
+    assert_eq!(batched_completions(&s.addr), cpu);
+    let st = common::http::http(&s.addr, "GET", "/v1/status", &[], b"").json();
+    let x = &st["experts"];
+    assert!(x["vram_hits"].as_u64().unwrap() > 0, "{x}");
+    assert!(x["vram_experts"].as_u64().unwrap() > 0, "{x}");
+    let names = st["heat"]["locations"].as_array().unwrap();
+    let at = names
+        .iter()
+        .position(|n| n == "coordinator VRAM")
+        .unwrap_or_else(|| panic!("no VRAM location: {names:?}"));
+    let in_vram = st["heat"]["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|l| l["where"].as_array().unwrap().clone())
+        .filter(|w| w[0].as_u64() == Some(at as u64))
+        .count();
+    assert!(in_vram > 0);
+    drop(s);
+    let _ = std::fs::remove_dir_all(&c);
+}
+
+#[test]
+fn a_cluster_of_a_gpu_worker_and_a_cpu_worker_gives_the_single_box_bits() {
+    use common::cluster::{certs, workers_arg, Worker};
+    if device().is_none() {
+        return;
+    }
+    let name = "glm5-tiny";
+    let c = int4_container("cluster", &fixture(name));
+    let dir = certs("gpu-certs");
+    let act = ["--activations", "int8"];
+    let w1 = Worker::start(&c, &dir, "w1", 0, &[&act[..], &["--vram", "4"]].concat());
+    let w2 = Worker::start(&c, &dir, "w2", 0, &act);
+    let ids: Vec<String> = oracle_ids(name, "tf_input_ids")
+        .iter()
+        .map(|i| i.to_string())
+        .collect();
+    let ids = ids.join(",");
+    let (single, _) = generate(&c, &ids, &[]);
+    let cluster_args = [
+        "--cluster",
+        dir.to_str().unwrap(),
+        "--workers",
+        &workers_arg(&[(&w1, "w1"), (&w2, "w2")]),
+    ];
+    let (got, _) = generate(&c, &ids, &cluster_args);
+    assert_eq!(got, single, "GPU worker + CPU worker against single box");
+    // the coordinator sees the GPU worker's VRAM and adapter
+    let (ok, out, err) = charm(
+        &[
+            &["cluster", "status", "--model", c.to_str().unwrap()][..],
+            &cluster_args,
+        ]
+        .concat(),
+    );
+    assert!(ok, "{err}");
+    let line = out.lines().find(|l| l.contains("w1")).unwrap_or_default();
+    assert!(line.contains("GiB expert VRAM on"), "{out}");
+    let line = out.lines().find(|l| l.contains("w2")).unwrap_or_default();
+    assert!(!line.contains("VRAM"), "{out}");
+    drop((w1, w2));
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&c);
+}

@@ -176,8 +176,10 @@ pub struct ExpertStats {
     pub cache_peak_bytes: u64,
     pub pinned: u64,
     pub direct_io: bool,
-    /// Expert uses computed on the GPU from the VRAM tier (not counted in `hits` or `misses`).
+    /// Expert uses computed on the GPU from the VRAM tier (not counted in `hits` or `misses`),
+    /// and experts moved into VRAM while running.
     pub vram_hits: u64,
+    pub vram_swaps: u64,
     /// Experts held in VRAM and their bytes.
     pub vram_experts: u64,
     pub vram_bytes: u64,
@@ -221,6 +223,7 @@ impl ExpertStats {
             early_used: self.early_used - earlier.early_used,
             disk_busy_seconds: self.disk_busy_seconds - earlier.disk_busy_seconds,
             vram_hits: self.vram_hits - earlier.vram_hits,
+            vram_swaps: self.vram_swaps - earlier.vram_swaps,
             ..self.clone()
         }
     }

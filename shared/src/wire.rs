@@ -21,7 +21,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 /// outputs are one array, run after run (version 2: an array per run). Since version 2 a stream
 /// carries frames one after another, each request answered on it before the next is read, until
 /// its sender finishes it (version 1: one request per stream).
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// Bytes of the frame length prefix.
 pub const LEN_BYTES: usize = 4;
 /// Largest payload accepted (a 512-token step of GLM-5.2's 6144-wide activations is 12 MiB).
@@ -133,6 +133,10 @@ pub struct Hello {
     /// With int8 activations: the group every expert of the peer quantizes activations in, so
     /// requests may carry [`ActCodes`] of that group (0: send f32).
     pub act_group: u32,
+    /// VRAM the peer gives experts on its GPU, bytes (0: none), and the adapter as its driver
+    /// names it.
+    pub vram_bytes: u64,
+    pub gpu: String,
 }
 
 impl Hello {
@@ -149,6 +153,8 @@ impl Hello {
             expert_rate: 0.0,
             fetches: false,
             act_group: 0,
+            vram_bytes: 0,
+            gpu: String::new(),
         }
     }
 }
@@ -622,6 +628,8 @@ mod tests {
                 expert_rate: 1e4,
                 fetches: false,
                 act_group: 64,
+                vram_bytes: 20 << 30,
+                gpu: "NVIDIA GeForce RTX 3090".into(),
             }),
             Message::Failed {
                 id: 1,

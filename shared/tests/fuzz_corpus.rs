@@ -145,6 +145,8 @@ fn the_wire_seeds_are_current() {
                 expert_rate: 12500.0,
                 fetches: true,
                 act_group: 64,
+                vram_bytes: 20 << 30,
+                gpu: "NVIDIA GeForce RTX 3090".into(),
             })),
         ),
         (

@@ -386,7 +386,7 @@ impl Drop for Loopback {
 /// What placement knows of one worker.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Capacity {
-    /// Bytes of RAM it gives experts (0: unknown, counted as the others' mean).
+    /// Bytes of RAM and VRAM it gives experts (0: unknown, counted as the others' mean).
     pub ram_bytes: u64,
     /// Expert rows per second it measured (0: unknown, counted as the others' mean).
     pub rate: f64,

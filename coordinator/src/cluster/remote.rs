@@ -71,6 +71,9 @@ pub struct WorkerStatus {
     pub disk_free_bytes: u64,
     /// Expert rows per second it measured at start.
     pub expert_rate: f64,
+    /// VRAM it gives experts on its GPU, bytes, and the adapter (from its handshake).
+    pub vram_bytes: u64,
+    pub gpu: String,
     /// The group its int8 activation codes come in (0: it takes f32).
     pub act_group: u32,
     pub requests: u64,
@@ -314,6 +317,8 @@ impl RemoteExperts {
                     ram_bytes: hello.as_ref().map_or(0, |h| h.ram_bytes),
                     disk_free_bytes: hello.as_ref().map_or(0, |h| h.disk_free_bytes),
                     expert_rate: hello.as_ref().map_or(0.0, |h| h.expert_rate),
+                    vram_bytes: hello.as_ref().map_or(0, |h| h.vram_bytes),
+                    gpu: hello.as_ref().map_or(String::new(), |h| h.gpu.clone()),
                     act_group: hello.as_ref().map_or(0, |h| h.act_group),
                     requests,
                     compute_streams: w.streams.load(Ordering::Relaxed),

@@ -172,7 +172,8 @@ impl Shared {
                     .expect("worker lock")
                     .as_ref()
                     .map(|h| Capacity {
-                        ram_bytes: h.ram_bytes,
+                        // the memory its experts compute from: RAM and VRAM
+                        ram_bytes: h.ram_bytes + h.vram_bytes,
                         rate: h.expert_rate,
                         // a worker that fetches its shard can be given any expert
                         holds: if h.fetches && self.source.is_some() {

@@ -15,7 +15,7 @@ use charm_shared::container::Container;
 use charm_shared::expert::{ExpertExecutor, ExpertStats};
 use charm_shared::quant::Activations;
 use charm_shared::LoadError;
-use charm_worker::gpu::tier::VramExperts;
+use charm_worker::gpu::tier::{SwapPolicy, VramExperts};
 use charm_worker::gpu::Gpu;
 use charm_worker::history::container_model_id;
 use charm_worker::{IoEvent, StoreOptions, StreamingExperts};
@@ -518,10 +518,11 @@ fn attach_vram(
         spec.hidden_size,
         budget,
         order,
-        |l, e| {
+        Box::new(move |l, e| {
             let (gate, up, down) = c.expert(l, e as usize).map_err(|e| e.to_string())?;
             Ok(charm_shared::linear::SwiGlu { gate, up, down })
-        },
+        }),
+        SwapPolicy::default(),
     )
     .map_err(|e| LoadError::config(dir, e.to_string()))?;
     if tier.resident() == 0 {
@@ -570,10 +571,11 @@ pub fn render_stats(run: Option<&ExpertStats>) -> String {
         }
         if st.vram_experts > 0 {
             s += &format!(
-                ", {} expert uses on the GPU ({} experts in {:.2} GiB of VRAM)",
+                ", {} expert uses on the GPU ({} experts in {:.2} GiB of VRAM, {} moved in)",
                 st.vram_hits,
                 st.vram_experts,
-                st.vram_bytes as f64 / (1u64 << 30) as f64
+                st.vram_bytes as f64 / (1u64 << 30) as f64,
+                st.vram_swaps
             );
         }
         s += "; ";

@@ -5,7 +5,7 @@
 //! The document: `model` (name, architecture, layers, experts), `uptime_seconds`, `server`
 //! (requests, queue, batch, tokens, cancellations, time to first token, KV log), `speculative`
 //! (drafted and accepted tokens), `structured` (grammar masks and forced tokens), `experts`
-//! (uses served from RAM, disk reads, cache size), `throughput` (the last minute, a sample a
+//! (uses served from RAM or VRAM, disk reads, cache size, the VRAM tier's experts and moves), `throughput` (the last minute, a sample a
 //! second: tokens and disk bytes per second), `workers` and `cluster` (empty and `null` on one
 //! box), and `heat` (unless `?heat=false`): per MoE layer, the router's picks of each expert
 //! since start and where each expert lives (indices into `heat.locations`, preferred first);
@@ -27,6 +27,7 @@ use super::Shared;
 use crate::cluster::remote::WorkerStatus;
 use crate::model::usage::ExpertUse;
 use charm_shared::expert::{ExpertExecutor, ExpertStats};
+use charm_worker::gpu::tier::VramExperts;
 use charm_worker::store::StreamingExperts;
 
 /// Samples kept: a minute at one a second.
@@ -45,6 +46,8 @@ pub(super) struct Sources {
     pub(super) executor: Arc<dyn ExpertExecutor>,
     /// The streaming store (this machine's experts on disk), if there is one.
     pub(super) store: Option<Arc<StreamingExperts>>,
+    /// The VRAM tier (this machine's experts on a GPU), if there is one.
+    pub(super) vram: Option<Arc<VramExperts>>,
     /// RAM the plan gave the expert cache, bytes.
     pub(super) cache_bytes: Option<u64>,
     samples: Mutex<VecDeque<Sample>>,
@@ -90,6 +93,7 @@ impl Sources {
             expert_use: m.expert_use.clone(),
             executor: m.experts.clone(),
             store: engine.store.clone(),
+            vram: engine.vram.clone(),
             cache_bytes: engine.plan.as_ref().map(|p| p.cache_bytes),
             samples: Mutex::new(VecDeque::with_capacity(SAMPLES + 1)),
         }
@@ -150,8 +154,18 @@ fn locations(s: &Shared, workers: &[WorkerStatus]) -> (Vec<String>, Vec<Vec<Vec<
         names.push("coordinator disk".into());
         st.cached()
     });
-    // on this machine: in RAM, unless a streaming store has it only on disk
+    let vram = src.vram.as_ref().map(|v| {
+        names.push("coordinator VRAM".into());
+        (names.len() - 1, v.held())
+    });
+    // on this machine: in VRAM when the GPU holds it, else in RAM, unless a streaming store has
+    // it only on disk
     let here = |layer: usize, e: u32| -> usize {
+        if let Some((at, held)) = &vram {
+            if held.binary_search(&(layer, e)).is_ok() {
+                return *at;
+            }
+        }
         match &disk {
             Some(cached) if cached.binary_search(&(layer, e)).is_err() => 1,
             _ => 0,
@@ -199,7 +213,7 @@ pub(super) fn document(s: &Shared, heat: bool) -> Json {
             ..Default::default()
         }
     });
-    let uses = st.hits + st.misses;
+    let uses = st.hits + st.misses + st.vram_hits;
     let ratio = |a: u64, b: u64| if b > 0 { a as f64 / b as f64 } else { 0.0 };
     let ttft_n = l(&m.ttft_n);
     // (one status read for the table and the heat map's names: it walks the placement)
@@ -222,6 +236,8 @@ pub(super) fn document(s: &Shared, heat: bool) -> Json {
                 "bytes_received": w.bytes_received,
                 "experts": w.experts,
                 "ram_bytes": w.ram_bytes,
+                "vram_bytes": w.vram_bytes,
+                "gpu": w.gpu,
             })
         })
         .collect();
@@ -267,7 +283,11 @@ pub(super) fn document(s: &Shared, heat: bool) -> Json {
         "experts": {
             "uses": uses,
             "hits": st.hits,
-            "hit_rate": super::metrics::hit_rate(st.hits as f64, uses as f64),
+            "hit_rate": super::metrics::hit_rate((st.hits + st.vram_hits) as f64, uses as f64),
+            "vram_hits": st.vram_hits,
+            "vram_experts": st.vram_experts,
+            "vram_bytes": st.vram_bytes,
+            "vram_moves": st.vram_swaps,
             "disk_reads": st.reads,
             "disk_bytes_read": st.bytes_read,
             "cache_bytes": src.cache_bytes,

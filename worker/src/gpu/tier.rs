@@ -3,10 +3,15 @@
 //! VRAM and partly below runs both at once: the GPU's part is submitted from a thread of its own
 //! while the CPU computes its part, and the ascending-order combine ([`combine`]) sees the same
 //! per-expert rows wherever each expert ran, so the sum has the same bits.
+//!
+//! While decoding, experts that turn hot move up: every [`SWAP_EVERY`] steps the most used
+//! experts below take free VRAM, or the place of the least used resident ones when they were used
+//! clearly more often ([`SwapPolicy`]); use counts halve every [`DECAY_EVERY`] steps, so the tier
+//! follows what the model routes to now (colibrì swaps hot RAM experts into VRAM every 16 tokens).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, RwLock};
 
 use charm_shared::expert::{
     combine, gather, plan_runs, ExpertBatch, ExpertError, ExpertExecutor, ExpertStats,
@@ -16,16 +21,53 @@ use charm_shared::linear::SwiGlu;
 
 use super::{Gpu, GpuError, GpuExpert, Job};
 
+/// Steps between two looks at which experts should move into VRAM.
+pub const SWAP_EVERY: u64 = 16;
+/// Steps between two halvings of the use counts.
+pub const DECAY_EVERY: u64 = 64;
+
+/// How many experts may move into VRAM at each look, and by how much an expert below must be
+/// used more than a resident one to take its place.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SwapPolicy {
+    /// Experts uploaded at most per look (each is read from below and copied to the device on the
+    /// forward pass's thread).
+    pub max_moves: usize,
+    /// A candidate replaces a resident expert when its uses exceed `ratio` times the resident's
+    /// plus one.
+    pub ratio: f64,
+}
+
+impl Default for SwapPolicy {
+    fn default() -> Self {
+        Self {
+            max_moves: 4,
+            ratio: 2.0,
+        }
+    }
+}
+
+/// Reads an expert's weights (to upload it).
+pub type LoadExpert = dyn Fn(usize, u32) -> Result<SwiGlu, String> + Send + Sync;
+
 /// Routed experts in VRAM over an executor for the rest.
 pub struct VramExperts {
     gpu: Arc<Gpu>,
     below: Arc<dyn ExpertExecutor>,
     hidden: usize,
-    resident: HashMap<(usize, u32), GpuExpert>,
-    /// VRAM given to experts, bytes.
-    pub bytes: u64,
-    /// Expert uses computed on the GPU.
+    resident: RwLock<HashMap<(usize, u32), GpuExpert>>,
+    /// VRAM given to experts: the budget, and what the resident ones hold.
+    budget: u64,
+    bytes: AtomicU64,
+    load: Box<LoadExpert>,
+    policy: SwapPolicy,
+    /// Uses per expert (halved every [`DECAY_EVERY`] steps), and the step count.
+    uses: Mutex<(HashMap<(usize, u32), f64>, u64)>,
+    /// Experts whose formats the kernels do not take (never candidates).
+    unfit: Mutex<std::collections::HashSet<(usize, u32)>>,
+    /// Expert uses computed on the GPU, and experts moved into VRAM while running.
     vram_hits: AtomicU64,
+    swaps: AtomicU64,
 }
 
 impl std::fmt::Debug for VramExperts {
@@ -34,64 +76,173 @@ impl std::fmt::Debug for VramExperts {
             f,
             "VramExperts({:?}, {} experts, {} bytes)",
             self.gpu,
-            self.resident.len(),
-            self.bytes
+            self.resident(),
+            self.bytes.load(Ordering::Relaxed)
         )
     }
 }
 
 impl VramExperts {
     /// Uploads experts in `order` (hottest first) while they fit `budget` bytes of VRAM, each
-    /// read with `load`; `below` runs the rest. An expert whose formats the GPU does not take
-    /// stays below.
+    /// read with `load` (kept for moves while running); `below` runs the rest. An expert whose
+    /// formats the GPU does not take stays below.
     pub fn new(
         gpu: Arc<Gpu>,
         below: Arc<dyn ExpertExecutor>,
         hidden: usize,
         budget: u64,
         order: impl IntoIterator<Item = (usize, u32)>,
-        mut load: impl FnMut(usize, u32) -> Result<SwiGlu, String>,
+        load: Box<LoadExpert>,
+        policy: SwapPolicy,
     ) -> Result<Self, GpuError> {
-        let mut resident = HashMap::new();
-        let mut bytes = 0u64;
-        for (layer, id) in order {
-            let e = load(layer, id).map_err(GpuError::Format)?;
-            // (an expert whose formats the kernels do not take stays below)
-            let Ok(words) = charm_shared::quant::gpu::ExpertWords::new(&e) else {
-                continue;
-            };
-            let need = words.bytes.len() as u64;
-            if bytes + need > budget {
-                break;
-            }
-            let g = gpu.upload(&e)?;
-            bytes += g.bytes();
-            resident.insert((layer, id), g);
-        }
-        Ok(Self {
+        let t = Self {
             gpu,
             below,
             hidden,
-            resident,
-            bytes,
+            resident: RwLock::new(HashMap::new()),
+            budget,
+            bytes: AtomicU64::new(0),
+            load,
+            policy,
+            uses: Mutex::new((HashMap::new(), 0)),
+            unfit: Mutex::new(Default::default()),
             vram_hits: AtomicU64::new(0),
-        })
+            swaps: AtomicU64::new(0),
+        };
+        for key in order {
+            match t.upload(key)? {
+                Upload::Done | Upload::Unfit => {}
+                Upload::NoRoom => break,
+            }
+        }
+        Ok(t)
+    }
+
+    /// Reads expert `key` from below and puts it in VRAM if it fits the budget's free room.
+    fn upload(&self, key: (usize, u32)) -> Result<Upload, GpuError> {
+        let e = (self.load)(key.0, key.1).map_err(GpuError::Format)?;
+        // (an expert whose formats the kernels do not take stays below)
+        let Ok(words) = charm_shared::quant::gpu::ExpertWords::new(&e) else {
+            self.unfit.lock().expect("unfit set").insert(key);
+            return Ok(Upload::Unfit);
+        };
+        let need = words.bytes.len() as u64;
+        if self.bytes.load(Ordering::Relaxed) + need > self.budget {
+            return Ok(Upload::NoRoom);
+        }
+        let g = self.gpu.upload(&e)?;
+        self.bytes.fetch_add(g.bytes(), Ordering::Relaxed);
+        self.resident
+            .write()
+            .expect("resident experts")
+            .insert(key, g);
+        Ok(Upload::Done)
+    }
+
+    /// Moves the most used experts below into VRAM: into free room, or in place of resident
+    /// experts used clearly less ([`SwapPolicy`]). Failures leave the tier as it was (the
+    /// experts stay where they are and compute there).
+    fn rebalance(&self, uses: &HashMap<(usize, u32), f64>) {
+        let unfit = self.unfit.lock().expect("unfit set").clone();
+        let (mut below, mut resident): (Vec<_>, Vec<_>) = {
+            let r = self.resident.read().expect("resident experts");
+            let below = uses
+                .iter()
+                .filter(|(k, _)| !r.contains_key(k) && !unfit.contains(k))
+                .map(|(&k, &n)| (k, n))
+                .collect();
+            let resident = r
+                .keys()
+                .map(|k| (*k, uses.get(k).copied().unwrap_or(0.0)))
+                .collect();
+            (below, resident)
+        };
+        // most used first below; least used first in VRAM (ties by key, so runs repeat)
+        below.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        resident.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+        let mut cold = resident.into_iter();
+        for (key, n) in below.into_iter().take(self.policy.max_moves) {
+            match self.upload(key) {
+                Ok(Upload::Done) => {
+                    self.swaps.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                Ok(Upload::Unfit) => continue,
+                Ok(Upload::NoRoom) => {}
+                Err(_) => return,
+            }
+            // no room: replace the coldest resident expert if this one is clearly hotter
+            let Some((victim, m)) = cold.next() else {
+                return;
+            };
+            if n <= self.policy.ratio * m + 1.0 {
+                return;
+            }
+            if let Some(g) = self
+                .resident
+                .write()
+                .expect("resident experts")
+                .remove(&victim)
+            {
+                self.bytes.fetch_sub(g.bytes(), Ordering::Relaxed);
+            }
+            match self.upload(key) {
+                Ok(Upload::Done) => {
+                    self.swaps.fetch_add(1, Ordering::Relaxed);
+                }
+                _ => {
+                    // (the victim goes back where it was if this one could not go up)
+                    let _ = self.upload(victim);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Bytes of VRAM the resident experts hold.
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
     }
 
     /// Experts held in VRAM.
     pub fn resident(&self) -> usize {
-        self.resident.len()
+        self.resident.read().expect("resident experts").len()
     }
 
     /// Whether expert `id` of `layer` is in VRAM.
     pub fn holds(&self, layer: usize, id: u32) -> bool {
-        self.resident.contains_key(&(layer, id))
+        self.resident
+            .read()
+            .expect("resident experts")
+            .contains_key(&(layer, id))
+    }
+
+    /// The experts in VRAM, `(layer, id)`.
+    pub fn held(&self) -> Vec<(usize, u32)> {
+        let mut v: Vec<_> = self
+            .resident
+            .read()
+            .expect("resident experts")
+            .keys()
+            .copied()
+            .collect();
+        v.sort_unstable();
+        v
     }
 
     /// The device.
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
     }
+}
+
+/// What [`VramExperts::upload`] did.
+enum Upload {
+    Done,
+    /// Formats the kernels do not take: stays below.
+    Unfit,
+    /// Not within the budget's free room.
+    NoRoom,
 }
 
 /// The rows of the runs `idx` computed by `below`: every run's tokens as one batch of one expert
@@ -137,8 +288,15 @@ impl ExpertExecutor for VramExperts {
         let h = self.hidden;
         batch.check(h)?;
         let runs = plan_runs(&batch);
+        {
+            let mut u = self.uses.lock().expect("expert uses");
+            for (id, slots) in &runs {
+                *u.0.entry((batch.layer, *id)).or_default() += slots.len() as f64;
+            }
+        }
+        let resident = self.resident.read().expect("resident experts");
         let (on_gpu, below): (Vec<usize>, Vec<usize>) =
-            (0..runs.len()).partition(|&i| self.holds(batch.layer, runs[i].0));
+            (0..runs.len()).partition(|&i| resident.contains_key(&(batch.layer, runs[i].0)));
         let mut outs: Vec<Vec<f32>> = vec![Vec::new(); runs.len()];
         let xs: Vec<Vec<f32>> = on_gpu
             .iter()
@@ -148,7 +306,7 @@ impl ExpertExecutor for VramExperts {
             .iter()
             .zip(&xs)
             .map(|(&i, x)| Job {
-                expert: &self.resident[&(batch.layer, runs[i].0)],
+                expert: &resident[&(batch.layer, runs[i].0)],
                 x,
                 rows: runs[i].1.len(),
             })
@@ -214,14 +372,28 @@ impl ExpertExecutor for VramExperts {
     }
 
     fn step_end(&self) {
-        self.below.step_end()
+        self.below.step_end();
+        let uses = {
+            let mut u = self.uses.lock().expect("expert uses");
+            u.1 += 1;
+            let step = u.1;
+            if step.is_multiple_of(DECAY_EVERY) {
+                u.0.values_mut().for_each(|v| *v *= 0.5);
+            }
+            if !step.is_multiple_of(SWAP_EVERY) {
+                return;
+            }
+            u.0.clone()
+        };
+        self.rebalance(&uses);
     }
 
     fn stats(&self) -> Option<ExpertStats> {
         let mut s = self.below.stats().unwrap_or_default();
         s.vram_hits = self.vram_hits.load(Ordering::Relaxed);
-        s.vram_bytes = self.bytes;
-        s.vram_experts = self.resident.len() as u64;
+        s.vram_swaps = self.swaps.load(Ordering::Relaxed);
+        s.vram_bytes = self.bytes.load(Ordering::Relaxed);
+        s.vram_experts = self.resident() as u64;
         Some(s)
     }
 }

@@ -550,6 +550,9 @@ function showStatus(d) {
     ['expert cache', x.cache_bytes ? bytes(x.cache_bytes) : 'all in RAM'],
     ['streamed from disk', x.streamed ? 'yes' : 'no'],
   ];
+  if (x.vram_experts > 0) {
+    xr.push(['on the GPU', x.vram_hits + ' uses; ' + x.vram_experts + ' experts in ' + bytes(x.vram_bytes) + ' of VRAM, ' + x.vram_moves + ' moved in']);
+  }
   if (d.cluster) {
     xr.push(['computed here (no live holder)', String(d.cluster.local_runs)]);
     xr.push(['placements', String(d.cluster.placements)]);
