@@ -113,6 +113,24 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
                 _ => 0,
             };
             let m = ClusterCost::from_plan(&p, spec.hidden_size, group);
+            // the VRAM tier runs int8/int4 experts with int8 activations only (`--vram`)
+            let mut d = d.clone();
+            let gpus: Vec<&str> = d
+                .machines
+                .iter()
+                .filter(|x| x.gpu.is_some())
+                .map(|x| x.name.as_str())
+                .collect();
+            let tier_runs = act == Activations::Int8 && quantized;
+            if !gpus.is_empty() && !tier_runs {
+                eprintln!(
+                    "warning: the GPUs are left out of the prediction ({}): routed experts run in VRAM with int8 or int4 experts and --activations int8 only (here {} experts, {} activations)",
+                    gpus.join(", "),
+                    p.formats.experts.name(),
+                    common::act_name(act)
+                );
+                d.machines.iter_mut().for_each(|x| x.gpu = None);
+            }
             (
                 None,
                 Some(predict::predict(d.setup(&m), &m, a.draft, a.acceptance)),

@@ -30,9 +30,11 @@ pub struct NodePlan {
     pub connected: bool,
     pub error: Option<String>,
     pub experts: usize,
-    /// Bytes of the experts placed on it, and whether its expert RAM holds them all.
+    /// Bytes of the experts placed on it, the RAM and VRAM it gives experts (from its hello),
+    /// and whether they hold them all.
     pub bytes: u64,
     pub ram_bytes: u64,
+    pub vram_bytes: u64,
     pub all_resident: bool,
 }
 
@@ -85,7 +87,9 @@ impl RemoteExperts {
                         experts: p.count(i),
                         bytes,
                         ram_bytes: w.ram_bytes,
-                        all_resident: w.connected && (w.ram_bytes == 0 || w.ram_bytes >= bytes),
+                        vram_bytes: w.vram_bytes,
+                        all_resident: w.connected
+                            && (w.ram_bytes == 0 || w.ram_bytes + w.vram_bytes >= bytes),
                     }
                 })
                 .collect(),
@@ -105,8 +109,13 @@ impl ClusterPlan {
         let mut s = String::from("cluster:\n");
         for w in &self.workers {
             if w.connected {
+                let vram = if w.vram_bytes > 0 {
+                    format!(" and {:.2} GiB expert VRAM", gib(w.vram_bytes))
+                } else {
+                    String::new()
+                };
                 s += &format!(
-                    "  {:<12} {:<22} {:>6} experts, {:>8.2} GiB placed, {:>8.2} GiB expert RAM{}\n",
+                    "  {:<12} {:<22} {:>6} experts, {:>8.2} GiB placed, {:>8.2} GiB expert RAM{vram}{}\n",
                     w.name,
                     w.addr,
                     w.experts,

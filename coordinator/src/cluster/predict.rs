@@ -13,6 +13,14 @@
 //! decoding a step verifies `draft + 1` tokens at once: one dense pass, the MTP layer once per
 //! draft, the union of the tokens' experts, one round trip per layer; acceptance per draft is
 //! taken as independent, giving `(1 - a^(d+1)) / (1 - a)` tokens per step.
+//!
+//! A node with a GPU (the VRAM tier, `--vram`) holds the first of the experts placed on it in
+//! VRAM, then in RAM, then on disk; under uniform routing which experts are "hottest" does not
+//! matter, only how many each tier holds. A layer's experts in VRAM run on the GPU while the
+//! CPU computes the rest (as `charm_worker::gpu::tier` does), so the node's expert time for the
+//! layer is the longer of the two. The GPU's figures are assumptions ([`GPU_EFFICIENCY`],
+//! [`GPU_SUBMIT_S`]): its kernels are checked bit for bit against the CPU's but have not been
+//! timed on real hardware.
 
 use serde::{Deserialize, Serialize};
 
@@ -74,6 +82,33 @@ impl ModelCost {
     }
 }
 
+/// VRAM of a described machine's GPU kept from experts (the driver's context, the kernels'
+/// scratch buffers, a display), GiB.
+pub const GPU_HEADROOM_GIB: f64 = 1.0;
+
+/// Share of a GPU's memory bandwidth its expert kernels are assumed to read weights at (the
+/// default of a described cluster's `gpu_efficiency`). A guess, not a measurement: the WGSL
+/// kernels (`charm_worker::gpu`) are tested bit for bit against the CPU's, but no run on a real
+/// GPU has timed them yet; the CPU kernels' `expert_efficiency` (0.5) is the model for it.
+pub const GPU_EFFICIENCY: f64 = 0.5;
+
+/// Fixed seconds a layer pays on a node whose GPU computes any of its experts: one submission,
+/// its inputs written and its outputs mapped back (assumed, not measured; a discrete GPU's
+/// submit-and-read-back round trip through the driver is typically tens of microseconds to a
+/// few hundred).
+pub const GPU_SUBMIT_S: f64 = 1e-4;
+
+/// A node's GPU, as the predictor sees it: the experts placed on the node fill its VRAM first.
+#[derive(Debug, Clone, Serialize)]
+pub struct NodeGpu {
+    /// VRAM given to experts, bytes (the card's less [`GPU_HEADROOM_GIB`]).
+    pub vram_bytes: u64,
+    /// Seconds to compute one expert for one token with the expert in VRAM.
+    pub expert_s: f64,
+    /// Fixed seconds per layer the GPU computes anything in ([`GPU_SUBMIT_S`]).
+    pub submit_s: f64,
+}
+
 /// A machine that computes experts, as the predictor sees it.
 #[derive(Debug, Clone, Serialize)]
 pub struct Node {
@@ -96,6 +131,9 @@ pub struct Node {
     pub bytes_s: f64,
     /// Runs in the coordinator's process (single box): no request, nothing overlaps it.
     pub in_process: bool,
+    /// Its GPU, where routed experts run from VRAM (none: experts run on its CPU only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<NodeGpu>,
 }
 
 /// Everything the prediction is made from.
@@ -129,6 +167,10 @@ pub struct Budget {
     pub transfer_ms: f64,
     pub expert_compute_ms: f64,
     pub expert_disk_ms: f64,
+    /// Of `expert_compute_ms`, what the GPU adds: the time a layer's experts in VRAM (and the
+    /// submission) take beyond the CPU's part of the layer on the same node, which runs at the
+    /// same time. 0 while the CPU's part is the longer; not a further term of `total_ms`.
+    pub expert_vram_ms: f64,
     /// The part of the wait the shared expert's compute hides (subtracted).
     pub overlap_ms: f64,
     pub total_ms: f64,
@@ -139,8 +181,13 @@ pub struct Budget {
 pub struct LinkUse {
     pub name: String,
     pub experts_per_layer: f64,
-    /// Share of the experts placed on it its RAM holds.
+    /// Share of the experts placed on it its RAM holds (those in its VRAM not counted).
     pub resident_share: f64,
+    /// Share of the experts placed on it its VRAM holds (0 without a GPU), their bytes, and the
+    /// share of its expert reads (distinct experts a step computes) served from VRAM.
+    pub vram_share: f64,
+    pub vram_bytes: u64,
+    pub vram_read_share: f64,
     pub bytes_per_token: f64,
     /// Those bytes at the link's rate, milliseconds (0 without a link).
     pub line_ms_per_token: f64,
@@ -165,6 +212,8 @@ pub struct Prediction {
     pub token: Budget,
     pub tok_s: f64,
     pub links: Vec<LinkUse>,
+    /// Share of a token's expert reads, over all nodes, served from VRAM (0 without GPUs).
+    pub vram_read_share: f64,
     /// What most of a token's time goes to, in words.
     pub bottleneck: String,
     pub speculative: Option<Speculative>,
@@ -185,8 +234,13 @@ impl Rng {
         z ^ (z >> 31)
     }
 
+    /// Uniform in [0, 1).
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
     fn below(&mut self, n: usize) -> usize {
-        ((self.next() >> 11) as f64 / (1u64 << 53) as f64 * n as f64) as usize
+        (self.unit() * n as f64) as usize
     }
 }
 
@@ -223,14 +277,23 @@ fn owners(nodes: &[Node], n: usize) -> Vec<usize> {
 }
 
 impl Node {
-    /// Share of the experts placed on it that its RAM holds.
-    fn resident(&self, m: &ModelCost) -> f64 {
+    /// Shares of the experts placed on it that its VRAM and its RAM hold, VRAM filled first
+    /// (the rest is read from its disk).
+    fn tiers(&self, m: &ModelCost) -> (f64, f64) {
         let placed = self.share * m.experts_total_bytes as f64;
-        if self.ram_bytes == 0 || placed <= 0.0 {
-            1.0
-        } else {
-            (self.ram_bytes as f64 / placed).min(1.0)
+        if placed <= 0.0 {
+            return (0.0, 1.0);
         }
+        let vram = self
+            .gpu
+            .as_ref()
+            .map_or(0.0, |g| (g.vram_bytes as f64 / placed).min(1.0));
+        let ram = if self.ram_bytes == 0 {
+            1.0 - vram
+        } else {
+            (self.ram_bytes as f64 / placed).min(1.0 - vram)
+        };
+        (vram, ram)
     }
 }
 
@@ -238,12 +301,17 @@ impl Node {
 fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>) {
     let nodes = &setup.nodes;
     let mut b = Budget::default();
+    let tiers: Vec<(f64, f64)> = nodes.iter().map(|x| x.tiers(m)).collect();
     let mut links: Vec<LinkUse> = nodes
         .iter()
-        .map(|x| LinkUse {
+        .zip(&tiers)
+        .map(|(x, &(vram, ram))| LinkUse {
             name: x.name.clone(),
             experts_per_layer: 0.0,
-            resident_share: x.resident(m),
+            resident_share: ram,
+            vram_share: vram,
+            vram_bytes: (vram * x.share * m.experts_total_bytes as f64) as u64,
+            vram_read_share: 0.0,
             bytes_per_token: 0.0,
             line_ms_per_token: 0.0,
             critical_share: 0.0,
@@ -253,22 +321,57 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
         return (b, links);
     }
     let owner = owners(nodes, m.n_experts);
-    let hit: Vec<f64> = nodes.iter().map(|x| x.resident(m)).collect();
+    // of the experts not in VRAM, the share its RAM holds
+    let hit: Vec<f64> = tiers
+        .iter()
+        .map(|&(v, r)| {
+            if v < 1.0 {
+                (r / (1.0 - v)).min(1.0)
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    // each node's block of expert ids, and how many of a layer's its VRAM holds (the first of
+    // the block: under uniform routing any will do), fractional: a layer holds the whole part
+    // and, with the fraction's probability, one more
+    let mut start = vec![usize::MAX; nodes.len()];
+    let mut count = vec![0usize; nodes.len()];
+    for (e, &w) in owner.iter().enumerate() {
+        start[w] = start[w].min(e);
+        count[w] += 1;
+    }
+    let in_vram: Vec<f64> = tiers
+        .iter()
+        .zip(&count)
+        .map(|(&(v, _), &n)| v * n as f64)
+        .collect();
+    // (its own sequence, so that the experts drawn are the same with and without GPUs)
+    let mut vram_rng = Rng(0x5EED_5EED);
+    let mut vram_k = vec![0usize; nodes.len()];
     let mut rng = Rng(0x5EED);
     let mut picks = Vec::new();
     let mut used = vec![false; m.n_experts];
-    let (mut toks, mut rows, mut distinct) = (
+    let (mut toks, mut rows, mut distinct, mut on_gpu) = (
+        vec![0usize; nodes.len()],
         vec![0usize; nodes.len()],
         vec![0usize; nodes.len()],
         vec![0usize; nodes.len()],
     );
+    let mut vram_reads = vec![0.0f64; nodes.len()];
     let mut touched = vec![false; nodes.len()];
-    let mut sum = [0.0f64; 5]; // latency, transfer, compute, disk, overlap
+    let mut sum = [0.0f64; 6]; // latency, transfer, compute, disk, overlap, the GPU's beyond the CPU's
     for _ in 0..DRAWS {
         used.iter_mut().for_each(|u| *u = false);
         toks.iter_mut().for_each(|t| *t = 0);
         rows.iter_mut().for_each(|r| *r = 0);
         distinct.iter_mut().for_each(|d| *d = 0);
+        on_gpu.iter_mut().for_each(|d| *d = 0);
+        for (k, &v) in vram_k.iter_mut().zip(&in_vram) {
+            let whole = v.floor();
+            let frac = v - whole;
+            *k = whole as usize + (frac > 0.0 && vram_rng.unit() < frac) as usize;
+        }
         for _ in 0..tokens {
             draw(&mut rng, m.n_experts, m.top_k.min(m.n_experts), &mut picks);
             touched.iter_mut().for_each(|t| *t = false);
@@ -279,6 +382,7 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
                 if !used[e] {
                     used[e] = true;
                     distinct[w] += 1;
+                    on_gpu[w] += (e - start[w] < vram_k[w]) as usize;
                 }
             }
             for (w, t) in touched.iter().enumerate() {
@@ -286,8 +390,9 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
             }
         }
         // each node's parts; the remote ones run in parallel, in-process ones after them
-        let mut worst: Option<(f64, [f64; 4], usize)> = None;
+        let mut worst: Option<(f64, [f64; 4], f64, usize)> = None;
         let mut local = [0.0f64; 4];
+        let mut local_beyond = 0.0;
         let mut through = 0.0; // bytes over the coordinator's link
         for (w, x) in nodes.iter().enumerate() {
             if distinct[w] == 0 {
@@ -296,12 +401,21 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
             let u = distinct[w] as f64;
             let bytes = toks[w] as f64 * m.row_out_bytes + rows[w] as f64 * m.row_back_bytes;
             links[w].experts_per_layer += u;
+            vram_reads[w] += on_gpu[w] as f64;
             links[w].bytes_per_token += if x.in_process { 0.0 } else { bytes };
-            let compute = u * x.expert_s;
-            let disk = u * (1.0 - hit[w]) * (x.disk_s - x.expert_s).max(0.0);
+            // the CPU's part (experts from RAM, or read from disk first) and the GPU's, at once
+            let cpu = (distinct[w] - on_gpu[w]) as f64;
+            let disk = cpu * (1.0 - hit[w]) * (x.disk_s - x.expert_s).max(0.0);
+            let gpu = match (&x.gpu, on_gpu[w]) {
+                (Some(g), n) if n > 0 => g.submit_s + n as f64 * g.expert_s,
+                _ => 0.0,
+            };
+            let beyond = (gpu - cpu * x.expert_s - disk).max(0.0);
+            let compute = cpu * x.expert_s + beyond;
             if x.in_process {
                 local[2] += compute;
                 local[3] += disk;
+                local_beyond += beyond;
                 continue;
             }
             let transfer = if x.bytes_s.is_finite() {
@@ -316,28 +430,30 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
             };
             let parts = [latency, transfer, compute, disk];
             let t: f64 = parts.iter().sum();
-            if worst.is_none_or(|(wt, _, _)| t > wt) {
-                worst = Some((t, parts, w));
+            if worst.is_none_or(|(wt, _, _, _)| t > wt) {
+                worst = Some((t, parts, beyond, w));
             }
         }
         // the layer's bytes all cross the coordinator's link: the last answer waits for them
-        if let Some((t, parts, _)) = &mut worst {
+        if let Some((t, parts, _, _)) = &mut worst {
             let shared_link = through / setup.coordinator_bytes_s;
             if shared_link > parts[1] {
                 *t += shared_link - parts[1];
                 parts[1] = shared_link;
             }
         }
-        if let Some((t, parts, w)) = worst {
+        if let Some((t, parts, beyond, w)) = worst {
             for i in 0..4 {
                 sum[i] += parts[i];
             }
             sum[4] += setup.shared_s.min(t);
+            sum[5] += beyond;
             links[w].critical_share += 1.0;
         }
         for i in 0..4 {
             sum[i] += local[i];
         }
+        sum[5] += local_beyond;
     }
     let per = m.moe_layers as f64 / DRAWS as f64 * 1e3;
     b.round_trips_ms = sum[0] * per;
@@ -345,7 +461,13 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
     b.expert_compute_ms = sum[2] * per;
     b.expert_disk_ms = sum[3] * per;
     b.overlap_ms = sum[4] * per;
-    for (l, x) in links.iter_mut().zip(nodes) {
+    b.expert_vram_ms = sum[5] * per;
+    for ((l, x), v) in links.iter_mut().zip(nodes).zip(vram_reads) {
+        l.vram_read_share = if l.experts_per_layer > 0.0 {
+            v / l.experts_per_layer
+        } else {
+            0.0
+        };
         l.experts_per_layer /= DRAWS as f64;
         l.bytes_per_token *= m.moe_layers as f64 / DRAWS as f64 / tokens as f64;
         l.line_ms_per_token = if x.bytes_s.is_finite() && !x.in_process {
@@ -404,11 +526,17 @@ pub fn predict(setup: Setup, m: &ModelCost, draft: usize, acceptance: f64) -> Pr
         }
     });
     let bottleneck = bottleneck(&token, &links);
+    let reads: f64 = links.iter().map(|l| l.experts_per_layer).sum();
+    let vram_reads: f64 = links
+        .iter()
+        .map(|l| l.experts_per_layer * l.vram_read_share)
+        .sum();
     Prediction {
         setup,
         token,
         tok_s,
         links,
+        vram_read_share: if reads > 0.0 { vram_reads / reads } else { 0.0 },
         bottleneck,
         speculative,
     }
@@ -432,7 +560,11 @@ fn bottleneck(t: &Budget, links: &[LinkUse]) -> String {
         (t.transfer_ms, format!("link bandwidth ({critical})")),
         (
             t.expert_compute_ms,
-            format!("expert compute from RAM ({critical})"),
+            if t.expert_vram_ms > 0.5 * t.expert_compute_ms {
+                format!("expert compute on the GPU ({critical})")
+            } else {
+                format!("expert compute from RAM ({critical})")
+            },
         ),
         (
             t.expert_disk_ms,
@@ -470,6 +602,19 @@ pub struct Machine {
     /// overrides the estimate from memory bandwidth.
     #[serde(default)]
     pub expert_rows_s: Option<f64>,
+    /// Its GPU, for the VRAM tier (`--vram`): the experts placed on it fill VRAM first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<MachineGpu>,
+}
+
+/// A described machine's GPU (`"gpu": {"vram_gib": 24, "mem_gb_s": 900}`).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct MachineGpu {
+    /// Memory of the card, GiB: experts get it less [`GPU_HEADROOM_GIB`].
+    pub vram_gib: f64,
+    /// Its memory read bandwidth, GB/s (the kernels are taken to read at `gpu_efficiency` of it).
+    pub mem_gb_s: f64,
 }
 
 fn default_disk() -> f64 {
@@ -493,6 +638,9 @@ fn default_expert_eff() -> f64 {
 fn default_reserve() -> f64 {
     4.0
 }
+fn default_gpu_eff() -> f64 {
+    GPU_EFFICIENCY
+}
 
 /// A cluster described by its machines: the first runs the coordinator (dense skeleton, KV
 /// cache) and, with more than one machine, every machine runs a worker (the coordinator's with
@@ -510,6 +658,10 @@ pub struct Described {
     pub dense_efficiency: f64,
     #[serde(default = "default_expert_eff")]
     pub expert_efficiency: f64,
+    /// Share of a machine's GPU memory bandwidth the GPU's expert kernels read weights at
+    /// (default [`GPU_EFFICIENCY`], assumed: not measured on a real GPU yet).
+    #[serde(default = "default_gpu_eff")]
+    pub gpu_efficiency: f64,
     /// GiB of each machine left to the system and charm's own buffers.
     #[serde(default = "default_reserve")]
     pub reserve_gib: f64,
@@ -530,6 +682,18 @@ const MAX_MACHINES: usize = 1024;
 impl Described {
     /// Parses and checks a described cluster.
     pub fn parse(text: &str) -> Result<Self, String> {
+        // each machine alone first, so that an error in one names it
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        if let Some(ms) = v.get("machines").and_then(|m| m.as_array()) {
+            for (i, m) in ms.iter().enumerate() {
+                if let Err(e) = Machine::deserialize(m) {
+                    return Err(match m.get("name").and_then(|n| n.as_str()) {
+                        Some(n) => format!("machine `{n}`: {e}"),
+                        None => format!("machine {} of `machines`: {e}", i + 1),
+                    });
+                }
+            }
+        }
         let d: Described = serde_json::from_str(text).map_err(|e| e.to_string())?;
         if d.machines.is_empty() {
             return Err("`machines` is empty: name at least the coordinator's".into());
@@ -556,10 +720,20 @@ impl Described {
                     m.name
                 ));
             }
+            if m.gpu
+                .as_ref()
+                .is_some_and(|g| !(pos(g.vram_gib) && pos(g.mem_gb_s)))
+            {
+                return Err(format!(
+                    "machine `{}`: gpu.vram_gib and gpu.mem_gb_s must be positive",
+                    m.name
+                ));
+            }
         }
         for (v, what) in [
             (d.dense_efficiency, "dense_efficiency"),
             (d.expert_efficiency, "expert_efficiency"),
+            (d.gpu_efficiency, "gpu_efficiency"),
         ] {
             if !(v > 0.0 && v <= 1.0) {
                 return Err(format!("{what} must be in (0, 1]"));
@@ -571,8 +745,11 @@ impl Described {
         Ok(d)
     }
 
-    /// The predictor's view: placement by capacity (expert RAM times speed, as
-    /// [`super::Placement`] places), the coordinator's share of its machine subtracted.
+    /// The predictor's view: placement by capacity (expert RAM and VRAM times speed, as
+    /// [`super::Placement`] places), the coordinator's share of its machine subtracted; the
+    /// experts placed on a machine fill its VRAM first. The speed is the CPU's: a live worker
+    /// measures the rate its hello reports through its VRAM tier, so a live placement may give
+    /// a GPU machine more than this (not modelled).
     pub fn setup(&self, m: &ModelCost) -> Setup {
         let c = &self.machines[0];
         let dense_bps = c.mem_gb_s * 1e9 * self.dense_efficiency;
@@ -583,6 +760,14 @@ impl Described {
             None => m.expert_bytes as f64 / (x.mem_gb_s * 1e9 * self.expert_efficiency),
         };
         let disk_s = |x: &Machine| m.expert_bytes as f64 / (x.disk_gb_s * 1e9);
+        // (the dense skeleton stays on the CPU: the whole card less headroom holds experts)
+        let gpu = |x: &Machine| {
+            x.gpu.as_ref().map(|g| NodeGpu {
+                vram_bytes: ((g.vram_gib - GPU_HEADROOM_GIB).max(0.0) * GIB) as u64,
+                expert_s: m.expert_bytes as f64 / (g.mem_gb_s * 1e9 * self.gpu_efficiency),
+                submit_s: GPU_SUBMIT_S,
+            })
+        };
         let overhead = self.request_overhead_ms / 1e3;
         let mut nodes: Vec<Node> = Vec::new();
         let coordinator_left = ram(c).saturating_sub(m.coordinator_resident_bytes + reserve);
@@ -597,6 +782,7 @@ impl Described {
                 latency_samples_s: vec![],
                 bytes_s: f64::INFINITY,
                 in_process: true,
+                gpu: gpu(c),
             });
         } else {
             for (i, x) in self.machines.iter().enumerate() {
@@ -620,11 +806,16 @@ impl Described {
                     latency_samples_s: vec![],
                     bytes_s,
                     in_process: false,
+                    gpu: gpu(x),
                 });
             }
+            // (a worker's hello counts its VRAM with its RAM for placement)
             let cap: Vec<f64> = nodes
                 .iter()
-                .map(|x| x.ram_bytes as f64 / x.expert_s)
+                .map(|x| {
+                    let vram = x.gpu.as_ref().map_or(0, |g| g.vram_bytes);
+                    (x.ram_bytes + vram) as f64 / x.expert_s
+                })
                 .collect();
             let total: f64 = cap.iter().sum();
             for (x, c) in nodes.iter_mut().zip(cap) {
@@ -649,8 +840,17 @@ impl Prediction {
         let t = &self.token;
         let mut s = format!("speed ({}):\n", self.setup.source);
         for (l, n) in self.links.iter().zip(&self.setup.nodes) {
+            let vram = match n.gpu {
+                Some(_) => format!(
+                    ", {:.0}% in its VRAM = {:.2} GiB serving {:.0}% of its expert reads",
+                    100.0 * l.vram_share,
+                    l.vram_bytes as f64 / GIB,
+                    100.0 * l.vram_read_share
+                ),
+                None => String::new(),
+            };
             s += &format!(
-                "  {:<12} {:>5.1}% of experts ({:>4.0}% in its RAM), {:.2} experts per layer, {}\n",
+                "  {:<12} {:>5.1}% of experts ({:>4.0}% in its RAM{vram}), {:.2} experts per layer, {}\n",
                 l.name,
                 100.0 * n.share,
                 100.0 * l.resident_share,
@@ -668,12 +868,21 @@ impl Prediction {
                 }
             );
         }
+        let compute = if self.setup.nodes.iter().any(|n| n.gpu.is_some()) {
+            format!(
+                "{:.2} ms (RAM and VRAM, {:.2} ms of it the GPU's beyond the CPU's; {:.0}% of expert reads from VRAM)",
+                t.expert_compute_ms,
+                t.expert_vram_ms,
+                100.0 * self.vram_read_share
+            )
+        } else {
+            format!("{:.2} ms (RAM)", t.expert_compute_ms)
+        };
         s += &format!(
-            "  per token: dense {:.2} ms + round trips {:.2} ms + transfer {:.2} ms + experts {:.2} ms (RAM) + {:.2} ms (disk) - {:.2} ms hidden behind the shared expert = {:.2} ms\n",
+            "  per token: dense {:.2} ms + round trips {:.2} ms + transfer {:.2} ms + experts {compute} + {:.2} ms (disk) - {:.2} ms hidden behind the shared expert = {:.2} ms\n",
             t.dense_ms,
             t.round_trips_ms,
             t.transfer_ms,
-            t.expert_compute_ms,
             t.expert_disk_ms,
             t.overlap_ms,
             t.total_ms
@@ -728,6 +937,7 @@ mod tests {
             latency_samples_s: vec![],
             bytes_s: 1e9,
             in_process: false,
+            gpu: None,
         }
     }
 
@@ -870,5 +1080,136 @@ mod tests {
         assert_eq!(s.nodes[1].bytes_s, 1.25e8);
         let p = predict(s, &m, 0, 0.0);
         assert!(p.token.round_trips_ms > 0.0 && p.links[1].line_ms_per_token > 0.0);
+    }
+
+    #[test]
+    fn vram_first_then_ram_then_disk() {
+        // one in-process node holding all of a layer's experts: a quarter in VRAM, a quarter
+        // in RAM, half read from disk
+        let mut m = model();
+        m.experts_total_bytes = 1_000_000_000;
+        let mut n = node("w", 1.0, 0.0);
+        n.in_process = true;
+        n.bytes_s = f64::INFINITY;
+        n.ram_bytes = 250_000_000;
+        let gpu = |vram_bytes| NodeGpu {
+            vram_bytes,
+            expert_s: 1e-6,
+            submit_s: 1e-5,
+        };
+        let cpu_only = predict(setup(vec![n.clone()]), &m, 0, 0.0);
+        n.gpu = Some(gpu(250_000_000));
+        let p = predict(setup(vec![n.clone()]), &m, 0, 0.0);
+        let l = &p.links[0];
+        assert!((l.vram_share - 0.25).abs() < 1e-12 && (l.resident_share - 0.25).abs() < 1e-12);
+        assert_eq!(l.vram_bytes, 250_000_000);
+        // 16 of the 64 experts in VRAM: a quarter of the reads, within the draws' noise
+        assert!((l.vram_read_share - 0.25).abs() < 0.01, "{l:?}");
+        assert!((p.vram_read_share - l.vram_read_share).abs() < 1e-12);
+        // the CPU's part: 6 of 8 experts, two thirds of them from disk; the GPU's (2 experts
+        // and a submission, 12 us) hides behind it
+        let t = &p.token;
+        let cpu = 10.0 * 8.0 * 0.75;
+        assert!(
+            (t.expert_compute_ms - cpu * 0.1).abs() < 0.01 * cpu * 0.1,
+            "{t:?}"
+        );
+        assert!(
+            (t.expert_disk_ms - cpu * (2.0 / 3.0) * 0.9).abs() < 0.01 * cpu,
+            "{t:?}"
+        );
+        assert_eq!(t.expert_vram_ms, 0.0);
+        assert!(
+            p.tok_s > cpu_only.tok_s,
+            "{} vs {}",
+            p.tok_s,
+            cpu_only.tok_s
+        );
+        // a GPU that holds nothing changes nothing
+        n.gpu = Some(gpu(0));
+        let none = predict(setup(vec![n.clone()]), &m, 0, 0.0);
+        assert_eq!(none.tok_s, cpu_only.tok_s);
+        assert_eq!(none.links[0].vram_read_share, 0.0);
+        // every expert in VRAM on a slow GPU: the GPU's time is the layer's
+        n.gpu = Some(NodeGpu {
+            vram_bytes: u64::MAX,
+            expert_s: 1e-3,
+            submit_s: 1e-4,
+        });
+        let slow = predict(setup(vec![n]), &m, 0, 0.0);
+        let t = &slow.token;
+        assert!(
+            (t.expert_compute_ms - 10.0 * (0.1 + 8.0)).abs() < 1e-9,
+            "{t:?}"
+        );
+        assert_eq!(t.expert_compute_ms, t.expert_vram_ms);
+        assert_eq!(t.expert_disk_ms, 0.0);
+        assert!(
+            slow.bottleneck.contains("on the GPU"),
+            "{}",
+            slow.bottleneck
+        );
+    }
+
+    #[test]
+    fn described_gpus() {
+        let mut m = model();
+        m.shared_read_bytes = 0; // (its compute would hide these small experts' time)
+                                 // `gpu` on the second machine
+        let text = |gpu: &str| {
+            format!(
+                r#"{{"machines": [{{"name": "a", "ram_gib": 2, "mem_gb_s": 50}},
+                                  {{"name": "b", "ram_gib": 1.5, "mem_gb_s": 50, "link_gbit_s": 10{gpu}}}],
+                    "reserve_gib": 0.5}}"#
+            )
+        };
+        let plain = Described::parse(&text("")).unwrap();
+        let with =
+            Described::parse(&text(r#", "gpu": {"vram_gib": 1.25, "mem_gb_s": 900}"#)).unwrap();
+        let g = with.machines[1].gpu.as_ref().unwrap();
+        assert_eq!((g.vram_gib, g.mem_gb_s), (1.25, 900.0));
+        assert_eq!(with.gpu_efficiency, GPU_EFFICIENCY);
+        let s = with.setup(&m);
+        let ng = s.nodes[1].gpu.as_ref().unwrap();
+        assert_eq!(ng.vram_bytes, (0.25 * GIB) as u64);
+        assert!((ng.expert_s - 1e6 / (900e9 * GPU_EFFICIENCY)).abs() < 1e-15);
+        assert!(s.nodes[0].gpu.is_none());
+        let (a, b) = (predict(plain.setup(&m), &m, 0, 0.0), predict(s, &m, 0, 0.0));
+        assert!(
+            b.links[1].vram_bytes > 0 && b.links[1].vram_read_share > 0.0,
+            "{b:?}"
+        );
+        assert_eq!(a.links[1].vram_bytes, 0);
+        assert!(b.tok_s > a.tok_s, "{} vs {}", b.tok_s, a.tok_s);
+        // a card no larger than the headroom holds nothing: the same prediction
+        let tiny = Described::parse(&text(r#", "gpu": {"vram_gib": 1, "mem_gb_s": 900}"#)).unwrap();
+        let c = predict(tiny.setup(&m), &m, 0, 0.0);
+        assert_eq!(c.tok_s, a.tok_s);
+        assert_eq!(c.links[1].vram_bytes, 0);
+        // bad GPUs: errors naming the machine
+        for (gpu, says) in [
+            (
+                r#", "gpu": {"vram_gib": -24, "mem_gb_s": 900}"#,
+                "must be positive",
+            ),
+            (
+                r#", "gpu": {"vram_gib": 24, "mem_gb_s": 0}"#,
+                "must be positive",
+            ),
+            (r#", "gpu": {"vram_gib": 24}"#, "missing field `mem_gb_s`"),
+            (
+                r#", "gpu": {"vram_gib": 24, "mem_gb_s": 900, "tflops": 1}"#,
+                "unknown field `tflops`",
+            ),
+            (r#", "gpu": 24"#, "invalid type"),
+        ] {
+            let e = Described::parse(&text(gpu)).unwrap_err();
+            assert!(e.contains("machine `b`") && e.contains(says), "{gpu}: {e}");
+        }
+        let e = Described::parse(&text("").replace(r#""name": "b", "#, "")).unwrap_err();
+        assert!(e.contains("machine 2 of `machines`"), "{e}");
+        let e =
+            Described::parse(&text("").replace("}]", r#"}], "gpu_efficiency": 2"#)).unwrap_err();
+        assert!(e.contains("gpu_efficiency"), "{e}");
     }
 }

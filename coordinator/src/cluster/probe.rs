@@ -351,7 +351,8 @@ pub fn probe_workers(r: &RemoteExperts, spec: &ModelSpec, disk_s: f64, gap_s: f6
                 Node {
                     name: status[t.i].name.clone(),
                     share: t.share,
-                    ram_bytes: status[t.i].ram_bytes,
+                    // the memory its experts compute from: RAM and VRAM
+                    ram_bytes: status[t.i].ram_bytes + status[t.i].vram_bytes,
                     expert_s: compute1 / t.k as f64,
                     disk_s,
                     latency_s: fixed(wall1),
@@ -362,6 +363,9 @@ pub fn probe_workers(r: &RemoteExperts, spec: &ModelSpec, disk_s: f64, gap_s: f6
                         f64::INFINITY
                     },
                     in_process: false,
+                    // (a GPU worker's probed compute ran through its VRAM tier; its VRAM is
+                    // not split out here)
+                    gpu: None,
                 }
             },
         )
