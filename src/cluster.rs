@@ -109,10 +109,13 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
             fetches: shard.is_some(),
             act_group: e.act_group.unwrap_or(0) as u32,
             vram_bytes: e.vram.as_ref().map_or(0, |v| v.bytes()),
-            gpu: e
-                .vram
-                .as_ref()
-                .map_or(String::new(), |v| v.gpu().name.clone()),
+            gpu: e.vram.as_ref().map_or(String::new(), |v| {
+                v.gpus()
+                    .iter()
+                    .map(|g| g.name.clone())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }),
         },
         limits: Limits {
             hidden: spec.hidden_size,
@@ -126,7 +129,11 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         format!(
             " and {:.2} GiB of VRAM on {} ({} experts)",
             v.bytes() as f64 / (1u64 << 30) as f64,
-            v.gpu().name,
+            v.gpus()
+                .iter()
+                .map(|g| g.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
             v.resident()
         )
     });

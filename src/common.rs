@@ -11,6 +11,7 @@ use anyhow::{bail, Context, Result};
 use charm_coordinator::cluster::remote::RemoteExperts;
 use charm_coordinator::cluster::{model_fingerprint, ClusterOptions, WorkerAddr};
 use charm_coordinator::decode::speculative::{DraftOptions, DraftSource};
+use charm_coordinator::model::engine::VramBudget;
 use charm_coordinator::ops::plan::PlanInput;
 use charm_coordinator::{Engine, EngineOptions, HistoryPolicy};
 use charm_shared::config::ModelSpec;
@@ -101,15 +102,16 @@ pub struct StoreArgs {
     /// Copies of each hot expert on different workers (instead of the cluster file's).
     #[arg(long, requires = "cluster")]
     pub replicas: Option<usize>,
-    /// VRAM in GiB for routed experts on the GPU (needs `--activations int8` and a container
-    /// with int8/int4 experts): the hottest experts run there with the CPU's bits, the rest stay
-    /// in RAM or stream from disk.
+    /// VRAM in GiB for routed experts on each GPU, or `auto` (the device's free memory less
+    /// 10%, at least 1 GiB); needs `--activations int8` and a container with int8/int4
+    /// experts: the hottest experts run there with the CPU's bits, the rest stay in RAM or
+    /// stream from disk.
     #[arg(long)]
     pub vram: Option<String>,
-    /// The GPU adapter for `--vram` (its number in `charm doctor`; default: the first that
-    /// passes its self-check).
-    #[arg(long, requires = "vram")]
-    pub gpu: Option<usize>,
+    /// The GPU adapters for `--vram`, by their numbers in `charm doctor`, comma-separated
+    /// (experts are spread over them; default: the first that passes its self-check).
+    #[arg(long, requires = "vram", value_delimiter = ',')]
+    pub gpu: Vec<usize>,
 }
 
 impl StoreArgs {
@@ -149,18 +151,18 @@ impl StoreArgs {
             activations,
             cluster: self.cluster_options()?,
             vram: self.vram_bytes()?,
-            gpu: self.gpu,
+            gpu: self.gpu.clone(),
         })
     }
 
-    /// `--vram` in bytes.
-    fn vram_bytes(&self) -> Result<Option<u64>> {
+    /// `--vram` as a budget.
+    fn vram_bytes(&self) -> Result<Option<VramBudget>> {
         match self.vram.as_deref() {
             None => Ok(None),
-            Some("auto") => bail!("--vram auto is not available: this build cannot read a device's free memory; give the GiB to use"),
+            Some("auto") => Ok(Some(VramBudget::Auto)),
             Some(v) => match v.parse::<f64>() {
-                Ok(g) if g > 0.0 && g.is_finite() => Ok(Some((g * GIB) as u64)),
-                _ => bail!("--vram must be a positive number of GiB"),
+                Ok(g) if g > 0.0 && g.is_finite() => Ok(Some(VramBudget::Bytes((g * GIB) as u64))),
+                _ => bail!("--vram must be a positive number of GiB or `auto`"),
             },
         }
     }

@@ -181,6 +181,17 @@ fn same(a: &[u32], b: &[u32], what: &str) {
 
 /// `charm generate --json` on `model` with `extra` flags: the ids and the expert statistics.
 fn generate(model: &Path, ids: &str, extra: &[&str]) -> (Vec<u64>, serde_json::Value) {
+    generate_n(model, ids, 8, extra)
+}
+
+/// [`generate`] of `tokens` tokens.
+fn generate_n(
+    model: &Path,
+    ids: &str,
+    tokens: usize,
+    extra: &[&str],
+) -> (Vec<u64>, serde_json::Value) {
+    let tokens = tokens.to_string();
     let mut args = vec![
         "generate",
         "--model",
@@ -188,7 +199,7 @@ fn generate(model: &Path, ids: &str, extra: &[&str]) -> (Vec<u64>, serde_json::V
         "--ids",
         ids,
         "--max-tokens",
-        "8",
+        &tokens,
         "--activations",
         "int8",
         "--history",
@@ -289,23 +300,29 @@ fn the_demo_model_samples_and_drafts_the_same_tokens_with_experts_in_vram() {
         "{}",
         (all["vram_bytes"].as_u64().unwrap() / 3) as f64 / (1u64 << 30) as f64
     );
+    let mut swaps = 0;
     for extra in [
         &[][..],
         &["--temperature", "0.8", "--seed", "7"][..],
         &["--draft", "3"][..],
     ] {
-        let (cpu, _) = generate(&c, prompt, extra);
+        let (cpu, _) = generate_n(&c, prompt, 48, extra);
         for vram in ["4", third.as_str()] {
             let mut with = extra.to_vec();
             with.extend_from_slice(&["--vram", vram]);
-            let (gpu, stats) = generate(&c, prompt, &with);
+            let (gpu, stats) = generate_n(&c, prompt, 48, &with);
             assert_eq!(gpu, cpu, "demo {with:?}");
             assert!(
                 stats["vram_hits"].as_u64().unwrap() > 0,
                 "{with:?}: {stats}"
             );
+            if vram != "4" {
+                swaps += stats["vram_swaps"].as_u64().unwrap();
+            }
         }
     }
+    // experts that turned hot moved into VRAM while decoding, and the tokens stayed the same
+    assert!(swaps > 0, "no expert moved into VRAM");
     let _ = std::fs::remove_dir_all(&c);
 }
 
@@ -420,7 +437,7 @@ fn vram_without_a_usable_adapter_or_with_f32_activations_says_so() {
     ]);
     assert!(!ok);
     assert!(err.contains("--activations int8"), "{err}");
-    for bad in ["0", "-1", "x", "auto"] {
+    for bad in ["0", "-1", "x", "autox"] {
         let flag = format!("--vram={bad}");
         let (ok, _, err) = charm(&[
             "generate",
@@ -549,5 +566,72 @@ fn a_cluster_of_a_gpu_worker_and_a_cpu_worker_gives_the_single_box_bits() {
     assert!(!line.contains("VRAM"), "{out}");
     drop((w1, w2));
     let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&c);
+}
+
+#[test]
+fn experts_spread_over_two_devices_and_auto_sized_vram_give_the_cpu_tokens() {
+    if device().is_none() {
+        return;
+    }
+    let name = "deepseek3-tiny";
+    let c = int4_container("twodev", &fixture(name));
+    let ids = "3,1,4,1,5,9,2,6";
+    let (cpu, _) = generate_n(&c, ids, 16, &[]);
+    // the first adapter opened twice: two devices, experts spread over both
+    let (two, st) = generate_n(&c, ids, 16, &["--vram", "4", "--gpu", "0,0"]);
+    assert_eq!(two, cpu);
+    assert!(st["vram_hits"].as_u64().unwrap() > 0, "{st}");
+    let (ok, _, err) = charm(&[
+        "generate",
+        "--model",
+        c.to_str().unwrap(),
+        "--ids",
+        ids,
+        "--activations",
+        "int8",
+        "--vram",
+        "4",
+        "--gpu",
+        "0,0",
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("on the GPU") && !err.contains("warning"),
+        "{err}"
+    );
+    // auto: the device's free memory less a headroom, where the driver says it
+    let (ok, out, err) = charm(&[
+        "generate",
+        "--model",
+        c.to_str().unwrap(),
+        "--ids",
+        ids,
+        "--max-tokens",
+        "16",
+        "--activations",
+        "int8",
+        "--history",
+        "none",
+        "--json",
+        "--vram",
+        "auto",
+    ]);
+    if ok {
+        let v = json(out.lines().last().unwrap());
+        let got: Vec<u64> = v["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap())
+            .collect();
+        assert_eq!(got, cpu);
+        assert!(v["stats"]["experts"]["vram_experts"].as_u64().unwrap() > 0);
+    } else {
+        assert!(
+            err.contains("does not say how much memory is free"),
+            "{err}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&c);
 }

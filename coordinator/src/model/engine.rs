@@ -60,11 +60,11 @@ pub struct EngineOptions {
     pub activations: Activations,
     /// Expert workers to send routed experts to (`None`: this machine computes them all).
     pub cluster: Option<ClusterOptions>,
-    /// VRAM for routed experts, bytes (`None`: no GPU): the hottest experts run there.
-    pub vram: Option<u64>,
-    /// The GPU adapter to use (`charm doctor` lists them; `None`: the first that passes its
-    /// self-check).
-    pub gpu: Option<usize>,
+    /// VRAM for routed experts on each device (`None`: no GPU): the hottest experts run there.
+    pub vram: Option<VramBudget>,
+    /// The GPU adapters to use (`charm doctor` lists them; empty: the first that passes its
+    /// self-check); experts are spread over them.
+    pub gpu: Vec<usize>,
 }
 
 impl Default for EngineOptions {
@@ -81,7 +81,7 @@ impl Default for EngineOptions {
             activations: Activations::F32,
             cluster: None,
             vram: None,
-            gpu: None,
+            gpu: Vec::new(),
         }
     }
 }
@@ -464,6 +464,37 @@ impl Engine {
     }
 }
 
+/// How much VRAM routed experts may take on each device.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum VramBudget {
+    Bytes(u64),
+    /// The device's free memory less [`VRAM_HEADROOM`] (for the kernels' working buffers,
+    /// other programs and the driver).
+    Auto,
+}
+
+/// What `--vram auto` leaves free on a device: this share of its free memory, at least 1 GiB.
+pub const VRAM_HEADROOM: f64 = 0.10;
+
+impl VramBudget {
+    /// The bytes this budget gives on `gpu`.
+    fn on(self, gpu: &Gpu) -> Result<u64, String> {
+        match self {
+            Self::Bytes(b) => Ok(b),
+            Self::Auto => {
+                let free = gpu.free_bytes.ok_or_else(|| {
+                    format!(
+                        "--vram auto: the driver of {} does not say how much memory is free; give the GiB to use",
+                        gpu.name
+                    )
+                })?;
+                let keep = ((free as f64 * VRAM_HEADROOM) as u64).max(1 << 30);
+                Ok(free.saturating_sub(keep))
+            }
+        }
+    }
+}
+
 /// Puts the VRAM tier in front of `experts` when `opts.vram` asks for one: the experts of the
 /// container in `dir`, hottest first by its routing history (the rest spread over the layers),
 /// while they fit. No usable GPU is a warning and the CPU path; f32 activations are refused (the
@@ -490,13 +521,27 @@ fn attach_vram(
         ));
         return Ok(None);
     }
-    let gpu = match Gpu::open(opts.gpu) {
-        Ok(g) => Arc::new(g),
-        Err(e) => {
-            warnings.push(format!("{e}; routed experts run on the CPU"));
-            return Ok(None);
-        }
+    // every adapter asked for (none: the first that passes its self-check); one that fails
+    // is left out with a warning
+    let ids: Vec<Option<usize>> = if opts.gpu.is_empty() {
+        vec![None]
+    } else {
+        opts.gpu.iter().map(|&i| Some(i)).collect()
     };
+    let mut gpus = Vec::new();
+    for id in ids {
+        match Gpu::open(id) {
+            Ok(g) => {
+                let b = budget.on(&g).map_err(|m| LoadError::config(dir, m))?;
+                gpus.push((Arc::new(g), b));
+            }
+            Err(e) => warnings.push(format!("{e}; its experts run on the CPU")),
+        }
+    }
+    if gpus.is_empty() {
+        return Ok(None);
+    }
+    let total: u64 = gpus.iter().map(|g| g.1).sum();
     let c = Container::open(dir)?;
     let spec = charm_shared::config::ModelSpec::from_dir(dir)?;
     let heat = routing_heat(dir, opts);
@@ -513,10 +558,9 @@ fn attach_vram(
         )
     });
     let tier = VramExperts::new(
-        gpu,
+        gpus,
         experts.clone(),
         spec.hidden_size,
-        budget,
         order,
         Box::new(move |l, e| {
             let (gate, up, down) = c.expert(l, e as usize).map_err(|e| e.to_string())?;
@@ -528,7 +572,7 @@ fn attach_vram(
     if tier.resident() == 0 {
         warnings.push(format!(
             "--vram: no routed expert fits {:.2} GiB of VRAM; every expert runs on the CPU",
-            budget as f64 / (1u64 << 30) as f64
+            total as f64 / (1u64 << 30) as f64
         ));
     }
     let tier = Arc::new(tier);

@@ -98,8 +98,11 @@ fn gpu_check() -> Check {
     let list = adapters
         .iter()
         .map(|a| {
+            let free = a.free_bytes.map_or(String::new(), |b| {
+                format!(", {:.1} GiB free", b as f64 / (1u64 << 30) as f64)
+            });
             format!(
-                "{}: {} ({}, {}): {}",
+                "{}: {} ({}, {}{free}): {}",
                 a.id, a.name, a.backend, a.driver, a.verdict
             )
         })

@@ -7,6 +7,7 @@
 //! CPU (every NaN counts as every other: see [`same_bits`]); a device that differs is refused, naming the adapter, its driver and the first output
 //! that differs. Nothing accepts other bits.
 
+pub mod memory;
 pub mod tier;
 
 use std::sync::Mutex;
@@ -65,8 +66,9 @@ pub struct AdapterReport {
     pub device_type: String,
     /// 64-bit integers in shaders (the soft-float steps need them).
     pub shader_int64: bool,
-    /// Largest buffer the device takes, bytes.
+    /// Largest buffer the device takes, and its free memory as the driver reports it, bytes.
     pub max_buffer_bytes: u64,
+    pub free_bytes: Option<u64>,
     /// The self-check's verdict: `"exact"`, or why the device is not used.
     pub verdict: String,
 }
@@ -105,6 +107,7 @@ pub fn report() -> Vec<AdapterReport> {
                 device_type: format!("{:?}", info.device_type),
                 shader_int64: a.features().contains(wgpu::Features::SHADER_INT64),
                 max_buffer_bytes: a.limits().max_buffer_size,
+                free_bytes: memory::free_bytes(&a),
                 verdict,
             }
         })
@@ -124,6 +127,8 @@ pub struct Gpu {
     /// The adapter as its driver names it, and the driver.
     pub name: String,
     pub driver: String,
+    /// Free device memory when it opened, bytes, where the driver says ([`memory`]).
+    pub free_bytes: Option<u64>,
     /// Buffers reused between submissions (one submission at a time).
     scratch: Mutex<Scratch>,
     /// The first error the device reported since the last submission.
@@ -232,6 +237,17 @@ fn shader_source() -> std::borrow::Cow<'static, str> {
     } else {
         EXPERT_SHADER.into()
     }
+}
+
+/// A job's rows in one submission: `(job, first row, rows)`.
+type Piece = (usize, usize, usize);
+
+/// A submission recorded by [`Gpu::encode`], not yet submitted.
+struct Recorded {
+    enc: wgpu::CommandEncoder,
+    /// The arena the pieces' regions are in, and the regions.
+    arena: wgpu::Buffer,
+    arenas: Vec<JobArena>,
 }
 
 impl Gpu {
@@ -371,6 +387,7 @@ impl Gpu {
                 .min(1 << 30),
             name,
             driver,
+            free_bytes: memory::free_bytes(&a),
             scratch: Mutex::new(Scratch::default()),
             error,
         };
@@ -443,7 +460,104 @@ impl Gpu {
     /// Each job's `[rows, hidden]` outputs (the expert's `SwiGlu::forward` with int8
     /// activations, bit for bit), in as few submissions as the device's binding size allows.
     pub fn run(&self, jobs: &[Job<'_>]) -> Result<Vec<Vec<f32>>, GpuError> {
-        let mut pieces = Vec::new(); // (job, first row, rows)
+        let mut outs: Vec<Vec<f32>> = jobs
+            .iter()
+            .map(|j| Vec::with_capacity(j.rows * j.expert.hidden()))
+            .collect();
+        for batch in self.batches(jobs)? {
+            let ys = self.submit(jobs, &batch)?;
+            for (&(i, _, _), y) in batch.iter().zip(ys) {
+                outs[i].extend_from_slice(&y);
+            }
+        }
+        Ok(outs)
+    }
+
+    /// Seconds one repetition of [`Gpu::run`]'s dispatches for `jobs` takes on the device, for
+    /// benchmarks: each submission's dispatches recorded `reps` times over in one command buffer,
+    /// submitted once and waited for, the time divided by `reps`. The inputs are written and
+    /// flushed before the clock starts and nothing is read back, so this is the kernels' time
+    /// (plus one submission's latency spread over `reps`), not the transfers'.
+    pub fn time_run(&self, jobs: &[Job<'_>], reps: u32) -> Result<f64, GpuError> {
+        let reps = reps.max(1);
+        let mut seconds = 0.0;
+        for batch in self.batches(jobs)? {
+            let mut scratch = self.scratch.lock().expect("gpu scratch");
+            let recorded = self.encode(&mut scratch, jobs, &batch, reps)?;
+            // the inputs' writes go with the next submission: flush them before the clock starts
+            self.queue.submit([]);
+            self.wait()?;
+            let t = std::time::Instant::now();
+            self.queue.submit([recorded.enc.finish()]);
+            self.wait()?;
+            seconds += t.elapsed().as_secs_f64();
+        }
+        Ok(seconds / reps as f64)
+    }
+
+    /// The device's copy bandwidth in GB/s (1e9 bytes a second), for benchmarks: `reps` copies
+    /// of one buffer of `bytes` (at most the device's largest buffer) into another
+    /// (`copy_buffer_to_buffer`) in one submission, waited for. Each copy counts its bytes twice,
+    /// read and written, so the figure compares with the memory's peak bandwidth.
+    pub fn copy_bandwidth(&self, bytes: u64, reps: u32) -> Result<f64, GpuError> {
+        // copies move whole words (wgpu::COPY_BUFFER_ALIGNMENT)
+        let bytes = bytes.min(self.device.limits().max_buffer_size) / 4 * 4;
+        if bytes == 0 {
+            return Err(GpuError::Format("a copy of no bytes".into()));
+        }
+        let reps = reps.max(1);
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let buffer = |label| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: bytes,
+                usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        };
+        let (src, dst) = (buffer("copy source"), buffer("copy destination"));
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(GpuError::Device(format!(
+                "out of memory for two buffers of {bytes} bytes: {e}"
+            )));
+        }
+        let copies = |n: u32| {
+            let mut enc = self
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("copies"),
+                });
+            for _ in 0..n {
+                enc.copy_buffer_to_buffer(&src, 0, &dst, 0, bytes);
+            }
+            enc.finish()
+        };
+        // one copy untimed: the buffers' first use (wgpu zeroes them then)
+        self.queue.submit([copies(1)]);
+        self.wait()?;
+        let recorded = copies(reps);
+        let t = std::time::Instant::now();
+        self.queue.submit([recorded]);
+        self.wait()?;
+        let seconds = t.elapsed().as_secs_f64();
+        Ok(2.0 * bytes as f64 * reps as f64 / seconds / 1e9)
+    }
+
+    /// Blocks until the device has done every submission; the first error it reported.
+    fn wait(&self) -> Result<(), GpuError> {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| GpuError::Device(e.to_string()))?;
+        match self.error.lock().expect("gpu error slot").take() {
+            Some(e) => Err(GpuError::Device(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// The jobs cut into pieces that fit the device's largest binding, the pieces grouped into
+    /// submissions (each job's pieces in row order).
+    fn batches(&self, jobs: &[Job<'_>]) -> Result<Vec<Vec<Piece>>, GpuError> {
+        let mut pieces = Vec::new();
         for (i, j) in jobs.iter().enumerate() {
             if j.x.len() != j.rows * j.expert.hidden() {
                 return Err(GpuError::Format(format!(
@@ -468,45 +582,97 @@ impl Gpu {
                 r += n;
             }
         }
-        let mut outs: Vec<Vec<f32>> = jobs
-            .iter()
-            .map(|j| Vec::with_capacity(j.rows * j.expert.hidden()))
-            .collect();
-        let mut batch: Vec<(usize, usize, usize)> = Vec::new();
+        let mut batches = Vec::new();
+        let mut batch: Vec<Piece> = Vec::new();
         let mut words = 0u64;
-        let mut flush = |batch: &mut Vec<(usize, usize, usize)>| -> Result<(), GpuError> {
-            if batch.is_empty() {
-                return Ok(());
-            }
-            let ys = self.submit(jobs, batch)?;
-            for (&(i, _, _), y) in batch.iter().zip(ys) {
-                outs[i].extend_from_slice(&y);
-            }
-            batch.clear();
-            Ok(())
-        };
         for p in pieces {
             let need = JobArena::at(0, &jobs[p.0].expert.words, p.2)
                 .map_or(u64::MAX, |a| a.end as u64)
                 * 4;
             if !batch.is_empty() && (words + need > self.max_binding || batch.len() >= 256) {
-                flush(&mut batch)?;
+                batches.push(std::mem::take(&mut batch));
                 words = 0;
             }
             words += need;
             batch.push(p);
         }
-        flush(&mut batch)?;
-        Ok(outs)
+        if !batch.is_empty() {
+            batches.push(batch);
+        }
+        Ok(batches)
     }
 
     /// One submission: the pieces' inputs written, six dispatches each, the outputs read back.
-    fn submit(
-        &self,
-        jobs: &[Job<'_>],
-        pieces: &[(usize, usize, usize)],
-    ) -> Result<Vec<Vec<f32>>, GpuError> {
+    fn submit(&self, jobs: &[Job<'_>], pieces: &[Piece]) -> Result<Vec<Vec<f32>>, GpuError> {
         let mut scratch = self.scratch.lock().expect("gpu scratch");
+        let Recorded {
+            mut enc,
+            arena,
+            arenas,
+        } = self.encode(&mut scratch, jobs, pieces, 1)?;
+        let out_words: usize = pieces
+            .iter()
+            .map(|&(i, _, n)| n * jobs[i].expert.words.down.rows)
+            .sum();
+        let staging_bytes = (out_words as u64 * 4).max(4);
+        let staging = grown(
+            &self.device,
+            &mut scratch.staging,
+            staging_bytes,
+            "staging",
+            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        );
+        let mut o = 0u64;
+        for (&(i, _, n), a) in pieces.iter().zip(&arenas) {
+            let bytes = (n * jobs[i].expert.words.down.rows) as u64 * 4;
+            enc.copy_buffer_to_buffer(&arena, a.y as u64 * 4, &staging, o, bytes);
+            o += bytes;
+        }
+        self.queue.submit([enc.finish()]);
+        let slice = staging.slice(..staging_bytes);
+        let (tx, rx) = std::sync::mpsc::channel();
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| GpuError::Device(e.to_string()))?;
+        let mapped = rx
+            .recv()
+            .map_err(|_| GpuError::Device("the read-back was dropped".into()))?;
+        if let Some(e) = self.error.lock().expect("gpu error slot").take() {
+            return Err(GpuError::Device(e));
+        }
+        mapped.map_err(|e| GpuError::Device(format!("read-back: {e}")))?;
+        let data = slice
+            .get_mapped_range()
+            .map_err(|e| GpuError::Device(format!("read-back: {e}")))?;
+        let mut outs = Vec::with_capacity(pieces.len());
+        let mut o = 0usize;
+        for &(i, _, n) in pieces {
+            let len = n * jobs[i].expert.words.down.rows * 4;
+            outs.push(
+                data[o..o + len]
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            );
+            o += len;
+        }
+        drop(data);
+        staging.unmap();
+        Ok(outs)
+    }
+
+    /// A submission's inputs and parameters written (they go with the next submit) and its six
+    /// dispatches a piece recorded `reps` times over (each repetition computes the same outputs).
+    fn encode(
+        &self,
+        scratch: &mut Scratch,
+        jobs: &[Job<'_>],
+        pieces: &[Piece],
+        reps: u32,
+    ) -> Result<Recorded, GpuError> {
         // regions
         let mut arenas = Vec::with_capacity(pieces.len());
         let mut at = 0usize;
@@ -523,11 +689,6 @@ impl Gpu {
             .min_uniform_buffer_offset_alignment
             .max(PARAMS_BYTES as u32) as u64;
         let params_bytes = params_stride * 6 * pieces.len() as u64;
-        let out_words: usize = pieces
-            .iter()
-            .map(|&(i, _, n)| n * jobs[i].expert.words.down.rows)
-            .sum();
-        let staging_bytes = (out_words as u64 * 4).max(4);
         let arena = grown(
             &self.device,
             &mut scratch.arena,
@@ -543,13 +704,6 @@ impl Gpu {
             params_bytes,
             "params",
             wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-        );
-        let staging = grown(
-            &self.device,
-            &mut scratch.staging,
-            staging_bytes,
-            "staging",
-            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
         );
 
         let mut pbytes = vec![0u8; params_bytes as usize];
@@ -619,7 +773,9 @@ impl Gpu {
                 label: Some("experts"),
             });
         let groups = |n: usize| (n as u32).div_ceil(WORKGROUP);
-        for (k, (&(i, _, n), a)) in pieces.iter().zip(&arenas).enumerate() {
+        // `reps` times over: each repetition computes the same outputs (for `time_run`)
+        let each = || pieces.iter().zip(&arenas).enumerate();
+        for (k, (&(i, _, n), a)) in (0..reps).flat_map(|_| each()) {
             let e = &jobs[i].expert;
             let w = &e.words;
             let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
@@ -674,46 +830,7 @@ impl Gpu {
             }
             let _ = a;
         }
-        let mut o = 0u64;
-        for (&(i, _, n), a) in pieces.iter().zip(&arenas) {
-            let bytes = (n * jobs[i].expert.words.down.rows) as u64 * 4;
-            enc.copy_buffer_to_buffer(&arena, a.y as u64 * 4, &staging, o, bytes);
-            o += bytes;
-        }
-        self.queue.submit([enc.finish()]);
-        let slice = staging.slice(..staging_bytes);
-        let (tx, rx) = std::sync::mpsc::channel();
-        slice.map_async(wgpu::MapMode::Read, move |r| {
-            let _ = tx.send(r);
-        });
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| GpuError::Device(e.to_string()))?;
-        let mapped = rx
-            .recv()
-            .map_err(|_| GpuError::Device("the read-back was dropped".into()))?;
-        if let Some(e) = self.error.lock().expect("gpu error slot").take() {
-            return Err(GpuError::Device(e));
-        }
-        mapped.map_err(|e| GpuError::Device(format!("read-back: {e}")))?;
-        let data = slice
-            .get_mapped_range()
-            .map_err(|e| GpuError::Device(format!("read-back: {e}")))?;
-        let mut outs = Vec::with_capacity(pieces.len());
-        let mut o = 0usize;
-        for &(i, _, n) in pieces {
-            let len = n * jobs[i].expert.words.down.rows * 4;
-            outs.push(
-                data[o..o + len]
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            );
-            o += len;
-        }
-        drop(data);
-        staging.unmap();
-        Ok(outs)
+        Ok(Recorded { enc, arena, arenas })
     }
 }
 

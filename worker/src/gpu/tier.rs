@@ -47,22 +47,29 @@ impl Default for SwapPolicy {
     }
 }
 
+/// Uses per `(layer, expert)`.
+type Uses = HashMap<(usize, u32), f64>;
+
+/// One device's outputs: its index and each of its jobs' rows.
+type DeviceRows = (usize, Vec<Vec<f32>>);
+
 /// Reads an expert's weights (to upload it).
 pub type LoadExpert = dyn Fn(usize, u32) -> Result<SwiGlu, String> + Send + Sync;
 
-/// Routed experts in VRAM over an executor for the rest.
+/// Routed experts in VRAM (of one or several devices) over an executor for the rest.
 pub struct VramExperts {
-    gpu: Arc<Gpu>,
+    gpus: Vec<Arc<Gpu>>,
     below: Arc<dyn ExpertExecutor>,
     hidden: usize,
-    resident: RwLock<HashMap<(usize, u32), GpuExpert>>,
-    /// VRAM given to experts: the budget, and what the resident ones hold.
-    budget: u64,
-    bytes: AtomicU64,
+    /// Per expert in VRAM: its device and its buffers.
+    resident: RwLock<HashMap<(usize, u32), (usize, GpuExpert)>>,
+    /// VRAM given to experts on each device: the budget, and what the resident ones hold.
+    budget: Vec<u64>,
+    bytes: Vec<AtomicU64>,
     load: Box<LoadExpert>,
     policy: SwapPolicy,
     /// Uses per expert (halved every [`DECAY_EVERY`] steps), and the step count.
-    uses: Mutex<(HashMap<(usize, u32), f64>, u64)>,
+    uses: Mutex<(Uses, u64)>,
     /// Experts whose formats the kernels do not take (never candidates).
     unfit: Mutex<std::collections::HashSet<(usize, u32)>>,
     /// Expert uses computed on the GPU, and experts moved into VRAM while running.
@@ -75,33 +82,33 @@ impl std::fmt::Debug for VramExperts {
         write!(
             f,
             "VramExperts({:?}, {} experts, {} bytes)",
-            self.gpu,
+            self.gpus,
             self.resident(),
-            self.bytes.load(Ordering::Relaxed)
+            self.bytes()
         )
     }
 }
 
 impl VramExperts {
-    /// Uploads experts in `order` (hottest first) while they fit `budget` bytes of VRAM, each
-    /// read with `load` (kept for moves while running); `below` runs the rest. An expert whose
-    /// formats the GPU does not take stays below.
+    /// Uploads experts in `order` (hottest first) while they fit the devices' budgets (`gpus`
+    /// with `budget[i]` bytes of VRAM each; each expert to the device with the most room left),
+    /// each read with `load` (kept for moves while running); `below` runs the rest. An expert
+    /// whose formats the GPU does not take stays below.
     pub fn new(
-        gpu: Arc<Gpu>,
+        gpus: Vec<(Arc<Gpu>, u64)>,
         below: Arc<dyn ExpertExecutor>,
         hidden: usize,
-        budget: u64,
         order: impl IntoIterator<Item = (usize, u32)>,
         load: Box<LoadExpert>,
         policy: SwapPolicy,
     ) -> Result<Self, GpuError> {
         let t = Self {
-            gpu,
+            budget: gpus.iter().map(|g| g.1).collect(),
+            bytes: gpus.iter().map(|_| AtomicU64::new(0)).collect(),
+            gpus: gpus.into_iter().map(|g| g.0).collect(),
             below,
             hidden,
             resident: RwLock::new(HashMap::new()),
-            budget,
-            bytes: AtomicU64::new(0),
             load,
             policy,
             uses: Mutex::new((HashMap::new(), 0)),
@@ -111,7 +118,7 @@ impl VramExperts {
         };
         for key in order {
             match t.upload(key)? {
-                Upload::Done | Upload::Unfit => {}
+                Upload::Done | Upload::Unfit | Upload::Unreadable => {}
                 Upload::NoRoom => break,
             }
         }
@@ -120,29 +127,38 @@ impl VramExperts {
 
     /// Reads expert `key` from below and puts it in VRAM if it fits the budget's free room.
     fn upload(&self, key: (usize, u32)) -> Result<Upload, GpuError> {
-        let e = (self.load)(key.0, key.1).map_err(GpuError::Format)?;
+        // (an expert that cannot be read now, as one a worker has not fetched yet, stays below
+        // and may move up later)
+        let Ok(e) = (self.load)(key.0, key.1) else {
+            return Ok(Upload::Unreadable);
+        };
         // (an expert whose formats the kernels do not take stays below)
         let Ok(words) = charm_shared::quant::gpu::ExpertWords::new(&e) else {
             self.unfit.lock().expect("unfit set").insert(key);
             return Ok(Upload::Unfit);
         };
         let need = words.bytes.len() as u64;
-        if self.bytes.load(Ordering::Relaxed) + need > self.budget {
+        // the device with the most room left
+        let room = |d: usize| self.budget[d].saturating_sub(self.bytes[d].load(Ordering::Relaxed));
+        let Some(d) = (0..self.gpus.len()).max_by_key(|&d| (room(d), std::cmp::Reverse(d))) else {
+            return Ok(Upload::NoRoom);
+        };
+        if room(d) < need {
             return Ok(Upload::NoRoom);
         }
-        let g = self.gpu.upload(&e)?;
-        self.bytes.fetch_add(g.bytes(), Ordering::Relaxed);
+        let g = self.gpus[d].upload(&e)?;
+        self.bytes[d].fetch_add(g.bytes(), Ordering::Relaxed);
         self.resident
             .write()
             .expect("resident experts")
-            .insert(key, g);
+            .insert(key, (d, g));
         Ok(Upload::Done)
     }
 
     /// Moves the most used experts below into VRAM: into free room, or in place of resident
     /// experts used clearly less ([`SwapPolicy`]). Failures leave the tier as it was (the
     /// experts stay where they are and compute there).
-    fn rebalance(&self, uses: &HashMap<(usize, u32), f64>) {
+    fn rebalance(&self, uses: &Uses) {
         let unfit = self.unfit.lock().expect("unfit set").clone();
         let (mut below, mut resident): (Vec<_>, Vec<_>) = {
             let r = self.resident.read().expect("resident experts");
@@ -167,7 +183,7 @@ impl VramExperts {
                     self.swaps.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
-                Ok(Upload::Unfit) => continue,
+                Ok(Upload::Unfit | Upload::Unreadable) => continue,
                 Ok(Upload::NoRoom) => {}
                 Err(_) => return,
             }
@@ -178,13 +194,13 @@ impl VramExperts {
             if n <= self.policy.ratio * m + 1.0 {
                 return;
             }
-            if let Some(g) = self
+            if let Some((d, g)) = self
                 .resident
                 .write()
                 .expect("resident experts")
                 .remove(&victim)
             {
-                self.bytes.fetch_sub(g.bytes(), Ordering::Relaxed);
+                self.bytes[d].fetch_sub(g.bytes(), Ordering::Relaxed);
             }
             match self.upload(key) {
                 Ok(Upload::Done) => {
@@ -199,9 +215,9 @@ impl VramExperts {
         }
     }
 
-    /// Bytes of VRAM the resident experts hold.
+    /// Bytes of VRAM the resident experts hold (all devices).
     pub fn bytes(&self) -> u64 {
-        self.bytes.load(Ordering::Relaxed)
+        self.bytes.iter().map(|b| b.load(Ordering::Relaxed)).sum()
     }
 
     /// Experts held in VRAM.
@@ -230,9 +246,18 @@ impl VramExperts {
         v
     }
 
-    /// The device.
-    pub fn gpu(&self) -> &Arc<Gpu> {
-        &self.gpu
+    /// The devices.
+    pub fn gpus(&self) -> &[Arc<Gpu>] {
+        &self.gpus
+    }
+
+    /// Experts held on each device.
+    pub fn per_device(&self) -> Vec<usize> {
+        let mut n = vec![0; self.gpus.len()];
+        for (d, _) in self.resident.read().expect("resident experts").values() {
+            n[*d] += 1;
+        }
+        n
     }
 }
 
@@ -241,6 +266,8 @@ enum Upload {
     Done,
     /// Formats the kernels do not take: stays below.
     Unfit,
+    /// Its weights could not be read (yet): stays below.
+    Unreadable,
     /// Not within the budget's free room.
     NoRoom,
 }
@@ -302,28 +329,41 @@ impl ExpertExecutor for VramExperts {
             .iter()
             .map(|&i| gather(&batch, &runs[i].1, h))
             .collect();
-        let jobs: Vec<Job<'_>> = on_gpu
-            .iter()
-            .zip(&xs)
-            .map(|(&i, x)| Job {
-                expert: &resident[&(batch.layer, runs[i].0)],
+        // per device: the runs it holds and their jobs
+        let mut per: Vec<(Vec<usize>, Vec<Job<'_>>)> =
+            (0..self.gpus.len()).map(|_| Default::default()).collect();
+        for (&i, x) in on_gpu.iter().zip(&xs) {
+            let (d, expert) = &resident[&(batch.layer, runs[i].0)];
+            per[*d].0.push(i);
+            per[*d].1.push(Job {
+                expert,
                 x,
                 rows: runs[i].1.len(),
-            })
-            .collect();
+            });
+        }
         let (gpu_rows, cpu_rows) = std::thread::scope(|s| {
-            let gpu = (!jobs.is_empty()).then(|| s.spawn(|| self.gpu.run(&jobs)));
+            // each device's submission from a thread of its own, the CPU's part on this one
+            let started: Vec<_> = per
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| !p.1.is_empty())
+                .map(|(d, p)| (d, s.spawn(move || self.gpus[d].run(&p.1))))
+                .collect();
             let cpu = if below.is_empty() {
                 Ok(Vec::new())
             } else {
                 rows_below(&*self.below, &batch, &runs, &below, h)
             };
-            let gpu = match gpu {
-                Some(t) => t.join().unwrap_or_else(|_| {
-                    Err(GpuError::Device("the GPU submission panicked".into()))
-                }),
-                None => Ok(Vec::new()),
-            };
+            let gpu: Result<Vec<DeviceRows>, GpuError> = started
+                .into_iter()
+                .map(|(d, t)| {
+                    t.join()
+                        .unwrap_or_else(|_| {
+                            Err(GpuError::Device("the GPU submission panicked".into()))
+                        })
+                        .map(|r| (d, r))
+                })
+                .collect();
             (gpu, cpu)
         });
         let gpu_rows = gpu_rows.map_err(|e| ExpertError::Internal(e.to_string()))?;
@@ -331,8 +371,10 @@ impl ExpertExecutor for VramExperts {
             on_gpu.iter().map(|&i| runs[i].1.len() as u64).sum(),
             Ordering::Relaxed,
         );
-        for (&i, r) in on_gpu.iter().zip(gpu_rows) {
-            outs[i] = r;
+        for (d, rows) in gpu_rows {
+            for (&i, r) in per[d].0.iter().zip(rows) {
+                outs[i] = r;
+            }
         }
         for (&i, r) in below.iter().zip(cpu_rows?) {
             outs[i] = r;
@@ -392,7 +434,7 @@ impl ExpertExecutor for VramExperts {
         let mut s = self.below.stats().unwrap_or_default();
         s.vram_hits = self.vram_hits.load(Ordering::Relaxed);
         s.vram_swaps = self.swaps.load(Ordering::Relaxed);
-        s.vram_bytes = self.bytes.load(Ordering::Relaxed);
+        s.vram_bytes = self.bytes();
         s.vram_experts = self.resident() as u64;
         Some(s)
     }
