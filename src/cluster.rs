@@ -124,6 +124,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
         },
         shard,
         warm: charm_worker::server::Warm::new(std::time::Duration::from_micros(a.spin_us)),
+        vram: e.vram.clone(),
     });
     let vram = e.vram.as_ref().map_or(String::new(), |v| {
         format!(

@@ -1075,7 +1075,7 @@ fn lying_worker(
                                     out: vec![1e30; rows * req.hidden as usize - 1],
                                 })
                             }
-                            Message::Ping { seq } => Message::Pong { seq },
+                            Message::Ping { seq } => Message::Pong { seq, vram: vec![] },
                             _ => continue,
                         };
                         let _ = write_frame(&mut s, &reply).await;

@@ -53,6 +53,10 @@ pub enum Message {
     },
     Pong {
         seq: u64,
+        /// Which of the experts in its hello the worker holds in VRAM now: bit `j` of the
+        /// concatenation, layer after layer, of its hello's `experts[l].ids` (word `j / 64`, bit
+        /// `j % 64`); empty when it has no GPU.
+        vram: Vec<u64>,
     },
     /// Coordinator -> worker: the experts placed on it; a worker that fetches its shard fetches
     /// those it lacks.
@@ -637,6 +641,10 @@ mod tests {
                 message: "x".into(),
             },
             Message::Ping { seq: 9 },
+            Message::Pong {
+                seq: 9,
+                vram: vec![5, 0],
+            },
             Message::Assign {
                 experts: vec![LayerExperts {
                     layer: 3,

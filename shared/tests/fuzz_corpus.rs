@@ -183,7 +183,13 @@ fn the_wire_seeds_are_current() {
                 }],
             }),
         ),
-        ("valid-pong", payload(&Message::Pong { seq: 9 })),
+        (
+            "valid-pong",
+            payload(&Message::Pong {
+                seq: 9,
+                vram: vec![0b1011],
+            }),
+        ),
         (
             "checkfail-order",
             payload(&compute(vec![(3, vec![0]), (2, vec![1])])),

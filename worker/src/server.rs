@@ -197,6 +197,8 @@ pub struct Service {
     /// Keeps this worker's network thread polling for a while after each answer; `None`: it
     /// sleeps as soon as it is idle.
     pub warm: Option<Arc<Warm>>,
+    /// The VRAM tier in front of `executor`, when experts run on a GPU: heartbeats say which.
+    pub vram: Option<Arc<crate::gpu::tier::VramExperts>>,
 }
 
 /// Keeps the network thread polling its sockets for `spin` after each answer, so that the next
@@ -278,6 +280,26 @@ impl Warm {
 }
 
 impl Service {
+    /// Which experts of its hello this worker holds in VRAM (see [`Message::Pong`]).
+    pub fn vram_bits(&self) -> Vec<u64> {
+        let Some(v) = &self.vram else {
+            return Vec::new();
+        };
+        let held = v.held();
+        let total: usize = self.hello.experts.iter().map(|l| l.ids.len()).sum();
+        let mut bits = vec![0u64; total.div_ceil(64)];
+        let mut j = 0;
+        for l in &self.hello.experts {
+            for &id in &l.ids {
+                if held.binary_search(&(l.layer as usize, id)).is_ok() {
+                    bits[j / 64] |= 1 << (j % 64);
+                }
+                j += 1;
+            }
+        }
+        bits
+    }
+
     /// The hello this worker answers with now (a fetching worker's holdings grow).
     pub fn hello_now(&self) -> Hello {
         let mut h = self.hello.clone();
@@ -647,7 +669,10 @@ async fn reply(
                 .flat_map(|l| l.ids.iter().map(move |&e| (l.layer as usize, e)))
                 .collect();
             let _ = assigned.send(list);
-            Message::Pong { seq: 0 }
+            Message::Pong {
+                seq: 0,
+                vram: Vec::new(),
+            }
         }
         // a decode-sized request is computed on this task's thread: the hand-off to the
         // blocking pool and back would cost more than the work
@@ -662,7 +687,10 @@ async fn reply(
                     message: format!("compute task: {e}"),
                 })
         }
-        Message::Ping { seq } => Message::Pong { seq },
+        Message::Ping { seq } => Message::Pong {
+            seq,
+            vram: svc.vram_bits(),
+        },
         _ => Message::Failed {
             id: 0,
             class: FailureClass::BadRequest,
@@ -757,6 +785,7 @@ mod tests {
             },
             shard: None,
             warm: Warm::new(Duration::from_millis(1)),
+            vram: None,
         });
         let addr = serving(&dir, svc);
 
@@ -894,7 +923,7 @@ mod tests {
             m => panic!("{m:?}"),
         }
         match exchange(&c, &encode(&Message::Ping { seq: 4 }).unwrap()).await {
-            Message::Pong { seq } => assert_eq!(seq, 4),
+            Message::Pong { seq, .. } => assert_eq!(seq, 4),
             m => panic!("{m:?}"),
         }
         // one stream carries requests one after another, each answered in order, also when the
@@ -931,7 +960,7 @@ mod tests {
         bad(read_next(&mut rx).await.unwrap().unwrap().0, "exceeds");
         assert!(read_next(&mut rx).await.unwrap().is_none());
         match exchange(&c, &encode(&Message::Ping { seq: 5 }).unwrap()).await {
-            Message::Pong { seq } => assert_eq!(seq, 5),
+            Message::Pong { seq, .. } => assert_eq!(seq, 5),
             m => panic!("{m:?}"),
         }
         std::fs::remove_dir_all(&dir).unwrap();
@@ -970,6 +999,7 @@ mod tests {
             },
             shard: None,
             warm: None,
+            vram: None,
         });
         let addr = serving(&dir, svc);
         let id = Identity::load(&dir, "coordinator").unwrap();

@@ -25,9 +25,11 @@ pub(super) async fn keep(s: Arc<Shared>, i: usize) {
                 let t = Instant::now();
                 let limit = s.handshake_limit();
                 match tokio::time::timeout(limit, ping(c, seq)).await {
-                    Ok(Ok(())) => w
-                        .ping_us
-                        .store(t.elapsed().as_micros() as u64, Ordering::Relaxed),
+                    Ok(Ok(vram)) => {
+                        w.ping_us
+                            .store(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+                        w.set_vram(vram);
+                    }
                     Ok(Err(e)) => w.lost(format!("heartbeat: {e}")),
                     Err(_) => w.lost(format!("no heartbeat answer within {limit:?}")),
                 }
@@ -44,13 +46,15 @@ pub(super) async fn keep(s: Arc<Shared>, i: usize) {
     }
 }
 
-pub(super) async fn ping(c: quinn::Connection, seq: u64) -> Result<(), String> {
+/// Pings a worker; its answer says which of its experts it holds in VRAM (see
+/// [`Message::Pong`]).
+pub(super) async fn ping(c: quinn::Connection, seq: u64) -> Result<Vec<u64>, String> {
     let (mut send, mut recv) = c.open_bi().await.map_err(|e| e.to_string())?;
     write_frame(&mut send, &Message::Ping { seq })
         .await
         .map_err(|e| e.to_string())?;
     match read_frame(&mut recv).await.map_err(|e| e.to_string())?.0 {
-        Message::Pong { seq: s } if s == seq => Ok(()),
+        Message::Pong { seq: s, vram } if s == seq => Ok(vram),
         _ => Err("answered a ping with something else".into()),
     }
 }

@@ -182,9 +182,15 @@ impl RemoteExperts {
         client.transport_config(Arc::new(transport(opts.heartbeat)));
         let (drive, idle) = Drive::start()?;
         let endpoint = drive.block_on(async {
-            let mut ep = quinn::Endpoint::client((std::net::Ipv6Addr::UNSPECIFIED, 0).into())
-                .or_else(|_| quinn::Endpoint::client((std::net::Ipv4Addr::UNSPECIFIED, 0).into()))
-                .map_err(|e| format!("QUIC endpoint: {e}"))?;
+            let mut ep = match loopback_only(&opts.workers) {
+                // workers all on this machine: nothing beyond loopback may reach the endpoint
+                Some(ip) => quinn::Endpoint::client((ip, 0).into()),
+                None => quinn::Endpoint::client((std::net::Ipv6Addr::UNSPECIFIED, 0).into())
+                    .or_else(|_| {
+                        quinn::Endpoint::client((std::net::Ipv4Addr::UNSPECIFIED, 0).into())
+                    }),
+            }
+            .map_err(|e| format!("QUIC endpoint: {e}"))?;
             ep.set_default_client_config(client);
             Ok::<_, String>(ep)
         })?;
@@ -220,6 +226,7 @@ impl RemoteExperts {
                     ping_us: AtomicU64::new(0),
                     lane: Mutex::new(Default::default()),
                     streams: AtomicU64::new(0),
+                    vram: Default::default(),
                 })
                 .collect(),
             layers: moe_layers(spec),
@@ -353,6 +360,16 @@ impl RemoteExperts {
     }
 
     /// The placement in use.
+    /// Per worker (in the cluster's order), the experts it holds in VRAM by its last heartbeat.
+    pub fn vram_held(&self) -> Vec<Vec<(usize, u32)>> {
+        self.inner
+            .shared
+            .workers
+            .iter()
+            .map(|w| w.vram_held())
+            .collect()
+    }
+
     pub fn placement(&self) -> Arc<Placement> {
         self.inner
             .shared
@@ -467,4 +484,23 @@ impl ExpertExecutor for RemoteExperts {
     fn stats(&self) -> Option<ExpertStats> {
         self.inner.local.stats()
     }
+}
+
+/// The loopback address to bind the endpoint on when every worker is on loopback of one IP
+/// version (`charm demo`'s workers), so the endpoint is not reachable from other machines;
+/// `None` when a worker is elsewhere (or there are none).
+fn loopback_only(workers: &[crate::cluster::WorkerAddr]) -> Option<std::net::IpAddr> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    let first = workers.first()?.addr.ip();
+    let same = workers.iter().all(|w| {
+        let ip = w.addr.ip();
+        ip.is_loopback() && ip.is_ipv4() == first.is_ipv4()
+    });
+    same.then(|| {
+        if first.is_ipv4() {
+            IpAddr::V4(Ipv4Addr::LOCALHOST)
+        } else {
+            IpAddr::V6(Ipv6Addr::LOCALHOST)
+        }
+    })
 }

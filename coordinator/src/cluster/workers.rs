@@ -40,6 +40,8 @@ pub(super) struct Worker {
     pub(super) lane: Mutex<Lane>,
     /// Streams opened for compute requests.
     pub(super) streams: AtomicU64,
+    /// Which experts of its hello it holds in VRAM, from its last heartbeat.
+    pub(super) vram: Mutex<Vec<u64>>,
 }
 
 /// Answered requests whose times a worker keeps ([`crate::cluster::remote::RemoteExperts::recent`]).
@@ -59,6 +61,40 @@ pub struct RequestTime {
 }
 
 impl Worker {
+    /// Keeps a heartbeat's VRAM bits, cut to the experts its hello lists (a longer answer
+    /// cannot name more).
+    pub(super) fn set_vram(&self, mut bits: Vec<u64>) {
+        let n: usize = self
+            .hello
+            .lock()
+            .expect("worker lock")
+            .as_ref()
+            .map_or(0, |h| h.experts.iter().map(|l| l.ids.len()).sum());
+        bits.truncate(n.div_ceil(64));
+        *self.vram.lock().expect("worker lock") = bits;
+    }
+
+    /// The experts it holds in VRAM, `(layer, id)` ascending.
+    pub(super) fn vram_held(&self) -> Vec<(usize, u32)> {
+        let bits = self.vram.lock().expect("worker lock").clone();
+        let hello = self.hello.lock().expect("worker lock");
+        let Some(h) = hello.as_ref() else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        let mut j = 0usize;
+        for l in &h.experts {
+            for &id in &l.ids {
+                if bits.get(j / 64).is_some_and(|w| (w >> (j % 64)) & 1 == 1) {
+                    out.push((l.layer as usize, id));
+                }
+                j += 1;
+            }
+        }
+        out.sort_unstable();
+        out
+    }
+
     /// Notes an answered request's times.
     pub(super) fn answered(&self, seq: u64, layer: u32, rtt_ns: u64, compute_ns: u64) {
         self.rtt_ns.fetch_add(rtt_ns, Ordering::Relaxed);

@@ -145,6 +145,9 @@ pub(super) async fn sample_every_second(s: std::sync::Weak<Shared>) {
     }
 }
 
+/// A location's index in the heat map and the experts `(layer, id)` it holds.
+type VramHeld = (usize, Vec<(usize, u32)>);
+
 /// Where each expert of the MoE layers lives: the locations' names, and per layer and expert
 /// the indices of its holders, preferred first.
 fn locations(s: &Shared, workers: &[WorkerStatus]) -> (Vec<String>, Vec<Vec<Vec<usize>>>) {
@@ -176,6 +179,26 @@ fn locations(s: &Shared, workers: &[WorkerStatus]) -> (Vec<String>, Vec<Vec<Vec<
         names.extend(workers.iter().map(|w| w.name.clone()));
         (first, r.placement())
     });
+    // a worker with a GPU: a location of its own for the experts it holds in VRAM
+    // per worker: its VRAM location's index and the experts there
+    let worker_vram: Vec<Option<VramHeld>> = match &s.remote {
+        Some(r) => r
+            .vram_held()
+            .into_iter()
+            .zip(workers)
+            .map(|(held, w)| {
+                (w.vram_bytes > 0).then(|| {
+                    names.push(format!("{} VRAM", w.name));
+                    (names.len() - 1, held)
+                })
+            })
+            .collect(),
+        None => Vec::new(),
+    };
+    let on_worker = |w: usize, layer: usize, e: u32| -> Option<usize> {
+        let (at, held) = worker_vram.get(w)?.as_ref()?;
+        held.binary_search(&(layer, e)).is_ok().then_some(*at)
+    };
     let per_layer = src
         .moe_layers
         .iter()
@@ -184,9 +207,10 @@ fn locations(s: &Shared, workers: &[WorkerStatus]) -> (Vec<String>, Vec<Vec<Vec<
                 .map(|e| {
                     let held = placement.as_ref().map_or(&[][..], |(_, p)| p.holders(l, e));
                     match &placement {
-                        Some((first, _)) if !held.is_empty() => {
-                            held.iter().map(|w| first + w).collect()
-                        }
+                        Some((first, _)) if !held.is_empty() => held
+                            .iter()
+                            .map(|&w| on_worker(w, l, e).unwrap_or(first + w))
+                            .collect(),
                         _ => vec![here(l, e)],
                     }
                 })
