@@ -3,7 +3,7 @@
 //! and the demo model decoding with its routed experts in VRAM against the CPU alone.
 //!
 //! ```sh
-//! cargo bench --bench gpu -- [--quick] [--rows 1,2,4,8] [--tokens N] [--gpu ID]
+//! cargo bench --bench gpu -- [--quick] [--rows 1,2,4,8] [--tokens N] [--gpu ID] [--model DIR]
 //! ```
 //!
 //! - Copy: `Gpu::copy_bandwidth`, one buffer copied into another (1 GiB, `--quick` 64 MiB), bytes
@@ -39,6 +39,9 @@ struct Args {
     rows: Vec<usize>,
     tokens: usize,
     gpu: Option<usize>,
+    /// A container with int4/int8 experts to decode instead of the converted demo model (the
+    /// yardstick's, for example).
+    model: Option<PathBuf>,
 }
 
 fn args() -> Args {
@@ -49,6 +52,7 @@ fn args() -> Args {
         rows: vec![1, 2, 4, 8],
         tokens: if quick { 32 } else { 128 },
         gpu: None,
+        model: None,
     };
     let mut it = argv.iter();
     while let Some(flag) = it.next() {
@@ -62,6 +66,7 @@ fn args() -> Args {
             }
             "--tokens" => a.tokens = val().parse().unwrap_or_else(|_| usage("--tokens")),
             "--gpu" => a.gpu = Some(val().parse().unwrap_or_else(|_| usage("--gpu"))),
+            "--model" => a.model = Some(PathBuf::from(val())),
             // cargo bench passes --bench to every harness-less bench
             "--quick" | "--bench" => {}
             _ => usage(flag),
@@ -75,7 +80,7 @@ fn args() -> Args {
 
 fn usage(what: &str) -> ! {
     eprintln!(
-        "{what}?\nusage: cargo bench --bench gpu -- [--quick] [--rows 1,2,4,8] [--tokens N] [--gpu ID]"
+        "{what}?\nusage: cargo bench --bench gpu -- [--quick] [--rows 1,2,4,8] [--tokens N] [--gpu ID] [--model DIR]"
     );
     std::process::exit(2)
 }
@@ -225,24 +230,38 @@ fn decode(e: &Engine, tokens: usize) -> (Vec<u32>, f64) {
     (g.ids, tok_s)
 }
 
-/// The demo model with its experts in VRAM and on the CPU; false where the tokens differ or no
+/// The demo model (or `--model`) with its experts in VRAM and on the CPU; false where the tokens differ or no
 /// expert ran on the GPU.
 fn end_to_end(a: &Args) -> bool {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe");
-    let dir: PathBuf = std::env::temp_dir().join(format!("charm-bench-gpu-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    convert(&src, &dir);
-    let opts = |vram: Option<u64>| EngineOptions {
+    let scratch: PathBuf =
+        std::env::temp_dir().join(format!("charm-bench-gpu-{}", std::process::id()));
+    let dir = match &a.model {
+        Some(m) => m.clone(),
+        None => {
+            let _ = std::fs::remove_dir_all(&scratch);
+            convert(&src, &scratch);
+            scratch.clone()
+        }
+    };
+    let opts = |vram: Option<VramBudget>| EngineOptions {
         history: HistoryPolicy::Off,
         activations: Activations::Int8,
         context: a.tokens + 32,
-        vram: vram.map(VramBudget::Bytes),
+        vram,
         gpu: a.gpu.into_iter().collect(),
         ..Default::default()
     };
     let cpu = Engine::load(&dir, &opts(None)).expect("loads");
-    let vram = Engine::load(&dir, &opts(Some(4 << 30))).expect("loads");
-    let _ = std::fs::remove_dir_all(&dir);
+    // as much as the device has free (where its driver says), else 4 GiB
+    let vram = Engine::load(&dir, &opts(Some(VramBudget::Auto)))
+        .or_else(|_| Engine::load(&dir, &opts(Some(VramBudget::Bytes(4 << 30)))))
+        .expect("loads");
+    let name = match &a.model {
+        Some(m) => m.display().to_string(),
+        None => "charm-bard-moe int4".to_string(),
+    };
+    let _ = std::fs::remove_dir_all(&scratch);
     let Some(tier) = &vram.vram else {
         println!(
             "FAILED: the demo model's experts did not go to VRAM: {}",
@@ -262,11 +281,11 @@ fn end_to_end(a: &Args) -> bool {
     let isa = format!("{:?}", charm_shared::quant::active_isa());
     let threads = charm_shared::par::threads();
     println!(
-        "end to end, charm-bard-moe int4, {} tokens, CPU only: {cpu_tok_s:.1} tok/s [{isa}, {threads} threads]",
+        "end to end, {name}, {} tokens, CPU only: {cpu_tok_s:.1} tok/s [{isa}, {threads} threads]",
         a.tokens
     );
     println!(
-        "end to end, charm-bard-moe int4, {} tokens, experts in VRAM: {vram_tok_s:.1} tok/s = {:.2}x the CPU's, {} expert uses on the GPU ({} experts, {:.2} MiB) [{device}]",
+        "end to end, {name}, {} tokens, experts in VRAM: {vram_tok_s:.1} tok/s = {:.2}x the CPU's, {} expert uses on the GPU ({} experts, {:.2} MiB) [{device}]",
         a.tokens,
         vram_tok_s / cpu_tok_s,
         st.vram_hits,
