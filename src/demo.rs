@@ -151,32 +151,84 @@ pub fn demo(a: &DemoArgs) -> Result<()> {
             model_name: "charm-bard-moe".into(),
             context: e.model.spec.max_position_embeddings.clamp(1, 4096),
             stop_ids: charm_coordinator::serve::stop_token_ids(&bard, &e.model.spec),
+            tokenizer_config: charm_coordinator::serve::tokenizer_config(&bard),
             ..Default::default()
         };
         let rt = tokio::runtime::Runtime::new()?;
-        let served = rt.block_on(charm_coordinator::serve::serve(
-            e,
-            tok,
-            template,
-            addr,
-            opts,
-            |a| {
-                // one write, errors ignored: whoever reads may close the pipe after a line
-                use std::io::Write;
-                let _ = std::io::stdout().write_all(
-                    format!(
-                        "serving the OpenAI-compatible API on http://{a} (Ctrl-C stops)\n\
-                         chat page and dashboard: http://{a}/ (open it in a browser)\n\
-                         or try:\n\
-                         curl http://{a}/v1/chat/completions -H 'Content-Type: application/json' -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Speak, Romeo.\"}}], \"max_tokens\": 60}}'\n"
-                    )
-                    .as_bytes(),
-                );
-                let _ = std::io::stdout().flush();
-            },
-        ));
+        // Ctrl-C or SIGTERM ends the server normally, so the workers are stopped and the key
+        // directory removed (by `lb`'s drop) rather than left on disk
+        stop_on_signals();
+        let served = rt.block_on(async {
+            tokio::select! {
+                r = serve_demo(e, tok, template, addr, opts) => r,
+                () = signalled() => Ok(()),
+            }
+        });
         drop(lb);
         served.map_err(anyhow::Error::msg)?;
     }
     Ok(())
+}
+
+/// Set by the first SIGINT or SIGTERM.
+static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    // a second signal ends the process at once (as the default action would)
+    if STOP.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        // SAFETY: `_exit` is async-signal-safe.
+        unsafe { libc::_exit(130) };
+    }
+}
+
+/// Routes SIGINT and SIGTERM to [`STOP`].
+fn stop_on_signals() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only touches an atomic and calls `_exit`, both async-signal-safe.
+        unsafe {
+            libc::signal(
+                sig,
+                on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            );
+        }
+    }
+}
+
+/// Resolves once a signal set [`STOP`] (checked ten times a second).
+async fn signalled() {
+    while !STOP.load(std::sync::atomic::Ordering::SeqCst) {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// The demo model served until the process ends, with the `curl` line printed once it listens.
+async fn serve_demo(
+    e: charm_coordinator::Engine,
+    tok: TextTokenizer,
+    template: Option<charm_coordinator::decode::template::ChatTemplate>,
+    addr: std::net::SocketAddr,
+    opts: charm_coordinator::serve::GatewayOptions,
+) -> Result<(), String> {
+    charm_coordinator::serve::serve(
+        e,
+        tok,
+        template,
+        addr,
+        opts,
+        |a| {
+            // one write, errors ignored: whoever reads may close the pipe after a line
+            use std::io::Write;
+            let _ = std::io::stdout().write_all(
+                format!(
+                    "serving the OpenAI-compatible API on http://{a} (Ctrl-C stops)\n\
+                     chat page and dashboard: http://{a}/ (open it in a browser)\n\
+                     or try:\n\
+                     curl http://{a}/v1/chat/completions -H 'Content-Type: application/json' -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Speak, Romeo.\"}}], \"max_tokens\": 60}}'\n"
+                )
+                .as_bytes(),
+            );
+            let _ = std::io::stdout().flush();
+        },
+    )
+    .await
 }

@@ -127,6 +127,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         batch_tokens: batch_tokens.max(1),
         prefix_cache_bytes: prefix_mb << 20,
         stop_ids: serve::stop_token_ids(model, &spec),
+        tokenizer_config: serve::tokenizer_config(model),
         context,
         kv_log: match kv {
             Some((dir, budget)) => Some(serve::KvLogOptions {

@@ -1231,10 +1231,10 @@ fn echo_n_model_names_token_counts_and_tokenize_answer_as_specified() {
         let want = rows[i - 1][ids[i] as usize];
         let g = got[i].as_f64().unwrap() as f32;
         assert!((g - want).abs() <= 1e-5, "token {i}: {g} vs {want}");
-        assert_eq!(
-            lp["top_logprobs"][i].as_object().unwrap().len().min(2),
-            lp["top_logprobs"][i].as_object().unwrap().len()
-        );
+        // the top 2 and, beside them, the prompt's own token
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        assert!(top.len() <= 3, "{top:?}");
+        assert!(top.contains_key(&tok.decode(&[ids[i]]).unwrap()), "{top:?}");
     }
     let texts: Vec<String> = ids.iter().map(|&t| tok.decode(&[t]).unwrap()).collect();
     assert_eq!(lp["tokens"], json!(texts));
@@ -1708,4 +1708,488 @@ fn a_required_or_named_tool_choice_gets_calls_in_the_templates_own_syntax() {
         drop(s);
         std::fs::remove_dir_all(&d).unwrap();
     }
+}
+
+/// The text of each choice of a completions answer.
+fn choice_texts(v: &Value) -> Vec<String> {
+    v["choices"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no choices: {v}"))
+        .iter()
+        .map(|c| c["text"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn unseeded_requests_draw_fresh_seeds_and_seeded_ones_repeat() {
+    let s = Server::start(&[]);
+    let a = s.addr.as_str();
+    let body = |seed: Option<u64>, n: usize| {
+        let mut b = json!({"prompt": "ROMEO. ", "max_tokens": 24, "temperature": 1.0, "n": n, "ignore_eos": true});
+        if let Some(seed) = seed {
+            b["seed"] = json!(seed);
+        }
+        b
+    };
+    // four unseeded requests: at 24 sampled tokens each, four equal answers would mean one seed
+    let unseeded: Vec<String> = (0..4)
+        .map(|_| choice_texts(&post(a, "/v1/completions", &body(None, 1)).json()).remove(0))
+        .collect();
+    let mut distinct = unseeded.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert!(distinct.len() >= 3, "unseeded answers repeat: {unseeded:?}");
+    // n without a seed: the choices differ too
+    let two = choice_texts(&post(a, "/v1/completions", &body(None, 2)).json());
+    assert_ne!(two[0], two[1]);
+    // a seed still gives the same answer every time, and choice i of n is seed + i
+    let seeded = choice_texts(&post(a, "/v1/completions", &body(Some(9), 1)).json());
+    assert_eq!(
+        seeded,
+        choice_texts(&post(a, "/v1/completions", &body(Some(9), 1)).json())
+    );
+    let three = choice_texts(&post(a, "/v1/completions", &body(Some(8), 3)).json());
+    assert_eq!(three[1], seeded[0]);
+    // chat likewise
+    let chat = |seed: Option<u64>| {
+        let mut b = json!({"messages": [{"role": "user", "content": "Speak."}], "max_tokens": 24, "temperature": 1.0, "ignore_eos": true});
+        if let Some(seed) = seed {
+            b["seed"] = json!(seed);
+        }
+        post(a, "/v1/chat/completions", &b).json()["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let chats: Vec<String> = (0..3).map(|_| chat(None)).collect();
+    assert!(
+        chats[0] != chats[1] || chats[1] != chats[2],
+        "unseeded chat answers repeat: {chats:?}"
+    );
+    assert_eq!(chat(Some(5)), chat(Some(5)));
+}
+
+#[test]
+fn models_retrieve_logprobs_carry_the_sampled_token_and_a_large_body_is_refused_at_once() {
+    let s = Server::start(&["--name", "org/charm-bard"]);
+    let a = s.addr.as_str();
+    // the SDKs' models.retrieve: the model object, by its name (a `/` in it) or directory name
+    for id in ["org/charm-bard", "charm-bard-moe"] {
+        let m = http(a, "GET", &format!("/v1/models/{id}"), &[], b"");
+        assert_eq!(m.status, 200, "{id}");
+        let m = m.json();
+        assert_eq!(
+            (m["id"].clone(), m["object"].clone(), m["owned_by"].clone()),
+            (json!("org/charm-bard"), json!("model"), json!("charm"))
+        );
+        assert!(m["created"].is_u64());
+    }
+    let gone = http(a, "GET", "/v1/models/gpt-4o", &[], b"");
+    assert_eq!(gone.status, 404);
+    let e = &gone.json()["error"];
+    assert_eq!(e["type"], "invalid_request_error");
+    assert_eq!(e["code"], "model_not_found");
+    assert!(e["message"].as_str().unwrap().contains("gpt-4o"));
+
+    // logprobs: N: beside the top N, the sampled token itself (up to N + 1 entries), with the
+    // log probability `token_logprobs` gives it; the echoed prompt's tokens likewise
+    for echo in [false, true] {
+        let v = post(
+            a,
+            "/v1/completions",
+            &json!({"prompt": "ROMEO. Speak", "max_tokens": 16, "temperature": 1.0, "seed": 3, "logprobs": 1, "echo": echo}),
+        )
+        .json();
+        let lp = &v["choices"][0]["logprobs"];
+        let tokens = lp["tokens"].as_array().unwrap();
+        let mut beside = 0;
+        for (i, t) in tokens.iter().enumerate() {
+            let top = &lp["top_logprobs"][i];
+            if echo && i == 0 {
+                assert!(top.is_null());
+                continue;
+            }
+            let top = top.as_object().unwrap();
+            assert!((1..=2).contains(&top.len()), "{top:?}");
+            let got = top[t.as_str().unwrap()].as_f64().unwrap();
+            let want = lp["token_logprobs"][i].as_f64().unwrap();
+            assert!((got - want).abs() < 1e-6, "token {i}: {got} vs {want}");
+            beside += usize::from(top.len() == 2);
+        }
+        // at temperature 1 some sampled tokens are not the most likely one
+        assert!(beside > 0, "echo {echo}: {lp}");
+    }
+
+    // a Content-Length over the limit: 413 at once, the body never sent
+    let t = std::time::Instant::now();
+    let mut c = TcpStream::connect(a).unwrap();
+    c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000000\r\n\r\n{\"pro")
+        .unwrap();
+    c.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    let mut b = Vec::new();
+    let _ = c.read_to_end(&mut b);
+    let head = String::from_utf8_lossy(&b);
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}",
+        t.elapsed()
+    );
+    // and the server still answers
+    let r = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": "ROMEO.", "max_tokens": 2}),
+    );
+    assert_eq!(r.status, 200);
+}
+
+/// The local addresses of the UDP sockets process `pid` holds (from `/proc`), as `/proc/net`
+/// writes them (hex, IPv4 or IPv6).
+fn udp_sockets_of(pid: u32) -> Vec<String> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|f| std::fs::read_link(f.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .collect();
+    let mut out = Vec::new();
+    for table in ["/proc/net/udp", "/proc/net/udp6"] {
+        let Ok(t) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in t.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() > 9 && inodes.iter().any(|i| i == f[9]) {
+                out.push(f[1].to_string());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_demo_endpoint_stays_on_loopback_and_its_keys_go_with_a_sigterm() {
+    use std::os::unix::fs::PermissionsExt;
+    let (mut s, said) = Server::demo();
+    let seen = said.join("\n");
+    let dir = seen
+        .split("certificates in ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("no key directory in: {seen}"));
+    let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700, "{}", dir.display());
+    // the coordinator's QUIC endpoint: 127.0.0.1 (or ::1), like its workers
+    let udp = udp_sockets_of(s.child.id());
+    assert!(!udp.is_empty(), "no UDP socket");
+    for local in &udp {
+        let ip = local.split(':').next().unwrap();
+        assert!(
+            ip == "0100007F" || ip == "00000000000000000000000001000000",
+            "bound beyond loopback: {local}"
+        );
+    }
+    // SIGTERM: the server ends and takes the cluster's keys with it
+    // SAFETY: a plain kill(2) of our own child.
+    assert_eq!(
+        unsafe { libc::kill(s.child.id() as libc::pid_t, libc::SIGTERM) },
+        0
+    );
+    let t = std::time::Instant::now();
+    while s.child.try_wait().unwrap().is_none() {
+        assert!(t.elapsed().as_secs() < 20, "the demo did not stop");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(!dir.exists(), "{} is left", dir.display());
+}
+
+#[test]
+fn completions_take_every_prompt_shape_each_prompt_its_own_sequence() {
+    let s = Server::start(&["--parallel", "4"]);
+    let a = s.addr.as_str();
+    let tok = TextTokenizer::load(&demo()).unwrap();
+    let texts = ["ROMEO. ", "JULIET. Good night", "MERCUTIO. A plague"];
+    let ids: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t).unwrap()).collect();
+    let one = |prompt: Value, extra: Value| {
+        let mut b = json!({"prompt": prompt, "max_tokens": 12, "temperature": 1.0, "seed": 7});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        let r = post(a, "/v1/completions", &b);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        r.json()
+    };
+    // a list of strings: one choice per prompt, in order, each what the prompt alone gives;
+    // the prompts run together as rows of one batch
+    let list = one(json!(texts), json!({}));
+    assert!(metric(a, "charm_batch_size_peak") >= 3.0);
+    let singles: Vec<Value> = texts.iter().map(|t| one(json!(t), json!({}))).collect();
+    let want: Vec<String> = singles.iter().flat_map(choice_texts).collect();
+    assert_eq!(choice_texts(&list), want);
+    for (i, c) in list["choices"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(c["index"], i);
+    }
+    let sum = |k: &str| -> u64 {
+        singles
+            .iter()
+            .map(|v| v["usage"][k].as_u64().unwrap())
+            .sum()
+    };
+    assert_eq!(list["usage"]["prompt_tokens"], sum("prompt_tokens"));
+    assert_eq!(list["usage"]["completion_tokens"], sum("completion_tokens"));
+    assert_eq!(list["usage"]["total_tokens"], sum("total_tokens"));
+    // a list of token-id lists (what lm-eval sends), and one list of ids, alike
+    assert_eq!(choice_texts(&one(json!(ids), json!({}))), want);
+    assert_eq!(choice_texts(&one(json!(ids[1]), json!({})))[0], want[1]);
+    // n per prompt: choice p * n + j is prompt p with seed + j (vLLM's order)
+    let two = one(json!(texts[..2]), json!({"n": 2}));
+    let got = choice_texts(&two);
+    assert_eq!(got.len(), 4);
+    for p in 0..2 {
+        for j in 0..2 {
+            let alone = one(json!(texts[p]), json!({"seed": 7 + j}));
+            assert_eq!(
+                got[p * 2 + j],
+                choice_texts(&alone)[0],
+                "prompt {p}, choice {j}"
+            );
+            assert_eq!(two["choices"][p * 2 + j]["index"], p * 2 + j);
+        }
+    }
+    // streamed: chunks carry their choice's index; the usage chunk sums the prompts
+    let r = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": ids, "max_tokens": 12, "temperature": 1.0, "seed": 7, "stream": true, "stream_options": {"include_usage": true}}),
+    );
+    let evs = events(&r.body);
+    assert_eq!(evs.last().unwrap(), "[DONE]");
+    let mut streamed = vec![String::new(); 3];
+    let mut usage = Value::Null;
+    for e in &evs[..evs.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        for c in v["choices"].as_array().unwrap() {
+            streamed[c["index"].as_u64().unwrap() as usize] += c["text"].as_str().unwrap();
+        }
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+    }
+    assert_eq!(streamed, want);
+    assert_eq!(usage["prompt_tokens"], sum("prompt_tokens"));
+    assert_eq!(usage["completion_tokens"], sum("completion_tokens"));
+
+    // echo + logprobs per prompt, with max_tokens 0 (the prompt scored) and 1 (lm-eval 0.4.13)
+    for max_tokens in [0, 1] {
+        let body = |prompt: Value| json!({"prompt": prompt, "max_tokens": max_tokens, "echo": true, "logprobs": 1, "temperature": 0});
+        let list = post(a, "/v1/completions", &body(json!(ids))).json();
+        let choices = list["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 3, "{list}");
+        for (p, c) in choices.iter().enumerate() {
+            let alone = post(a, "/v1/completions", &body(json!(ids[p]))).json();
+            assert_eq!(
+                c["text"], alone["choices"][0]["text"],
+                "max_tokens {max_tokens}"
+            );
+            assert_eq!(c["logprobs"], alone["choices"][0]["logprobs"]);
+            assert!(c["text"].as_str().unwrap().starts_with(texts[p]));
+            let lps = c["logprobs"]["token_logprobs"].as_array().unwrap();
+            assert_eq!(lps.len(), ids[p].len() + max_tokens);
+            assert!(lps[0].is_null() && lps[1..].iter().all(Value::is_f64));
+        }
+        assert_eq!(
+            list["usage"]["completion_tokens"],
+            3 * max_tokens,
+            "{}",
+            list["usage"]
+        );
+        let strings = post(a, "/v1/completions", &body(json!(texts))).json();
+        assert_eq!(strings["choices"], list["choices"]);
+    }
+
+    // shapes that are none of these, and a bad prompt in a list, are a 400 naming it
+    for (prompt, says) in [
+        (json!([]), "empty"),
+        (json!([1, "a"]), "must be a string"),
+        (json!([[1, 2], [99999999]]), "`prompt`[1]"),
+        (json!(["ROMEO.", ""]), "prompt 1"),
+    ] {
+        let r = post(
+            a,
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 2}),
+        );
+        assert_eq!(r.status, 400, "{prompt}");
+        let m = r.json()["error"]["message"].as_str().unwrap().to_string();
+        assert!(m.contains(says), "{prompt}: {m}");
+    }
+}
+
+#[test]
+fn the_tokenizer_routes_answer_as_vllm_does_for_a_remote_tokenizer() {
+    let s = Server::start(&[]);
+    let a = s.addr.as_str();
+    let tok = TextTokenizer::load(&demo()).unwrap();
+    // what lm-evaluation-harness's RemoteTokenizer reads: /tokenizer_info with `eos_token`
+    // (and `bos_token`, `pad_token`, `chat_template`), then /tokenize and /detokenize
+    let info = http(a, "GET", "/tokenizer_info", &[], b"");
+    assert_eq!(info.status, 200);
+    let info = info.json();
+    assert_eq!(info["eos_token"], "<|endoftext|>");
+    assert_eq!(info["pad_token"], "<|endoftext|>");
+    assert!(info["tokenizer_class"].is_string());
+    assert!(info.get("vocab_file").is_none());
+    let template = std::fs::read_to_string(demo().join("chat_template.jinja")).unwrap();
+    assert_eq!(info["chat_template"], template);
+    let tokenize = |body: Value| {
+        let r = post(a, "/tokenize", &body);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        r.json()
+    };
+    // lm-eval's probe, and its eos_token_id: the first id of the eos token's text
+    let probe = tokenize(json!({"prompt": "test", "add_special_tokens": false}));
+    assert!(probe["tokens"].is_array());
+    let eos = tokenize(json!({"prompt": info["eos_token"], "add_special_tokens": false}));
+    let stop = charm_shared::config::ModelSpec::from_dir(&demo())
+        .unwrap()
+        .eos_token_ids;
+    assert_eq!(eos["tokens"], json!([stop[0]]));
+    // a prompt: the ids /v1/completions reads, with their vocabulary strings when asked
+    let text = "ROMEO. But soft, what light";
+    let ids = tok.encode(text).unwrap();
+    let t = tokenize(
+        json!({"model": "charm-bard-moe", "prompt": text, "add_special_tokens": false, "return_token_strs": true}),
+    );
+    assert_eq!(t["tokens"], json!(ids));
+    assert_eq!(t["count"], ids.len());
+    assert_eq!(t["max_model_len"], 1024);
+    let strs: Vec<String> = ids
+        .iter()
+        .map(|&i| tok.inner().id_to_token(i).unwrap())
+        .collect();
+    assert_eq!(t["token_strs"], json!(strs));
+    // this tokenizer adds no special tokens to a prompt: vLLM's default changes nothing here
+    assert_eq!(tokenize(json!({"prompt": text}))["tokens"], json!(ids));
+    // messages: the conversation as /v1/chat/completions renders it
+    let msgs = json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Speak, Romeo."}]);
+    let m = tokenize(json!({"messages": msgs}));
+    let chat = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"messages": msgs, "max_tokens": 1}),
+    )
+    .json();
+    assert_eq!(m["count"], chat["usage"]["prompt_tokens"]);
+    let open = tokenize(json!({"messages": msgs, "add_generation_prompt": false}));
+    assert!(open["count"].as_u64() < m["count"].as_u64());
+    // and back: vLLM's `prompt`, llama-server's `content`
+    let d = post(a, "/detokenize", &json!({"tokens": ids})).json();
+    assert_eq!(
+        (d["prompt"].as_str(), d["content"].as_str()),
+        (Some(text), Some(text))
+    );
+    // bad bodies: a 400 naming what is wrong
+    for (body, says) in [
+        (json!({"prompt": 3}), "`prompt`"),
+        (json!({"prompt": "a", "messages": []}), "one of"),
+        (
+            json!({"prompt": "a", "add_special_tokens": "yes"}),
+            "add_special_tokens",
+        ),
+        (
+            json!({"messages": msgs, "continue_final_message": true}),
+            "continue_final_message",
+        ),
+    ] {
+        let r = post(a, "/tokenize", &body);
+        assert_eq!(r.status, 400, "{body}");
+        let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
+        assert!(msg.contains(says), "{body}: {msg}");
+    }
+}
+
+/// Whether `v` is an object with only the keys `keys` (some may be missing).
+fn only_keys(v: &Value, keys: &[&str]) -> bool {
+    v.as_object()
+        .is_some_and(|o| o.keys().all(|k| keys.contains(&k.as_str())))
+}
+
+#[test]
+fn schemas_that_leave_additional_properties_unset_get_closed_objects() {
+    // no `additionalProperties` anywhere: the answer has the schema's keys and no others, at
+    // every level
+    let schema = json!({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "home": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}},
+        "pets": {"type": "array", "maxItems": 2, "items": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}}}},
+        "required": ["name", "home"]});
+    let check = |text: &str| {
+        let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(only_keys(&v, &["name", "home", "pets"]), "{text}");
+        assert!(only_keys(&v["home"], &["city"]), "{text}");
+        for p in v["pets"].as_array().into_iter().flatten() {
+            assert!(only_keys(p, &["kind"]), "{text}");
+        }
+        v
+    };
+    let s = Server::start(&[]);
+    let a = s.addr.as_str();
+    for seed in 0..4 {
+        let t = if seed == 0 { 0.0 } else { 1.0 };
+        // response_format's json_schema (chat), vLLM's guided_json and llama-server's
+        // json_schema (completions)
+        let r = post(a, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "Who?"}],
+            "max_tokens": 120, "temperature": t, "seed": seed,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "who", "schema": schema}}}))
+        .json();
+        check(r["choices"][0]["message"]["content"].as_str().unwrap());
+        assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+        for field in ["guided_json", "json_schema"] {
+            let (text, finish) = completion_text(
+                a,
+                &json!({"prompt": "ROMEO. ", "max_tokens": 120, "temperature": t, "seed": seed, field: schema}),
+            );
+            check(&text);
+            assert_eq!(finish, "stop", "{field}: {text}");
+        }
+    }
+    // a schema can still leave an object open
+    let mut open = schema.clone();
+    open["properties"]["home"]["additionalProperties"] = json!(true);
+    let (text, _) = completion_text(
+        a,
+        &json!({"prompt": "ROMEO. ", "max_tokens": 40, "temperature": 0, "guided_json": open}),
+    );
+    assert!(text.starts_with('{'), "{text}");
+    drop(s);
+
+    // tool parameters: a nested object of the arguments is closed too
+    let tools = json!([{"type": "function", "function": {"name": "visit", "description": "Visit someone.",
+        "parameters": {"type": "object", "properties": {
+            "who": {"type": "string", "maxLength": 12},
+            "where": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}}},
+            "required": ["who", "where"]}}}]);
+    let d = demo_with_real_template("Qwen-Qwen3-0.6B");
+    let s = Server::start_model(&d, &[]);
+    for seed in 0..3 {
+        let r = post(&s.addr, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "Visit Juliet."}],
+            "tools": tools, "tool_choice": {"type": "function", "function": {"name": "visit"}},
+            "max_tokens": 120, "temperature": 1.0, "seed": seed, "chat_template_kwargs": {"enable_thinking": false}}))
+        .json();
+        let c = &r["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{r}");
+        let args = c["message"]["tool_calls"][0]["function"]["arguments"]
+            .as_str()
+            .unwrap();
+        let args: Value = serde_json::from_str(args).unwrap();
+        assert!(only_keys(&args, &["who", "where"]), "{args}");
+        assert!(only_keys(&args["where"], &["city"]), "{args}");
+    }
+    drop(s);
+    std::fs::remove_dir_all(&d).unwrap();
 }

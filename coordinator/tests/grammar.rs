@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use charm_coordinator::decode::grammar::{GrammarSpec, Grammars};
+use charm_coordinator::decode::grammar::{close_objects, GrammarSpec, Grammars};
 use charm_coordinator::decode::tokenizer::TextTokenizer;
 use charm_shared::config::ModelSpec;
 use serde_json::json;
@@ -71,4 +71,35 @@ fn prepared_masks_equal_masks_computed_in_line() {
         let m = mask(c);
         assert!(m[eos as usize] && m.iter().filter(|&&a| a).count() == 1);
     }
+}
+
+#[test]
+fn objects_that_leave_additional_properties_unset_are_closed() {
+    let mut s = json!({"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+        "open": {"type": "object", "additionalProperties": true},
+        "list": {"type": "array", "items": {"properties": {"c": {}}}},
+        "either": {"anyOf": [{"type": ["object", "null"]}, {"type": "string"}]},
+        "merged": {"allOf": [{"properties": {"d": {}}}, {"properties": {"e": {"type": "object"}}}]},
+        "ref": {"$ref": "#/$defs/X"}},
+        "$defs": {"X": {"type": "object", "unevaluatedProperties": true, "properties": {"y": {"type": "object"}}}}});
+    close_objects(&mut s);
+    let closed = |v: &serde_json::Value| v["additionalProperties"] == json!(false);
+    let p = &s["properties"];
+    assert!(closed(&s) && closed(&p["a"]), "{s}");
+    assert_eq!(p["open"]["additionalProperties"], json!(true));
+    assert!(closed(&p["list"]["items"]));
+    assert!(closed(&p["either"]["anyOf"][0]));
+    assert!(p["either"]["anyOf"][1]
+        .get("additionalProperties")
+        .is_none());
+    // allOf's parts are merged: each is left open, what is inside them is closed
+    assert!(p["merged"].get("additionalProperties").is_none());
+    assert!(p["merged"]["allOf"][0]
+        .get("additionalProperties")
+        .is_none());
+    assert!(closed(&p["merged"]["allOf"][1]["properties"]["e"]));
+    assert!(p["ref"].get("additionalProperties").is_none());
+    let x = &s["$defs"]["X"];
+    assert!(x.get("additionalProperties").is_none() && closed(&x["properties"]["y"]));
 }

@@ -281,10 +281,10 @@ pub fn model_fingerprint(dir: &Path) -> Result<String, String> {
 }
 
 /// Worker processes on loopback (`charm worker` children of this process) with certificates
-/// in a temporary directory; killed and removed when dropped. They share this machine's cores
-/// with the coordinator, so neither side spins while it waits ([`ClusterOptions::spin`],
-/// `charm worker --spin-us`) unless `extra` sets the workers' `--spin-us` (and the caller the
-/// options' `spin`): each would take a core the others need.
+/// in a temporary directory (mode 0700); killed and removed when dropped. They share this
+/// machine's cores with the coordinator, so neither side spins while it waits
+/// ([`ClusterOptions::spin`], `charm worker --spin-us`) unless `extra` sets the workers'
+/// `--spin-us` (and the caller the options' `spin`): each would take a core the others need.
 #[derive(Debug)]
 pub struct Loopback {
     pub dir: PathBuf,
@@ -308,6 +308,17 @@ impl Loopback {
         use std::io::BufRead;
         let dir = std::env::temp_dir().join(format!("charm-loopback-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
+        // the cluster's CA and node keys: readable by this user only while they exist
+        {
+            use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&dir)
+                .and_then(|()| {
+                    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+                })
+                .map_err(|e| format!("{}: {e}", dir.display()))?;
+        }
         let names: Vec<String> = (1..=n).map(|i| format!("w{i}")).collect();
         let mut all = vec!["coordinator".to_string()];
         all.extend(names.iter().cloned());

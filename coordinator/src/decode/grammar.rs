@@ -186,6 +186,65 @@ pub fn json_layout(schema: &Value, strict: bool) -> Value {
     schema
 }
 
+/// `schema` with every object schema that leaves `additionalProperties` unset closed
+/// (`false`): the answer names the properties the schema names and no others, as OpenAI's
+/// strict mode requires and as vLLM (xgrammar) and llama.cpp's converter read such schemas; a
+/// schema that sets `additionalProperties` (or `unevaluatedProperties`) keeps it. An object
+/// schema is one whose `type` is or includes `"object"`, or that has `properties` without a
+/// `type`. The members of an `allOf`, and a schema that has one, are left open (they are merged:
+/// closing one part would refuse the keys of another), though the schemas inside them are
+/// closed.
+pub fn close_objects(schema: &mut Value) {
+    close(schema, true);
+}
+
+fn close(schema: &mut Value, closable: bool) {
+    let Value::Object(o) = schema else {
+        return;
+    };
+    let typed_object = match o.get("type") {
+        Some(Value::String(t)) => t == "object",
+        Some(Value::Array(ts)) => ts.iter().any(|t| t == "object"),
+        None => o.contains_key("properties"),
+        Some(_) => false,
+    };
+    if closable
+        && typed_object
+        && !o.contains_key("allOf")
+        && !o.contains_key("additionalProperties")
+        && !o.contains_key("unevaluatedProperties")
+    {
+        o.insert("additionalProperties".into(), Value::Bool(false));
+    }
+    for (k, v) in o.iter_mut() {
+        match (k.as_str(), v) {
+            // maps of names to schemas
+            ("properties" | "patternProperties" | "$defs" | "definitions", Value::Object(m)) => {
+                m.values_mut().for_each(|s| close(s, true))
+            }
+            // lists of schemas
+            ("anyOf" | "oneOf" | "prefixItems", Value::Array(a)) => {
+                a.iter_mut().for_each(|s| close(s, true))
+            }
+            ("allOf", Value::Array(a)) => a.iter_mut().for_each(|s| close(s, false)),
+            // one schema
+            (
+                "items"
+                | "additionalProperties"
+                | "additionalItems"
+                | "contains"
+                | "not"
+                | "if"
+                | "then"
+                | "else"
+                | "propertyNames",
+                s,
+            ) => close(s, true),
+            _ => {}
+        }
+    }
+}
+
 /// One generation's grammar state: the mask of the next token, advanced token by token.
 pub struct Constraint {
     m: Arc<Mutex<Matcher>>,

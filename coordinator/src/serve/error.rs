@@ -12,11 +12,18 @@ pub(super) struct ApiError {
     pub(super) message: String,
     /// In Anthropic's shape instead.
     pub(super) anthropic: bool,
+    /// OpenAI's stable `code` for the error (`model_not_found`), where it has one.
+    pub(super) code: Option<&'static str>,
 }
 
 impl ApiError {
     pub(super) fn anthropic(mut self) -> Self {
         self.anthropic = true;
+        self
+    }
+
+    pub(super) fn code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
         self
     }
 }
@@ -32,7 +39,7 @@ impl IntoResponse for ApiError {
             };
             json!({"type": "error", "error": {"type": kind, "message": self.message}})
         } else {
-            json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": null}})
+            json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.code}})
         };
         let mut r = (self.status, axum::Json(body)).into_response();
         if self.status == StatusCode::TOO_MANY_REQUESTS {
@@ -53,6 +60,7 @@ pub(super) fn error(
         kind,
         message: message.into(),
         anthropic: false,
+        code: None,
     }
 }
 

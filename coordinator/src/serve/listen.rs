@@ -83,7 +83,8 @@ pub(super) async fn accept_loop(
 }
 
 /// Middleware: reads the whole request body within `timeout` and `limit` bytes before the
-/// handler runs (408 or 413 otherwise, and the connection closes).
+/// handler runs (408 or 413 otherwise, and the connection closes; a `Content-Length` above the
+/// limit is a 413 before the body is read).
 pub(super) async fn read_body(
     timeout: Duration,
     limit: usize,
@@ -98,19 +99,31 @@ pub(super) async fn read_body(
         );
         r
     };
-    match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
-        Ok(Ok(bytes)) => {
-            next.run(Request::from_parts(parts, Body::from(bytes)))
-                .await
-        }
-        Ok(Err(_)) => closing(
+    let too_large = || {
+        closing(
             error(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "invalid_request_error",
                 format!("the body is larger than {limit} bytes, or was cut off"),
             )
             .into_response(),
-        ),
+        )
+    };
+    // a body announced larger than the limit is refused at once, before any of it is read
+    let announced = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if announced.is_some_and(|n| n > limit as u64) {
+        return too_large();
+    }
+    match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => {
+            next.run(Request::from_parts(parts, Body::from(bytes)))
+                .await
+        }
+        Ok(Err(_)) => too_large(),
         Err(_) => closing(
             error(
                 StatusCode::REQUEST_TIMEOUT,

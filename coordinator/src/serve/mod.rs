@@ -3,7 +3,8 @@
 //! - `GET /health` (no key needed), `GET /v1/models`, `POST /v1/completions`,
 //!   `POST /v1/chat/completions` (the model's chat template, see [`crate::decode::template`]),
 //!   `POST /v1/messages` (Anthropic's API) and `POST /v1/messages/count_tokens`,
-//!   `POST /tokenize` and `POST /detokenize` (llama-server's), streaming as server-sent events (OpenAI's with a final
+//!   `POST /tokenize` and `POST /detokenize` (llama-server's and vLLM's) and `GET /tokenizer_info`
+//!   (vLLM's), streaming as server-sent events (OpenAI's with a final
 //!   usage chunk, Anthropic's event sequence), `GET /metrics` (Prometheus text), `GET /v1/status`
 //!   and `GET /v1/status/events` (the server's state as JSON, once and once a second: [`status`]),
 //!   and at `GET /` a chat page and dashboard over them ([`page`]).
@@ -95,6 +96,10 @@ pub struct GatewayOptions {
     pub forced_drafts: bool,
     /// Read deadlines and the cap on open connections.
     pub connections: ConnectionLimits,
+    /// The model's tokenizer configuration, answered by `GET /tokenizer_info` as vLLM answers
+    /// it (so clients such as lm-evaluation-harness need no local tokenizer); see
+    /// [`tokenizer_config`]. `Null`: only what the server knows (the end-of-sequence token).
+    pub tokenizer_config: Json,
 }
 
 /// Where and how much conversation KV is persisted.
@@ -158,8 +163,36 @@ impl Default for GatewayOptions {
             draft: DraftOptions::default(),
             forced_drafts: true,
             connections: ConnectionLimits::default(),
+            tokenizer_config: Json::Null,
         }
     }
+}
+
+/// The tokenizer configuration of the model in `dir` as `GET /tokenizer_info` gives it:
+/// `tokenizer_config.json` (as transformers' `init_kwargs` hold it: added tokens written as
+/// their text), with the chat template the server renders (`chat_template.jinja` where there is
+/// one). `Null` when there is neither.
+pub fn tokenizer_config(dir: &std::path::Path) -> Json {
+    let mut c = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Json>(&t).ok())
+        .filter(Json::is_object)
+        .unwrap_or(Json::Null);
+    if let Ok(t) = std::fs::read_to_string(dir.join("chat_template.jinja")) {
+        if c.is_null() {
+            c = json!({});
+        }
+        c["chat_template"] = json!(t);
+    }
+    if let Some(o) = c.as_object_mut() {
+        for v in o.values_mut() {
+            // `{"content": "<s>", "__type": "AddedToken", ...}`: its text
+            if let Some(t) = v.get("content").and_then(Json::as_str) {
+                *v = json!(t);
+            }
+        }
+    }
+    c
 }
 
 /// What every handler shares.
@@ -275,12 +308,14 @@ pub async fn serve(
         .route("/health", get(health))
         .route("/metrics", get(metrics::prometheus))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/tokenize", post(tokens::tokenize))
         .route("/detokenize", post(tokens::detokenize))
+        .route("/tokenizer_info", get(tokens::tokenizer_info))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "not_found_error", "no such route") })
         .layer(axum::extract::DefaultBodyLimit::max(max_body))
         .layer(axum::middleware::from_fn(move |req, next| {
@@ -316,11 +351,34 @@ async fn health(State(s): State<Arc<Shared>>, h: HeaderMap) -> Response {
     .into_response()
 }
 
+/// OpenAI's model object of the served model.
+fn model_object(s: &Shared) -> Json {
+    json!({"id": s.opts.model_name, "object": "model", "created": s.started, "owned_by": "charm"})
+}
+
 async fn models(State(s): State<Arc<Shared>>, h: HeaderMap) -> Result<Response, ApiError> {
     auth::authorized(&s, &h)?;
-    Ok(axum::Json(json!({
-        "object": "list",
-        "data": [{"id": s.opts.model_name, "object": "model", "created": s.started, "owned_by": "charm"}],
-    }))
-    .into_response())
+    Ok(axum::Json(json!({"object": "list", "data": [model_object(&s)]})).into_response())
+}
+
+/// `GET /v1/models/{id}` (the SDKs' `models.retrieve`): the model object of the served model
+/// (by its name or an alias; an id may hold `/`), else a 404 as OpenAI answers it.
+async fn model(
+    State(s): State<Arc<Shared>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+    h: HeaderMap,
+) -> Result<Response, ApiError> {
+    auth::authorized(&s, &h)?;
+    if !s.opts.serves(&id) {
+        return Err(error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!(
+                "the model `{id}` does not exist: this server serves `{}`",
+                s.opts.model_name
+            ),
+        )
+        .code("model_not_found"));
+    }
+    Ok(axum::Json(model_object(&s)).into_response())
 }

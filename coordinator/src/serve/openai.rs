@@ -14,20 +14,20 @@ use serde_json::{json, Value as Json};
 use super::auth::authorized;
 use super::error::{bad, ApiError};
 use super::request::{
-    check_model, constraint, grammars, merged, submit, usage, whole, ChatMode, Conversation,
-    Request,
+    check_model, constraint, grammars, merged, submit_all, usage, whole, ChatMode, Conversation,
 };
 use super::scheduler::{Event, TokenLogprob};
-use super::settings::{parse, settings, COMMON};
+use super::settings::{parse, settings, Settings, COMMON};
 use super::sse::sse;
 use super::structured::{self, MustCall};
 use super::{now, Shared};
+use crate::decode::grammar::Constraint;
 use crate::decode::reasoning::Reasoning;
 use crate::decode::template::{drop_null_keys, tool_arguments};
 use crate::decode::tokenizer::TextTokenizer;
 use crate::decode::tool_calls::ToolFormat;
 
-/// `POST /v1/completions`: a prompt of text or token ids.
+/// `POST /v1/completions`: a prompt (or a list of prompts) of text or token ids.
 pub(super) async fn completions(
     State(s): State<Arc<Shared>>,
     h: HeaderMap,
@@ -37,37 +37,65 @@ pub(super) async fn completions(
     let body = parse(&body)?;
     let set = settings(&body, &[COMMON, &["prompt"], structured::FIELDS].concat())?;
     check_model(&s, &body)?;
-    let prompt = match &body["prompt"] {
-        Json::String(p) => s.tok.encode(p).map_err(|e| bad(format!("`prompt`: {e}")))?,
-        Json::Array(a) if a.iter().all(|v| v.is_u64()) => {
-            let ids: Vec<u32> = a.iter().map(|v| v.as_u64().unwrap_or(0) as u32).collect();
-            s.tok
-                .check_ids(&ids)
-                .map_err(|e| bad(format!("`prompt`: {e}")))?;
-            ids
-        }
-        _ => return Err(bad("`prompt` must be a string or a list of token ids")),
-    };
-    let echo = match (set.echo, &body["prompt"]) {
-        (false, _) => None,
-        (true, Json::String(p)) => Some(p.clone()),
-        (true, _) => Some(s.tok.decode(&prompt).map_err(|e| bad(e.to_string()))?),
-    };
+    let prompts = prompts(&s.tok, &body["prompt"], set.echo)?;
     let constraint = match structured::requested(&body)? {
         Some(spec) => Some(constraint(&s, &spec)?),
         None => None,
     };
-    answer(
-        s,
-        Request {
-            prompt,
-            settings: set,
-            chat: None,
-            constraint,
-        },
-        echo,
-    )
-    .await
+    answer(s, prompts, set, None, constraint).await
+}
+
+/// One prompt of a request: its ids, and its text when it comes back before the answer (`echo`).
+struct Prompted {
+    ids: Vec<u32>,
+    echo: Option<String>,
+}
+
+/// The prompts of a completions body, in every shape OpenAI's API takes: a string, a list of
+/// strings, a list of token ids, a list of token-id lists. With `echo`, each with its text.
+fn prompts(tok: &TextTokenizer, p: &Json, echo: bool) -> Result<Vec<Prompted>, ApiError> {
+    const SHAPES: &str = "`prompt` must be a string, a list of strings, a list of token ids or a list of token-id lists";
+    let ids = |a: &[Json], which: &str| -> Result<Vec<u32>, ApiError> {
+        let ids = a
+            .iter()
+            .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| bad(SHAPES))?;
+        tok.check_ids(&ids)
+            .map_err(|e| bad(format!("`prompt`{which}: {e}")))?;
+        Ok(ids)
+    };
+    let text = |t: &str, which: &str| -> Result<Prompted, ApiError> {
+        Ok(Prompted {
+            ids: tok
+                .encode(t)
+                .map_err(|e| bad(format!("`prompt`{which}: {e}")))?,
+            echo: echo.then(|| t.to_string()),
+        })
+    };
+    let of_ids = |ids: Vec<u32>| -> Result<Prompted, ApiError> {
+        let echo = match echo {
+            true => Some(tok.decode(&ids).map_err(|e| bad(e.to_string()))?),
+            false => None,
+        };
+        Ok(Prompted { ids, echo })
+    };
+    match p {
+        Json::String(t) => Ok(vec![text(t, "")?]),
+        Json::Array(a) if a.is_empty() => Err(bad("`prompt` is an empty list")),
+        Json::Array(a) if a.iter().all(Json::is_number) => Ok(vec![of_ids(ids(a, "")?)?]),
+        Json::Array(a) if a.iter().all(Json::is_string) => a
+            .iter()
+            .enumerate()
+            .map(|(i, t)| text(t.as_str().unwrap_or_default(), &format!("[{i}]")))
+            .collect(),
+        Json::Array(a) if a.iter().all(Json::is_array) => a
+            .iter()
+            .enumerate()
+            .map(|(i, l)| of_ids(ids(l.as_array().map_or(&[][..], |l| l), &format!("[{i}]"))?))
+            .collect(),
+        _ => Err(bad(SHAPES)),
+    }
 }
 
 /// `POST /v1/chat/completions`: the messages rendered by the model's chat template.
@@ -158,17 +186,7 @@ pub(super) async fn chat_completions(
     } else {
         minijinja::Value::from(())
     };
-    let kwargs = match v.get_attr("chat_template_kwargs") {
-        Ok(k) if !k.is_undefined() && !k.is_none() => k
-            .try_iter()
-            .map_err(|_| bad("`chat_template_kwargs` must be an object"))?
-            .filter_map(|key| {
-                let val = k.get_item(&key).ok()?;
-                Some((key.as_str()?.to_string(), val))
-            })
-            .collect(),
-        _ => vec![],
-    };
+    let kwargs = template_kwargs(&v)?;
     let conversation = Conversation {
         messages,
         tools,
@@ -204,13 +222,13 @@ pub(super) async fn chat_completions(
     };
     answer(
         s,
-        Request {
-            prompt,
-            settings: set,
-            chat: Some(ChatMode { thinking, tools }),
-            constraint,
-        },
-        None,
+        vec![Prompted {
+            ids: prompt,
+            echo: None,
+        }],
+        set,
+        Some(ChatMode { thinking, tools }),
+        constraint,
     )
     .await
 }
@@ -256,29 +274,39 @@ struct ChoiceStream {
     done: bool,
 }
 
-/// Queues a generation (its `n` choices) and answers with its result or its stream (OpenAI
-/// shapes). `echo`: the prompt's text, which comes back before each choice's completion (with its
-/// log probabilities when they are asked for; the first token's is null).
-async fn answer(s: Arc<Shared>, req: Request, echo: Option<String>) -> Result<Response, ApiError> {
-    let Request {
-        prompt,
-        settings: set,
-        chat: mode,
-        constraint,
-    } = req;
+/// Queues a generation (its `n` choices per prompt, each prompt its own sequence of the batch)
+/// and answers with its result or its stream (OpenAI shapes). Choice `p * n + j` is prompt
+/// `p`'s `j`-th (vLLM's order). A prompt's `echo` text comes back before each of its choices'
+/// completions (with its log probabilities when they are asked for; the first token's is
+/// null). Usage sums the prompts (each once) and every choice's completion.
+async fn answer(
+    s: Arc<Shared>,
+    prompts: Vec<Prompted>,
+    set: Settings,
+    mode: Option<ChatMode>,
+    constraint: Option<Constraint>,
+) -> Result<Response, ApiError> {
     let chat = mode.is_some();
     let tools = mode.and_then(|m| m.tools);
     let thinking = mode.is_some_and(|m| m.thinking);
-    let first_prompt_token = prompt[0];
-    let prompt_lp = echo.as_ref().map(|_| set.logprobs.unwrap_or(0));
-    let rxs = submit(&s, prompt, &set, prompt_lp, constraint)?;
+    let n = set.n.max(1);
+    let firsts: Vec<u32> = prompts
+        .iter()
+        .map(|p| p.ids.first().copied().unwrap_or(0))
+        .collect();
+    let (ids, echoes): (Vec<_>, Vec<_>) = prompts.into_iter().map(|p| (p.ids, p.echo)).unzip();
+    let echo = echoes.iter().any(Option::is_some);
+    let prompt_lp = echo.then(|| set.logprobs.unwrap_or(0));
+    let rxs: Vec<_> = submit_all(&s, ids, &set, prompt_lp, constraint)?
+        .into_iter()
+        .flatten()
+        .collect();
     let id = format!(
         "{}-{}",
         if chat { "chatcmpl" } else { "cmpl" },
         s.next_id.fetch_add(1, Ordering::Relaxed)
     );
     let (created, model) = (now(), s.opts.model_name.clone());
-    // the echoed prompt's log probabilities: its first token has none
     let echoed = move |p: Vec<TokenLogprob>| -> Vec<Option<TokenLogprob>> {
         std::iter::once(None)
             .chain(p.into_iter().map(Some))
@@ -289,7 +317,9 @@ async fn answer(s: Arc<Shared>, req: Request, echo: Option<String>) -> Result<Re
         let (mut prompt_tokens, mut completion, mut drafted, mut accepted) = (0, 0, 0, 0);
         for (index, rx) in rxs.into_iter().enumerate() {
             let ans = whole(rx).await?;
-            prompt_tokens = ans.prompt_tokens;
+            if index % n == 0 {
+                prompt_tokens += ans.prompt_tokens;
+            }
             completion += ans.completion_tokens;
             drafted += ans.drafted;
             accepted += ans.accepted;
@@ -307,16 +337,16 @@ async fn answer(s: Arc<Shared>, req: Request, echo: Option<String>) -> Result<Re
             } else {
                 let mut lps: Vec<Option<TokenLogprob>> = Vec::new();
                 let mut text = ans.text;
-                if let Some(e) = &echo {
+                let p = index / n;
+                if let Some(e) = &echoes[p] {
                     text = e.clone() + &text;
                     lps.append(&mut echoed(ans.prompt_logprobs));
                 }
                 lps.extend(ans.logprobs.into_iter().map(Some));
+                let first = echoes[p].as_ref().map(|_| firsts[p]);
                 let lp = set
                     .logprobs
-                    .map(|_| {
-                        completion_logprobs(&s.tok, &lps, echo.as_ref().map(|_| first_prompt_token))
-                    })
+                    .map(|_| completion_logprobs(&s.tok, &lps, first))
                     .unwrap_or(Json::Null);
                 json!({"index": index, "text": text, "finish_reason": ans.finish, "logprobs": lp})
             };
@@ -346,8 +376,7 @@ async fn answer(s: Arc<Shared>, req: Request, echo: Option<String>) -> Result<Re
         }
         format!("data: {c}\n\n")
     };
-    let n = rxs.len();
-    let mut states: Vec<ChoiceStream> = (0..n)
+    let mut states: Vec<ChoiceStream> = (0..rxs.len())
         .map(|_| ChoiceStream {
             split: Reasoning::new(thinking),
             first: chat,
@@ -356,7 +385,7 @@ async fn answer(s: Arc<Shared>, req: Request, echo: Option<String>) -> Result<Re
             done: false,
         })
         .collect();
-    let (mut completion, mut drafted, mut accepted) = (0, 0, 0);
+    let (mut prompt_total, mut completion, mut drafted, mut accepted) = (0, 0, 0, 0);
     let tok = s.tok.clone();
     let want_lp = set.logprobs.is_some();
     let stream = sse(merged(rxs), String::new(), move |(index, ev)| {
@@ -366,11 +395,11 @@ async fn answer(s: Arc<Shared>, req: Request, echo: Option<String>) -> Result<Re
                 // echo: the prompt's text first, with its log probabilities when asked
                 let lp = if want_lp {
                     let p = echoed(p);
-                    completion_logprobs(&tok, &p, Some(first_prompt_token))
+                    completion_logprobs(&tok, &p, Some(firsts[index / n]))
                 } else {
                     Json::Null
                 };
-                let text = echo.clone().unwrap_or_default();
+                let text = echoes[index / n].clone().unwrap_or_default();
                 let choice =
                     json!({"index": index, "text": text, "finish_reason": null, "logprobs": lp});
                 (chunk(choice, None), false)
@@ -471,6 +500,9 @@ async fn answer(s: Arc<Shared>, req: Request, echo: Option<String>) -> Result<Re
                     json!({"index": index, "text": "", "finish_reason": finish, "logprobs": null})
                 };
                 st.done = true;
+                if index % n == 0 {
+                    prompt_total += prompt_tokens;
+                }
                 completion += completion_tokens;
                 drafted += d;
                 accepted += a;
@@ -479,7 +511,7 @@ async fn answer(s: Arc<Shared>, req: Request, echo: Option<String>) -> Result<Re
                 if all_done {
                     end += &chunk(
                         json!(null),
-                        Some(usage(prompt_tokens, completion, drafted, accepted)),
+                        Some(usage(prompt_total, completion, drafted, accepted)),
                     );
                     end += "data: [DONE]\n\n";
                 }
@@ -533,12 +565,36 @@ fn completion_logprobs(
     json!({
         "tokens": lps.iter().map(|e| text(token(e))).collect::<Vec<_>>(),
         "token_logprobs": lps.iter().map(|e| e.as_ref().map(|(_, lp, _)| *lp)).collect::<Vec<_>>(),
+        // the top alternatives and, as OpenAI documents (up to `logprobs + 1` entries), the
+        // token itself beside them
         "top_logprobs": lps.iter().map(|e| match e {
-            Some((_, _, alt)) => Json::Object(
-                alt.iter().map(|(a, l)| (text(*a), json!(l))).collect::<serde_json::Map<_, _>>(),
-            ),
+            Some((t, lp, alt)) => {
+                let mut m: serde_json::Map<_, _> =
+                    alt.iter().map(|(a, l)| (text(*a), json!(l))).collect();
+                if !alt.iter().any(|(a, _)| a == t) {
+                    m.insert(text(*t), json!(lp));
+                }
+                Json::Object(m)
+            }
             None => Json::Null,
         }).collect::<Vec<_>>(),
         "text_offset": offsets,
+    })
+}
+
+/// A request's `chat_template_kwargs` (an object; absent or null: none), for the chat template.
+pub(super) fn template_kwargs(
+    v: &minijinja::Value,
+) -> Result<Vec<(String, minijinja::Value)>, ApiError> {
+    Ok(match v.get_attr("chat_template_kwargs") {
+        Ok(k) if !k.is_undefined() && !k.is_none() => k
+            .try_iter()
+            .map_err(|_| bad("`chat_template_kwargs` must be an object"))?
+            .filter_map(|key| {
+                let val = k.get_item(&key).ok()?;
+                Some((key.as_str()?.to_string(), val))
+            })
+            .collect(),
+        _ => vec![],
     })
 }

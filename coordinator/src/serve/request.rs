@@ -128,42 +128,73 @@ pub(super) fn submit(
     prompt_logprobs: Option<usize>,
     constraint: Option<Constraint>,
 ) -> Result<Vec<mpsc::UnboundedReceiver<Event>>, ApiError> {
+    Ok(submit_all(s, vec![prompt], set, prompt_logprobs, constraint)?.remove(0))
+}
+
+/// Prompts of one request at most (a list of prompts on `/v1/completions`).
+pub(super) const MAX_PROMPTS: usize = 1024;
+
+/// [`submit`] for the prompts of one request, each its own sequence of the batch (queued
+/// together: all or none): the receivers of prompt `p`'s choices come at `p`.
+pub(super) fn submit_all(
+    s: &Shared,
+    prompts: Vec<Vec<u32>>,
+    set: &Settings,
+    prompt_logprobs: Option<usize>,
+    constraint: Option<Constraint>,
+) -> Result<Vec<Vec<mpsc::UnboundedReceiver<Event>>>, ApiError> {
     let ctx = s.opts.context;
-    if prompt.is_empty() {
-        return Err(bad("the prompt is empty"));
-    }
-    if prompt.len() >= ctx {
-        return Err(bad(format!(
-            "the prompt is {} tokens; the context holds {ctx}",
-            prompt.len()
-        )));
-    }
-    let max_tokens = set.max_tokens.unwrap_or(ctx - prompt.len());
-    if prompt.len() + max_tokens > ctx {
-        return Err(bad(format!(
-            "the prompt ({} tokens) plus max_tokens ({max_tokens}) exceeds the context of {ctx} tokens",
-            prompt.len()
-        )));
-    }
     if set.n > s.opts.max_active {
         return Err(bad(format!(
             "`n` {} is more than the {} generations this server runs at once (--parallel)",
             set.n, s.opts.max_active
         )));
     }
-    let job = Job {
-        prompt,
-        max_tokens,
-        params: set.params,
-        penalties: set.penalties,
-        logprobs: set.logprobs,
-        stop: set.stop.clone(),
-        ignore_eos: set.ignore_eos,
-        prompt_logprobs,
-        n: set.n,
-        constraint,
-    };
-    s.scheduler.submit_choices(job).map_err(|e| match e {
+    if prompts.len() > MAX_PROMPTS {
+        return Err(bad(format!(
+            "{} prompts: at most {MAX_PROMPTS} in one request",
+            prompts.len()
+        )));
+    }
+    let several = prompts.len() > 1;
+    let mut jobs = Vec::with_capacity(prompts.len());
+    for (p, prompt) in prompts.into_iter().enumerate() {
+        // (a list's prompt is named by its place)
+        let which = if several {
+            format!("prompt {p}: ")
+        } else {
+            String::new()
+        };
+        if prompt.is_empty() {
+            return Err(bad(format!("{which}the prompt is empty")));
+        }
+        if prompt.len() >= ctx {
+            return Err(bad(format!(
+                "{which}the prompt is {} tokens; the context holds {ctx}",
+                prompt.len()
+            )));
+        }
+        let max_tokens = set.max_tokens.unwrap_or(ctx - prompt.len());
+        if prompt.len() + max_tokens > ctx {
+            return Err(bad(format!(
+                "{which}the prompt ({} tokens) plus max_tokens ({max_tokens}) exceeds the context of {ctx} tokens",
+                prompt.len()
+            )));
+        }
+        jobs.push(Job {
+            prompt,
+            max_tokens,
+            params: set.params,
+            penalties: set.penalties,
+            logprobs: set.logprobs,
+            stop: set.stop.clone(),
+            ignore_eos: set.ignore_eos,
+            prompt_logprobs,
+            n: set.n,
+            constraint: constraint.clone(),
+        });
+    }
+    s.scheduler.submit_all(jobs).map_err(|e| match e {
         Refused::Full => error(
             StatusCode::TOO_MANY_REQUESTS,
             "rate_limit_error",

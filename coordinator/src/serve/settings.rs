@@ -146,7 +146,9 @@ pub(super) fn settings(body: &Json, known: &[&str]) -> Result<Settings, ApiError
             temperature: temperature as f32,
             top_k: int("top_k")?.unwrap_or(0) as usize,
             top_p: top_p as f32,
-            seed: int("seed")?.unwrap_or(0),
+            // no seed: a fresh one, so unseeded sampled requests differ (as OpenAI, vLLM and
+            // llama-server do); a given seed stays reproducible
+            seed: int("seed")?.unwrap_or_else(fresh_seed),
             min_p: min_p as f32,
         },
         penalties,
@@ -158,6 +160,21 @@ pub(super) fn settings(body: &Json, known: &[&str]) -> Result<Settings, ApiError
         n: n as usize,
         echo,
     })
+}
+
+/// A seed no earlier request had, for a request that gives none: std's per-process random hash
+/// keys (drawn from the OS) over a counter and the clock.
+fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static DRAWN: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(DRAWN.fetch_add(1, Ordering::Relaxed));
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    h.write_u64(t);
+    h.finish()
 }
 
 pub(super) const COMMON: &[&str] = &[

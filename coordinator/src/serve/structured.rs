@@ -8,11 +8,14 @@
 //! - Extensions, with vLLM's names: `guided_json` (a schema), `guided_regex`, `guided_grammar`
 //!   (llguidance's Lark, or GBNF when it has `::=` rules), `guided_choice` (one of the strings);
 //!   and llama-server's: `json_schema`, `grammar` (GBNF or Lark).
+//!
+//! A schema's objects that leave `additionalProperties` unset are closed (OpenAI's strict
+//! reading, vLLM's and llama.cpp's): the answer has the keys the schema names and no others.
 
 use serde_json::{json, Value as Json};
 
 use super::error::{bad, ApiError};
-use crate::decode::grammar::{json_layout, GrammarSpec, Grammars};
+use crate::decode::grammar::{close_objects, json_layout, GrammarSpec, Grammars};
 use crate::decode::tool_calls::ToolFormat;
 
 /// The extension fields this module reads (the handlers take them out of the shared checks).
@@ -70,7 +73,7 @@ pub(super) fn requested(body: &Json) -> Result<Option<GrammarSpec>, ApiError> {
                     return Err(bad("`response_format.json_schema.schema` is required"));
                 }
                 GrammarSpec::JsonSchema {
-                    schema: schema(&js["schema"])?,
+                    schema: closed(schema(&js["schema"])?),
                     strict: js["strict"].as_bool().unwrap_or(false),
                 }
             }
@@ -81,7 +84,7 @@ pub(super) fn requested(body: &Json) -> Result<Option<GrammarSpec>, ApiError> {
             }
         },
         "guided_json" | "json_schema" => GrammarSpec::JsonSchema {
-            schema: schema(v)?,
+            schema: closed(schema(v)?),
             strict: false,
         },
         "guided_regex" => GrammarSpec::Regex(text("a regular expression")?),
@@ -113,6 +116,13 @@ pub(super) fn requested(body: &Json) -> Result<Option<GrammarSpec>, ApiError> {
     }))
 }
 
+/// `schema` with its objects closed where it leaves `additionalProperties` unset
+/// ([`close_objects`]).
+fn closed(mut schema: Json) -> Json {
+    close_objects(&mut schema);
+    schema
+}
+
 /// Which tools an answer must call: any of them (`required`), or the one named.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum MustCall {
@@ -122,7 +132,8 @@ pub(super) enum MustCall {
 
 /// The grammar of an answer that is tool calls (one or more for [`MustCall::Any`], one for a
 /// named tool) in `format`, each tool's arguments valid under its schema (no arguments beyond
-/// its properties unless the schema sets `additionalProperties`). `tools`: OpenAI's
+/// its properties, nor keys beyond a nested object's, unless the schema sets
+/// `additionalProperties`). `tools`: OpenAI's
 /// `[{type: function, function: {name, parameters}}]`.
 pub(super) fn tool_grammar(
     g: &Grammars,
@@ -146,10 +157,12 @@ pub(super) fn tool_grammar(
             Json::Null => json!({"type": "object"}),
             p => p.clone(),
         };
-        // a call names the tool's parameters only, unless its schema allows more
+        // a call names the tool's parameters only (and each object in them its properties
+        // only), unless its schema allows more
         if let Json::Object(o) = &mut params {
             o.entry("additionalProperties").or_insert(Json::Bool(false));
         }
+        close_objects(&mut params);
         calls.push((name.to_string(), params));
     }
     if calls.is_empty() {

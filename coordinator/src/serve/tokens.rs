@@ -1,5 +1,8 @@
-//! `POST /tokenize` and `POST /detokenize` (llama-server's names and shapes; `prompt` as vLLM
-//! names it is read too): text to the model's token ids and back, nothing generated.
+//! The tokenizer's routes, nothing generated, in llama-server's and vLLM's shapes:
+//! `POST /tokenize` (text, or a conversation rendered by the chat template, to token ids),
+//! `POST /detokenize` (ids back to text) and `GET /tokenizer_info` (the tokenizer's
+//! configuration). vLLM's are what lm-evaluation-harness's remote tokenizer reads
+//! (`tokenizer_backend=remote`, and `auto` when the server answers them).
 
 use std::sync::Arc;
 
@@ -14,6 +17,8 @@ use super::error::{bad, ApiError};
 use super::request::check_model;
 use super::settings::parse;
 use super::Shared;
+use crate::decode::template::{drop_null_keys, tool_arguments, ChatInput};
+use crate::decode::tool_calls::ToolFormat;
 
 /// Reads `known` fields of an object body; anything else is a 400.
 fn fields(body: &Bytes, known: &[&str]) -> Result<Json, ApiError> {
@@ -27,9 +32,17 @@ fn fields(body: &Bytes, known: &[&str]) -> Result<Json, ApiError> {
     Ok(v)
 }
 
-/// `POST /tokenize`: `{"content": TEXT, "with_pieces": BOOL}` to `{"tokens": [ID, ...]}` (with
-/// pieces: `[{"id", "piece"}]`), plus `count` and the context (`max_model_len`). No special
-/// tokens are added (`add_special: true` is refused: this tokenizer adds none).
+/// `POST /tokenize`, in either server's shape:
+/// - llama-server's `{"content": TEXT, "with_pieces": BOOL}`: `tokens` as ids (with pieces:
+///   `[{"id", "piece"}]`); no special tokens are added (`add_special: true` is refused).
+/// - vLLM's `{"prompt": TEXT, "add_special_tokens": BOOL}` (default true: what the tokenizer's
+///   post-processor adds, if anything) or `{"messages": [...], "add_generation_prompt": BOOL,
+///   "add_special_tokens": BOOL, "tools", "chat_template_kwargs"}` (the conversation rendered by
+///   the chat template as `/v1/chat/completions` renders it; default: the assistant's turn
+///   opened, no special tokens added), with `"return_token_strs": true` the tokens' vocabulary
+///   strings as `token_strs`.
+///
+/// Both answer `tokens`, `count` and the context (`max_model_len`).
 pub(super) async fn tokenize(
     State(s): State<Arc<Shared>>,
     h: HeaderMap,
@@ -38,40 +51,112 @@ pub(super) async fn tokenize(
     authorized(&s, &h)?;
     let v = fields(
         &body,
-        &["content", "prompt", "model", "with_pieces", "add_special"],
+        &[
+            "content",
+            "prompt",
+            "messages",
+            "model",
+            "with_pieces",
+            "add_special",
+            "add_special_tokens",
+            "return_token_strs",
+            "add_generation_prompt",
+            "continue_final_message",
+            "tools",
+            "chat_template_kwargs",
+        ],
     )?;
     check_model(&s, &v)?;
-    let text = match (&v["content"], &v["prompt"]) {
-        (Json::String(t), Json::Null) | (Json::Null, Json::String(t)) => t,
-        _ => return Err(bad("give the text as `content` (a string)")),
-    };
-    let flag = |k: &str| match &v[k] {
-        Json::Null => Ok(false),
+    let flag = |k: &str, default: bool| match &v[k] {
+        Json::Null => Ok(default),
         Json::Bool(b) => Ok(*b),
         _ => Err(bad(format!("`{k}` must be true or false"))),
     };
-    if flag("add_special")? {
+    if flag("add_special", false)? {
         return Err(bad(
             "`add_special`: this model's tokenizer adds no special tokens",
         ));
     }
-    let ids = s.tok.encode(text).map_err(|e| bad(e.to_string()))?;
-    let tokens: Vec<Json> = if flag("with_pieces")? {
+    if flag("continue_final_message", false)? {
+        return Err(bad("`continue_final_message` is not supported"));
+    }
+    let (text, add_special) = match (&v["content"], &v["prompt"], &v["messages"]) {
+        (Json::String(t), Json::Null, Json::Null) | (Json::Null, Json::String(t), Json::Null) => {
+            // (vLLM adds the tokenizer's special tokens to a prompt unless told not to)
+            let vllm = v["prompt"].is_string();
+            (t.clone(), flag("add_special_tokens", vllm)?)
+        }
+        (Json::Null, Json::Null, Json::Array(_)) => (
+            rendered(&s, &body, flag("add_generation_prompt", true)?)?,
+            flag("add_special_tokens", false)?,
+        ),
+        _ => {
+            return Err(bad(
+                "give one of `prompt` or `content` (a string) or `messages` (a list)",
+            ))
+        }
+    };
+    let ids = s
+        .tok
+        .inner()
+        .encode(text.as_str(), add_special)
+        .map_err(|e| bad(e.to_string()))?
+        .get_ids()
+        .to_vec();
+    let tokens: Vec<Json> = if flag("with_pieces", false)? {
         ids.iter()
             .map(|&t| json!({"id": t, "piece": s.tok.decode(&[t]).unwrap_or_default()}))
             .collect()
     } else {
         ids.iter().map(|&t| json!(t)).collect()
     };
-    Ok(axum::Json(json!({
+    let mut out = json!({
         "tokens": tokens,
         "count": ids.len(),
         "max_model_len": s.opts.context,
-    }))
-    .into_response())
+    });
+    if flag("return_token_strs", false)? {
+        out["token_strs"] = ids
+            .iter()
+            .map(|&t| json!(s.tok.inner().id_to_token(t).unwrap_or_default()))
+            .collect();
+    }
+    Ok(axum::Json(out).into_response())
 }
 
-/// `POST /detokenize`: `{"tokens": [ID, ...]}` to `{"content": TEXT}` (special tokens shown).
+/// The text of the conversation in `body` (`messages`, `tools`, `chat_template_kwargs`) as the
+/// chat template renders it for `/v1/chat/completions`.
+fn rendered(s: &Shared, body: &Bytes, add_generation_prompt: bool) -> Result<String, ApiError> {
+    let Some(t) = &s.template else {
+        return Err(bad("this model has no chat template: give `prompt`"));
+    };
+    // the template sees the messages in their key order
+    let v: minijinja::Value = serde_json::from_slice(body).map_err(|e| bad(e.to_string()))?;
+    let mut messages = drop_null_keys(&v.get_attr("messages").unwrap_or_default());
+    match t.tool_format {
+        Some(ToolFormat::Glm) => messages = tool_arguments(&messages, true),
+        Some(ToolFormat::DeepSeek) => messages = tool_arguments(&messages, false),
+        _ => {}
+    }
+    let tools = match v.get_attr("tools") {
+        Ok(t) if t.kind() == minijinja::value::ValueKind::Seq => t,
+        Ok(t) if t.is_undefined() || t.is_none() => minijinja::Value::from(()),
+        _ => return Err(bad("`tools` must be a list")),
+    };
+    let kwargs = super::openai::template_kwargs(&v)?;
+    t.render(&ChatInput {
+        messages,
+        tools,
+        add_generation_prompt,
+        bos_token: None,
+        eos_token: None,
+        kwargs,
+    })
+    .map_err(|e| bad(e.to_string()))
+}
+
+/// `POST /detokenize`: `{"tokens": [ID, ...]}` to the text (special tokens shown), as
+/// llama-server names it (`content`) and as vLLM does (`prompt`).
 pub(super) async fn detokenize(
     State(s): State<Arc<Shared>>,
     h: HeaderMap,
@@ -89,6 +174,32 @@ pub(super) async fn detokenize(
         return Err(bad("`tokens` must be a list of token ids"));
     };
     s.tok.check_ids(&ids).map_err(|e| bad(e.to_string()))?;
-    let content = s.tok.decode(&ids).map_err(|e| bad(e.to_string()))?;
-    Ok(axum::Json(json!({ "content": content })).into_response())
+    let text = s.tok.decode(&ids).map_err(|e| bad(e.to_string()))?;
+    Ok(axum::Json(json!({ "content": text, "prompt": text })).into_response())
+}
+
+/// `GET /tokenizer_info` (vLLM's): the tokenizer's configuration (`tokenizer_config.json`
+/// without its file paths, added tokens as their text), `tokenizer_class`, the chat template
+/// the server renders, and `eos_token` where the configuration has none (the first
+/// end-of-sequence id's text).
+pub(super) async fn tokenizer_info(
+    State(s): State<Arc<Shared>>,
+    h: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorized(&s, &h)?;
+    let mut c = match &s.opts.tokenizer_config {
+        Json::Object(o) => o.clone(),
+        _ => serde_json::Map::new(),
+    };
+    c.remove("vocab_file");
+    c.remove("merges_file");
+    if !c.get("tokenizer_class").is_some_and(Json::is_string) {
+        c.insert("tokenizer_class".into(), json!("PreTrainedTokenizerFast"));
+    }
+    if !c.get("eos_token").is_some_and(Json::is_string) {
+        if let Some(t) = s.stop_ids.first().and_then(|&t| s.tok.decode(&[t]).ok()) {
+            c.insert("eos_token".into(), json!(t));
+        }
+    }
+    Ok(axum::Json(Json::Object(c)).into_response())
 }

@@ -173,7 +173,9 @@ pub enum Refused {
 /// The generator thread and its queue.
 #[derive(Debug)]
 pub struct Scheduler {
-    jobs: std::sync::mpsc::SyncSender<Queued>,
+    /// Requests waiting: each the jobs of one request (one per prompt), taking one place of the
+    /// queue however many it has; they are admitted one sequence at a time.
+    jobs: std::sync::mpsc::SyncSender<Vec<Queued>>,
     metrics: Arc<Metrics>,
 }
 
@@ -188,7 +190,7 @@ impl Scheduler {
         kv_log: Option<KvLog>,
         metrics: Arc<Metrics>,
     ) -> Result<Self, String> {
-        let (jobs, rx) = std::sync::mpsc::sync_channel::<Queued>(queue);
+        let (jobs, rx) = std::sync::mpsc::sync_channel::<Vec<Queued>>(queue);
         let m = metrics.clone();
         std::thread::Builder::new()
             .name("charm-generate".into())
@@ -211,19 +213,39 @@ impl Scheduler {
     /// Queues `job` with its `n` choices; the events of choice `i` come on receiver `i`.
     /// Dropping a receiver cancels that choice.
     pub fn submit_choices(&self, job: Job) -> Result<Vec<mpsc::UnboundedReceiver<Event>>, Refused> {
-        let (mut txs, rxs): (Vec<_>, Vec<_>) =
-            (0..job.n.max(1)).map(|_| mpsc::unbounded_channel()).unzip();
-        let tx = txs.remove(0);
-        let q = Queued {
-            job,
-            tx,
-            forks: txs,
-            queued: Instant::now(),
-        };
+        Ok(self.submit_all(vec![job])?.remove(0))
+    }
+
+    /// Queues the jobs of one request (a list of prompts) together, in one place of the queue:
+    /// each runs as its own sequence, batched with the others as room comes (not one after
+    /// another). The receivers of job `p`'s choices come at `p`, as [`Self::submit_choices`]
+    /// gives them. All are queued or none (`jobs` empty: none, and no error).
+    pub fn submit_all(
+        &self,
+        jobs: Vec<Job>,
+    ) -> Result<Vec<Vec<mpsc::UnboundedReceiver<Event>>>, Refused> {
+        if jobs.is_empty() {
+            return Ok(vec![]);
+        }
+        let now = Instant::now();
+        let (mut all, mut queued) = (Vec::new(), Vec::new());
+        for job in jobs {
+            let (mut txs, rxs): (Vec<_>, Vec<_>) =
+                (0..job.n.max(1)).map(|_| mpsc::unbounded_channel()).unzip();
+            let tx = txs.remove(0);
+            queued.push(Queued {
+                job,
+                tx,
+                forks: txs,
+                queued: now,
+            });
+            all.push(rxs);
+        }
         let m = &self.metrics;
-        m.queued.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = self.jobs.try_send(q) {
-            m.queued.fetch_sub(1, Ordering::Relaxed);
+        let k = queued.len() as u64;
+        m.queued.fetch_add(k, Ordering::Relaxed);
+        if let Err(e) = self.jobs.try_send(queued) {
+            m.queued.fetch_sub(k, Ordering::Relaxed);
             m.rejected.fetch_add(1, Ordering::Relaxed);
             return Err(match e {
                 std::sync::mpsc::TrySendError::Full(_) => Refused::Full,
@@ -231,7 +253,7 @@ impl Scheduler {
             });
         }
         m.requests.fetch_add(1, Ordering::Relaxed);
-        Ok(rxs)
+        Ok(all)
     }
 
     /// The scheduler's counters.
@@ -249,7 +271,7 @@ impl Scheduler {
 fn run_jobs(
     e: &Engine,
     tok: &TextTokenizer,
-    rx: std::sync::mpsc::Receiver<Queued>,
+    rx: std::sync::mpsc::Receiver<Vec<Queued>>,
     metrics: &Metrics,
     lim: &Schedule,
     store: Option<KvStore>,
@@ -257,20 +279,26 @@ fn run_jobs(
     let max_active = lim.max_active;
     let mut active: Vec<Sequence> = Vec::new();
     let mut prefixes = PrefixCache::new(lim.prefix_bytes);
+    // the jobs of requests taken from the queue and not yet admitted, in arrival order
+    let mut pending: std::collections::VecDeque<Queued> = std::collections::VecDeque::new();
     loop {
         // admit: block only when nothing runs (the choices of a job count once their prompt
         // is read and they fork)
         while active.len() < max_active {
-            let job = if active.is_empty() {
-                match rx.recv() {
-                    Ok(j) => j,
-                    Err(_) => return,
-                }
-            } else {
-                match rx.try_recv() {
-                    Ok(j) => j,
-                    Err(_) => break,
-                }
+            let Some(job) = pending.pop_front() else {
+                let request = if active.is_empty() {
+                    match rx.recv() {
+                        Ok(j) => j,
+                        Err(_) => return,
+                    }
+                } else {
+                    match rx.try_recv() {
+                        Ok(j) => j,
+                        Err(_) => break,
+                    }
+                };
+                pending.extend(request);
+                continue;
             };
             metrics.queued.fetch_sub(1, Ordering::Relaxed);
             if let Some(st) = &store {
