@@ -179,6 +179,47 @@ fn same(a: &[u32], b: &[u32], what: &str) {
     }
 }
 
+/// One `charm generate --json` run of `tokens` tokens with activations `act` and `extra` flags
+/// and environment: whether it succeeded, its JSON (the last line it printed), its stderr.
+fn run(
+    model: &Path,
+    ids: &str,
+    tokens: usize,
+    act: &str,
+    extra: &[&str],
+    env: &[(&str, String)],
+) -> (bool, serde_json::Value, String) {
+    let tokens = tokens.to_string();
+    let mut args = vec![
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--ids",
+        ids,
+        "--max-tokens",
+        &tokens,
+        "--activations",
+        act,
+        "--history",
+        "none",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let (ok, out, err) = charm_env(&args, env);
+    let v = out.lines().last().map_or(serde_json::Value::Null, json);
+    (ok, v, err)
+}
+
+/// The generated ids of a [`run`]'s JSON.
+fn ids_of(v: &serde_json::Value) -> Vec<u64> {
+    v["ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no ids: {v}"))
+        .iter()
+        .map(|i| i.as_u64().unwrap())
+        .collect()
+}
+
 /// `charm generate --json` on `model` with `extra` flags: the ids and the expert statistics.
 fn generate(model: &Path, ids: &str, extra: &[&str]) -> (Vec<u64>, serde_json::Value) {
     generate_n(model, ids, 8, extra)
@@ -191,32 +232,9 @@ fn generate_n(
     tokens: usize,
     extra: &[&str],
 ) -> (Vec<u64>, serde_json::Value) {
-    let tokens = tokens.to_string();
-    let mut args = vec![
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--ids",
-        ids,
-        "--max-tokens",
-        &tokens,
-        "--activations",
-        "int8",
-        "--history",
-        "none",
-        "--json",
-    ];
-    args.extend_from_slice(extra);
-    let (ok, out, err) = charm(&args);
+    let (ok, v, err) = run(model, ids, tokens, "int8", extra, &[]);
     assert!(ok, "generate {extra:?}: {err}");
-    let v = json(out.lines().last().unwrap());
-    let ids = v["ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|i| i.as_u64().unwrap())
-        .collect();
-    (ids, v["stats"]["experts"].clone())
+    (ids_of(&v), v["stats"]["experts"].clone())
 }
 
 #[test]
@@ -335,42 +353,20 @@ fn a_device_whose_kernel_rounds_differently_is_refused_and_the_cpu_runs() {
     let c = int4_container("perturbed", &fixture(name));
     let ids = "1,2,3,4,5";
     let (cpu, _) = generate(&c, ids, &[]);
-    let args = [
-        "generate",
-        "--model",
-        c.to_str().unwrap(),
-        "--ids",
-        ids,
-        "--max-tokens",
-        "8",
-        "--activations",
-        "int8",
-        "--history",
-        "none",
-        "--json",
-        "--vram",
-        "4",
-    ];
-    let (ok, out, err) = charm_env(&args, &[("CHARM_GPU_TEST_PERTURB", "1".into())]);
+    let perturbed = [("CHARM_GPU_TEST_PERTURB", "1".to_string())];
+    let (ok, v, err) = run(&c, ids, 8, "int8", &["--vram", "4"], &perturbed);
     assert!(ok, "{err}");
     assert!(
         err.contains("refused: its expert kernel differs from the CPU at output"),
         "{err}"
     );
-    let v = json(out.lines().last().unwrap());
-    let got: Vec<u64> = v["ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|i| i.as_u64().unwrap())
-        .collect();
-    assert_eq!(got, cpu);
+    assert_eq!(ids_of(&v), cpu);
     assert_eq!(v["stats"]["experts"]["vram_hits"], 0);
 
     // doctor reports the verdict per adapter
     let (_, out, err) = charm_env(
         &["doctor", "--model", c.to_str().unwrap(), "--json"],
-        &[("CHARM_GPU_TEST_PERTURB", "1".into())],
+        &perturbed,
     );
     let r = json(&out);
     let gpu = r["checks"]
@@ -405,50 +401,18 @@ fn vram_without_a_usable_adapter_or_with_f32_activations_says_so() {
     let ids = "1,2,3";
     let (cpu, _) = generate(&c, ids, &[]);
     // an adapter that is not there: one line, and the CPU path
-    let (gpu, stats) = generate(&c, ids, &["--vram", "4", "--gpu", "99"]);
-    assert_eq!(gpu, cpu);
-    assert_eq!(stats["vram_hits"], 0);
-    let (ok, _, err) = charm(&[
-        "generate",
-        "--model",
-        c.to_str().unwrap(),
-        "--ids",
-        ids,
-        "--max-tokens",
-        "2",
-        "--activations",
-        "int8",
-        "--vram",
-        "4",
-        "--gpu",
-        "99",
-    ]);
-    assert!(ok);
+    let (ok, v, err) = run(&c, ids, 8, "int8", &["--vram", "4", "--gpu", "99"], &[]);
+    assert!(ok, "{err}");
     assert!(err.contains("no GPU adapter 99"), "{err}");
+    assert_eq!(ids_of(&v), cpu);
+    assert_eq!(v["stats"]["experts"]["vram_hits"], 0);
     // f32 activations: refused with the flag that fixes it
-    let (ok, _, err) = charm(&[
-        "generate",
-        "--model",
-        c.to_str().unwrap(),
-        "--ids",
-        ids,
-        "--vram",
-        "4",
-    ]);
+    let (ok, _, err) = run(&c, ids, 8, "f32", &["--vram", "4"], &[]);
     assert!(!ok);
     assert!(err.contains("--activations int8"), "{err}");
     for bad in ["0", "-1", "x", "autox"] {
         let flag = format!("--vram={bad}");
-        let (ok, _, err) = charm(&[
-            "generate",
-            "--model",
-            c.to_str().unwrap(),
-            "--ids",
-            ids,
-            "--activations",
-            "int8",
-            &flag,
-        ]);
+        let (ok, _, err) = run(&c, ids, 8, "int8", &[&flag], &[]);
         assert!(!ok && err.contains("--vram"), "--vram {bad}: {err}");
     }
     let _ = std::fs::remove_dir_all(&c);
@@ -631,53 +595,15 @@ fn experts_spread_over_two_devices_and_auto_sized_vram_give_the_cpu_tokens() {
     let ids = "3,1,4,1,5,9,2,6";
     let (cpu, _) = generate_n(&c, ids, 16, &[]);
     // the first adapter opened twice: two devices, experts spread over both
-    let (two, st) = generate_n(&c, ids, 16, &["--vram", "4", "--gpu", "0,0"]);
-    assert_eq!(two, cpu);
+    let (ok, v, err) = run(&c, ids, 16, "int8", &["--vram", "4", "--gpu", "0,0"], &[]);
+    assert!(ok && !err.contains("warning"), "{err}");
+    assert_eq!(ids_of(&v), cpu);
+    let st = &v["stats"]["experts"];
     assert!(st["vram_hits"].as_u64().unwrap() > 0, "{st}");
-    let (ok, _, err) = charm(&[
-        "generate",
-        "--model",
-        c.to_str().unwrap(),
-        "--ids",
-        ids,
-        "--activations",
-        "int8",
-        "--vram",
-        "4",
-        "--gpu",
-        "0,0",
-    ]);
-    assert!(ok, "{err}");
-    assert!(
-        err.contains("on the GPU") && !err.contains("warning"),
-        "{err}"
-    );
     // auto: the device's free memory less a headroom, where the driver says it
-    let (ok, out, err) = charm(&[
-        "generate",
-        "--model",
-        c.to_str().unwrap(),
-        "--ids",
-        ids,
-        "--max-tokens",
-        "16",
-        "--activations",
-        "int8",
-        "--history",
-        "none",
-        "--json",
-        "--vram",
-        "auto",
-    ]);
+    let (ok, v, err) = run(&c, ids, 16, "int8", &["--vram", "auto"], &[]);
     if ok {
-        let v = json(out.lines().last().unwrap());
-        let got: Vec<u64> = v["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|i| i.as_u64().unwrap())
-            .collect();
-        assert_eq!(got, cpu);
+        assert_eq!(ids_of(&v), cpu);
         assert!(v["stats"]["experts"]["vram_experts"].as_u64().unwrap() > 0);
     } else {
         assert!(
