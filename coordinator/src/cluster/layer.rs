@@ -10,8 +10,8 @@ use std::sync::Arc;
 use charm_shared::expert::{combine, gather, ExpertBatch, ExpertError, ExpertExecutor};
 use charm_shared::wire::{ComputeRequest, ResultView, Run};
 
+use super::inner::Inner;
 use super::link::{request, Answer, Sent};
-use super::remote::Inner;
 use crate::cluster::Placement;
 
 /// A layer's batch with owned buffers, for the task that serves it.

@@ -27,6 +27,7 @@
 //! cluster file is expected means its `cluster.json`, with the directory as `certs`.
 
 mod drive;
+mod inner;
 mod layer;
 mod link;
 pub mod plan;

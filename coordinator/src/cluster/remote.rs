@@ -35,13 +35,13 @@ use charm_worker::tls::Identity;
 use serde::Serialize;
 
 use super::drive::Drive;
+use super::inner::Inner;
 use super::layer::{serve, OwnedBatch};
 use super::link::{handshake, keep};
 pub use super::workers::RequestTime;
 use super::workers::{Shared, Source, Worker};
 use crate::cluster::{ClusterOptions, Placement};
 
-pub use super::plan::{ClusterPlan, NodePlan};
 pub use crate::cluster::model_fingerprint;
 
 /// The MoE layers of `spec` (decoder layers, then MTP layers) with their routed-expert counts.
@@ -133,21 +133,6 @@ impl Drop for RemoteExperts {
             self.drive.stop(t);
         }
     }
-}
-
-/// What the task serving a layer needs.
-#[derive(Debug)]
-pub(super) struct Inner {
-    pub(super) shared: Arc<Shared>,
-    pub(super) local: Arc<dyn ExpertExecutor>,
-    /// The MTP layers' experts run on `local` (it holds experts): drafts cost no round trip.
-    pub(super) mtp_here: bool,
-    /// Decoder layers; the MTP layers come after them.
-    pub(super) main_layers: usize,
-    pub(super) hidden: usize,
-    pub(super) next_id: AtomicU64,
-    pub(super) fallbacks: AtomicU64,
-    pub(super) steps: AtomicU64,
 }
 
 impl RemoteExperts {

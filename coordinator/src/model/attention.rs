@@ -6,8 +6,8 @@ use charm_shared::kernels::{axpy, dot, dots, layer_norm, rms_norm, softmax};
 use charm_shared::routing::top_k_set;
 
 use crate::model::cache::LayerCache;
-use crate::model::forward::{Rows, Selection};
 use crate::model::rope::RopeAt;
+use crate::model::rows::{Rows, Selection};
 use crate::model::{GqaWeights, IndexerWeights};
 
 /// LayerNorm epsilon of the DSA indexer's key norm.

@@ -12,6 +12,7 @@ use charm_shared::routing::route;
 use crate::model::attention::{gqa, indexer_select};
 use crate::model::cache::{KvCache, LayerCache};
 use crate::model::rope::RopeAt;
+use crate::model::rows::{Rows, Selection};
 use crate::model::{AttnWeights, FfnWeights, LayerWeights, MlaWeights, Model};
 
 /// Router choices `ids` of `n` tokens (the same number per token, best first) reordered by rank:
@@ -85,9 +86,6 @@ pub struct Trace {
     pub dsa: Vec<Vec<Vec<u32>>>,
 }
 
-/// DSA selection of the current query tokens: per token, ascending key positions.
-pub(super) type Selection = Vec<Vec<u32>>;
-
 /// Each of `n` tokens' router choice: `router` (`[n_experts, hidden]`) on `f` (`[n, hidden]`).
 fn route_tokens(
     router: &charm_shared::kernels::Matrix,
@@ -115,34 +113,6 @@ fn check_finite(v: &[f32], what: impl FnOnce() -> String) -> Result<(), ForwardE
 pub struct Step<'a> {
     pub tokens: &'a [u32],
     pub cache: &'a mut KvCache,
-}
-
-/// Where each row of a batched step belongs: rows are the sequences' new tokens, one sequence
-/// after another.
-pub(super) struct Rows {
-    /// Per sequence: its rows.
-    pub(super) spans: Vec<std::ops::Range<usize>>,
-    /// Per row: its sequence.
-    pub(super) seq: Vec<usize>,
-    /// Per row: its position in its sequence.
-    pub(super) pos: Vec<usize>,
-}
-
-impl Rows {
-    /// `lens[s]` new tokens after `cached[s]` cached ones, per sequence.
-    fn new(lens: &[usize], cached: &[usize]) -> Self {
-        let (mut spans, mut seq, mut pos) = (Vec::new(), Vec::new(), Vec::new());
-        for (s, (&n, &p0)) in lens.iter().zip(cached).enumerate() {
-            spans.push(seq.len()..seq.len() + n);
-            seq.extend(std::iter::repeat_n(s, n));
-            pos.extend(p0..p0 + n);
-        }
-        Self { spans, seq, pos }
-    }
-
-    pub(super) fn n(&self) -> usize {
-        self.seq.len()
-    }
 }
 
 impl Model {
