@@ -60,10 +60,28 @@ try:
 except openai.AuthenticationError:
     pass
 
-# Anthropic messages, whole and streamed (sampled with the server's default seed: repeatable)
-m = an.messages.create(model=name, max_tokens=20, system="Be brief.", messages=msgs)
+# the model by its id; a list of prompts: one choice each, in order, each as the prompt alone
+assert oa.models.retrieve(name).id == name
+prompts = ["ROMEO. ", "JULIET. "]
+c = oa.completions.create(model=name, prompt=prompts, max_tokens=8, temperature=0)
+assert [ch.index for ch in c.choices] == [0, 1], c
+for i, p in enumerate(prompts):
+    one = oa.completions.create(model=name, prompt=p, max_tokens=8, temperature=0)
+    assert c.choices[i].text == one.choices[0].text, (c.choices[i].text, one.choices[0].text)
+# sampled without a seed: a fresh one each time
+outs = {
+    oa.completions.create(model=name, prompt="ROMEO. ", max_tokens=24, temperature=1.0)
+    .choices[0].text
+    for _ in range(4)
+}
+assert len(outs) > 1, outs
+
+# Anthropic messages, whole and streamed (greedy: the same text)
+m = an.messages.create(model=name, max_tokens=20, system="Be brief.", messages=msgs,
+                       extra_body={"temperature": 0})
 assert m.content[0].type == "text" and m.usage.output_tokens > 0, m
-with an.messages.stream(model=name, max_tokens=20, system="Be brief.", messages=msgs) as st:
+with an.messages.stream(model=name, max_tokens=20, system="Be brief.", messages=msgs,
+                        extra_body={"temperature": 0}) as st:
     streamed = "".join(st.text_stream)
     final = st.get_final_message()
 assert streamed == m.content[0].text, (streamed, m.content[0].text)
