@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::Metrics;
+use super::metrics::Metrics;
 use crate::model::cache::KvCache;
 use crate::serve::kvlog::KvLog;
 

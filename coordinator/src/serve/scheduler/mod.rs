@@ -4,144 +4,30 @@
 //! step, each with its own KV cache and sampler. Finished sequences' KV serves later prompts that
 //! start with the same tokens (`prefix`), in RAM and, with a KV log, on disk (`kv_store`).
 
+mod job;
 mod kv_store;
+mod metrics;
 mod prefix;
 mod sequence;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::sync::mpsc;
 
+use self::job::Queued;
+pub use self::job::{Event, Job, TokenLogprob};
 use self::kv_store::KvStore;
+pub use self::metrics::Metrics;
 use self::prefix::{PrefixCache, MIN_PREFIX};
 use self::sequence::Sequence;
-use crate::decode::grammar::Constraint;
-use crate::decode::sampling::{Penalties, SamplingParams};
 use crate::decode::speculative::{DraftOptions, Drafter};
 use crate::decode::tokenizer::TextTokenizer;
 use crate::model::cache::KvCache;
 use crate::model::engine::Engine;
 use crate::model::forward::ForwardOptions;
 use crate::serve::kvlog::KvLog;
-
-/// A generated token, its log probability, and the most likely alternatives with theirs.
-pub type TokenLogprob = (u32, f32, Vec<(u32, f32)>);
-
-/// What a generation sends back as it runs.
-#[derive(Debug)]
-pub enum Event {
-    Text(String),
-    /// The log probabilities of the tokens behind the next `Text` (streams that asked for them).
-    Logprobs(Vec<TokenLogprob>),
-    /// The prompt's log probabilities (jobs that asked, [`Job::prompt_logprobs`]), once the
-    /// prompt is read and before any text: one entry per prompt token after the first, each
-    /// from the model's distribution at the position before it.
-    Prompt(Vec<TokenLogprob>),
-    Done {
-        finish: &'static str,
-        /// The stop string that ended it, if one did.
-        matched: Option<String>,
-        /// Per generated token, when asked: the token, its log probability and the most likely
-        /// alternatives with theirs (of the model's distribution, before penalties and
-        /// temperature).
-        logprobs: Vec<TokenLogprob>,
-        prompt_tokens: usize,
-        completion_tokens: usize,
-        /// Speculative decoding: tokens drafted, and of them accepted.
-        drafted: usize,
-        accepted: usize,
-    },
-    Failed(String),
-}
-
-/// One generation asked of the scheduler, whichever API it came through.
-#[derive(Debug, Clone, Default)]
-pub struct Job {
-    pub prompt: Vec<u32>,
-    pub max_tokens: usize,
-    pub params: SamplingParams,
-    pub penalties: Penalties,
-    /// Log probabilities to report: of the chosen token and this many alternatives.
-    pub logprobs: Option<usize>,
-    pub stop: Vec<String>,
-    /// Go on past the end-of-sequence tokens.
-    pub ignore_eos: bool,
-    /// The log probabilities of the prompt's tokens, each with this many alternatives
-    /// ([`Event::Prompt`]). The prompt is then computed in full (no reused prefix KV).
-    pub prompt_logprobs: Option<usize>,
-    /// The grammar every choice's answer follows (constrained decoding), if any.
-    pub constraint: Option<Constraint>,
-    /// Choices sampled from one prefill (0 or 1: one). Choice `i` samples with `seed + i`
-    /// and forks the prompt's KV when the prompt is read (a copy of the cache: its bytes per
-    /// token times the prompt's tokens, per extra choice).
-    pub n: usize,
-}
-
-/// A job in the queue: where its events go and when it came.
-#[derive(Debug)]
-struct Queued {
-    job: Job,
-    tx: mpsc::UnboundedSender<Event>,
-    /// Where the events of choices 1.. go (forked from this sequence when its prompt is read).
-    forks: Vec<mpsc::UnboundedSender<Event>>,
-    queued: Instant,
-}
-
-impl Queued {
-    /// Whether every client of the job went away.
-    fn gone(&self) -> bool {
-        self.tx.is_closed() && self.forks.iter().all(|f| f.is_closed())
-    }
-}
-
-impl std::ops::Deref for Queued {
-    type Target = Job;
-    fn deref(&self) -> &Job {
-        &self.job
-    }
-}
-
-/// Counters the scheduler keeps and `/metrics` reports.
-#[derive(Debug, Default)]
-pub struct Metrics {
-    pub requests: AtomicU64,
-    pub rejected: AtomicU64,
-    /// Generations stopped because their client went away (a closed connection, a stop button).
-    pub cancelled: AtomicU64,
-    pub tokens: AtomicU64,
-    pub queued: AtomicU64,
-    /// Sequences in the last forward step, and the most there were in one.
-    pub active: AtomicU64,
-    pub active_peak: AtomicU64,
-    /// Rows (tokens) of the last forward step; steps run and rows they took, in all.
-    pub batch_rows: AtomicU64,
-    pub steps: AtomicU64,
-    pub rows: AtomicU64,
-    /// Bytes of the conversation KV log on disk.
-    pub kv_log_bytes: AtomicU64,
-    /// The expert executor's counters: uses served from memory, and those that waited.
-    pub expert_hits: AtomicU64,
-    pub expert_misses: AtomicU64,
-    pub ttft_us: AtomicU64,
-    pub ttft_n: AtomicU64,
-    /// Prompt tokens whose KV came from the prefix cache instead of a prefill.
-    pub reused: AtomicU64,
-    /// Speculative decoding: tokens drafted, and of them accepted.
-    pub drafted: AtomicU64,
-    pub accepted: AtomicU64,
-    pub decode_us: AtomicU64,
-    /// Connections closed on arrival because the cap on open ones was reached.
-    pub connections_refused: AtomicU64,
-    /// Constrained decoding: grammar masks applied and the microseconds they added to the steps
-    /// (computing and applying them, taking tokens); tokens the
-    /// grammar forced and fed as drafts, and of them accepted.
-    pub masks: AtomicU64,
-    pub mask_us: AtomicU64,
-    pub forced: AtomicU64,
-    pub forced_accepted: AtomicU64,
-}
 
 /// How the generator thread runs sequences.
 #[derive(Debug, Clone)]

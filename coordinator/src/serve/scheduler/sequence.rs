@@ -4,7 +4,8 @@ use std::borrow::Cow;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::{Event, Metrics, Queued, TokenLogprob};
+use super::job::{Event, Queued, TokenLogprob};
+use super::metrics::Metrics;
 use crate::decode::grammar::Constraint;
 use crate::decode::sampling::{logprobs, Sampler};
 use crate::decode::speculative::{verify, Adaptive, DraftOptions, Drafter};
