@@ -587,22 +587,6 @@ fn the_deploy_kit_parses_with_charms_loader_and_its_unit_verifies() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A predicted time budget adds up: its parts (less what the shared expert hides) are its total.
-fn check_budget(b: &Value) {
-    let f = |k: &str| b[k].as_f64().unwrap_or_else(|| panic!("{k}: {b}"));
-    let sum = f("dense_ms")
-        + f("drafts_ms")
-        + f("round_trips_ms")
-        + f("transfer_ms")
-        + f("expert_compute_ms")
-        + f("expert_disk_ms")
-        - f("overlap_ms");
-    assert!(
-        f("total_ms") > 0.0 && (sum - f("total_ms")).abs() < 1e-9 * f("total_ms"),
-        "{b}"
-    );
-}
-
 #[test]
 fn a_described_cluster_is_planned_from_config_json_alone() {
     // GLM-5.2 from its config.json, no weights: one machine streams experts from its disk, four

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Value};
 
 mod common;
-use common::charm;
+use common::{charm, check_budget};
 
 /// A scratch directory holding GLM-5.2's `config.json` alone (planned from its shapes).
 fn glm52(tag: &str) -> PathBuf {
@@ -49,21 +49,6 @@ fn plan(dir: &Path, cluster: &Path, act: &str) -> (Value, String) {
     ]);
     assert!(ok, "{err}");
     (serde_json::from_str(&out).unwrap(), err)
-}
-
-/// The parts of a budget (less what the shared expert hides) are its total; the GPU's part is
-/// inside `expert_compute_ms`.
-fn check_budget(b: &Value) {
-    let f = |k: &str| b[k].as_f64().unwrap_or_else(|| panic!("{k}: {b}"));
-    let sum = f("dense_ms")
-        + f("drafts_ms")
-        + f("round_trips_ms")
-        + f("transfer_ms")
-        + f("expert_compute_ms")
-        + f("expert_disk_ms")
-        - f("overlap_ms");
-    assert!((sum - f("total_ms")).abs() < 1e-9 * f("total_ms"), "{b}");
-    assert!(f("expert_vram_ms") >= 0.0 && f("expert_vram_ms") <= f("expert_compute_ms"));
 }
 
 const GIB: f64 = (1u64 << 30) as f64;

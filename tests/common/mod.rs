@@ -159,3 +159,23 @@ pub fn plan(dir: &Path, ctx: usize) -> serde_json::Value {
     assert!(ok, "{err}");
     json(&out)
 }
+
+/// A predicted time budget adds up: its parts (less what the shared expert hides) are its
+/// total; a GPU's part, where there is one, is inside `expert_compute_ms`.
+pub fn check_budget(b: &serde_json::Value) {
+    let f = |k: &str| b[k].as_f64().unwrap_or_else(|| panic!("{k}: {b}"));
+    let sum = f("dense_ms")
+        + f("drafts_ms")
+        + f("round_trips_ms")
+        + f("transfer_ms")
+        + f("expert_compute_ms")
+        + f("expert_disk_ms")
+        - f("overlap_ms");
+    assert!(
+        f("total_ms") > 0.0 && (sum - f("total_ms")).abs() < 1e-9 * f("total_ms"),
+        "{b}"
+    );
+    if b.get("expert_vram_ms").is_some() {
+        assert!(f("expert_vram_ms") >= 0.0 && f("expert_vram_ms") <= f("expert_compute_ms"));
+    }
+}
