@@ -33,9 +33,10 @@ fn machines(dir: &Path, tag: &str, n: usize, gpu: &Value, with_gpu: &[usize]) ->
     f
 }
 
-/// `charm plan --json` of the model in `dir` on `cluster`, int8 activations, int4 dense weights.
-fn plan(dir: &Path, cluster: &Path, act: &str) -> (Value, String) {
-    let (ok, out, err) = charm(&[
+/// `charm plan` of the model in `dir` on `cluster` with activations `act` and `extra` flags:
+/// success, stdout and stderr.
+fn run_plan(dir: &Path, cluster: &Path, act: &str, extra: &[&str]) -> (bool, String, String) {
+    let mut args = vec![
         "plan",
         "--model",
         dir.to_str().unwrap(),
@@ -43,10 +44,14 @@ fn plan(dir: &Path, cluster: &Path, act: &str) -> (Value, String) {
         cluster.to_str().unwrap(),
         "--activations",
         act,
-        "--dense",
-        "int4",
-        "--json",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    charm(&args)
+}
+
+/// `charm plan --json` of the model in `dir` on `cluster`, int4 dense weights.
+fn plan(dir: &Path, cluster: &Path, act: &str) -> (Value, String) {
+    let (ok, out, err) = run_plan(dir, cluster, act, &["--dense", "int4", "--json"]);
     assert!(ok, "{err}");
     (serde_json::from_str(&out).unwrap(), err)
 }
@@ -98,15 +103,7 @@ fn a_gpu_holds_experts_in_vram_and_decodes_faster() {
     }
     // the text names what VRAM holds
     let f = machines(&dir, "text", 1, &gpu, &[0]);
-    let (ok, text, err) = charm(&[
-        "plan",
-        "--model",
-        dir.to_str().unwrap(),
-        "--cluster",
-        f.to_str().unwrap(),
-        "--activations",
-        "int8",
-    ]);
+    let (ok, text, err) = run_plan(&dir, &f, "int8", &[]);
     assert!(
         ok && text.contains("in its VRAM = 23.00 GiB"),
         "{text}{err}"
@@ -150,15 +147,7 @@ fn a_bad_gpu_is_a_clear_error() {
         (json!("24 GB"), "invalid type"),
     ] {
         let f = machines(&dir, "bad", 2, &gpu, &[1]);
-        let (ok, _, err) = charm(&[
-            "plan",
-            "--model",
-            dir.to_str().unwrap(),
-            "--cluster",
-            f.to_str().unwrap(),
-            "--activations",
-            "int8",
-        ]);
+        let (ok, _, err) = run_plan(&dir, &f, "int8", &[]);
         assert!(
             !ok && err.contains("machine `m1`") && err.contains(says),
             "{gpu}: {err}"
