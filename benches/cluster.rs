@@ -46,6 +46,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::median;
+
 use charm_coordinator::cluster::probe;
 use charm_coordinator::cluster::remote::moe_layers;
 use charm_coordinator::cluster::{Loopback, WorkerAddr};
@@ -470,12 +473,6 @@ fn udp_echo(up: usize, down: usize, echo_cpu: Option<usize>) -> f64 {
         return f64::NAN;
     }
     median(times.into_iter().skip(20).collect())
-}
-
-/// The median of `v` (NaN when empty).
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 struct Run {

@@ -25,6 +25,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+mod common;
+use common::median;
+
 use charm_coordinator::decode::generate::generate;
 use charm_coordinator::decode::sampling::{Sampler, SamplingParams};
 use charm_coordinator::model::engine::VramBudget;
@@ -45,55 +48,28 @@ struct Args {
 }
 
 fn args() -> Args {
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let quick = argv.iter().any(|a| a == "--quick");
-    let mut a = Args {
+    let a = common::Args::from_env();
+    let quick = a.has("--quick");
+    let args = Args {
         quick,
-        rows: vec![1, 2, 4, 8],
-        tokens: if quick { 32 } else { 128 },
-        gpu: None,
-        model: None,
+        rows: a.counts("--rows", "1,2,4,8"),
+        tokens: a.parsed("--tokens", if quick { 32 } else { 128 }),
+        gpu: a
+            .get("--gpu")
+            .map(|g| g.parse().expect("--gpu: an adapter's number")),
+        model: a.get("--model").map(PathBuf::from),
     };
-    let mut it = argv.iter();
-    while let Some(flag) = it.next() {
-        let mut val = || it.next().unwrap_or_else(|| usage(flag)).as_str();
-        match flag.as_str() {
-            "--rows" => {
-                a.rows = val()
-                    .split(',')
-                    .map(|r| r.parse().unwrap_or_else(|_| usage("--rows")))
-                    .collect()
-            }
-            "--tokens" => a.tokens = val().parse().unwrap_or_else(|_| usage("--tokens")),
-            "--gpu" => a.gpu = Some(val().parse().unwrap_or_else(|_| usage("--gpu"))),
-            "--model" => a.model = Some(PathBuf::from(val())),
-            // cargo bench passes --bench to every harness-less bench
-            "--quick" | "--bench" => {}
-            _ => usage(flag),
-        }
-    }
-    if a.rows.contains(&0) || a.tokens < 2 {
-        usage("--rows (at least 1) or --tokens (at least 2)");
-    }
-    a
-}
-
-fn usage(what: &str) -> ! {
-    eprintln!(
-        "{what}?\nusage: cargo bench --bench gpu -- [--quick] [--rows 1,2,4,8] [--tokens N] [--gpu ID] [--model DIR]"
+    assert!(
+        !args.rows.contains(&0) && args.tokens >= 2,
+        "--rows (at least 1) or --tokens (at least 2)"
     );
-    std::process::exit(2)
+    args
 }
 
 fn values(n: usize, seed: u32, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(2654435761) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 17;
-            s ^= s << 5;
-            ((s >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * scale
-        })
+    common::noise(n, seed)
+        .into_iter()
+        .map(|v| v * scale)
         .collect()
 }
 
@@ -108,11 +84,6 @@ fn expert(kind: QuantKind, group: usize, hidden: usize, inter: usize) -> SwiGlu 
         up: q(inter, hidden, 2),   // [inter, hidden]
         down: q(hidden, inter, 3), // [hidden, inter]
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 /// Repetitions that make one measurement last about `target` seconds, given one took `once`.

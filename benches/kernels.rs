@@ -10,6 +10,8 @@
 
 use std::time::{Duration, Instant};
 
+mod common;
+
 use charm_shared::kernels::Matrix;
 use charm_shared::quant::{Activations, Isa, QMatrix, QuantKind};
 use criterion::{black_box, BenchmarkId, Criterion, Throughput};
@@ -21,18 +23,6 @@ const SHAPES: [(&str, usize, usize); 4] = [
     ("o_proj 6144x16384", 6144, 16384),
     ("q_a 2048x6144", 2048, 6144),
 ];
-
-fn data(n: usize, seed: u32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(2654435761) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 17;
-            s ^= s << 5;
-            (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-        })
-        .collect()
-}
 
 fn weight_bytes(q: &QMatrix) -> u64 {
     (q.data.len() + 4 * (q.scales.len() + q.mins.len())) as u64
@@ -135,7 +125,7 @@ fn summary(quick: bool, tokens: &[usize]) {
             "shape", "format", "isa", "layout", "acts", "tokens", "GB/s", "probe", "of bw"
         );
         for &(name, r, c) in shapes {
-            let m = Matrix::new(r, c, data(r * c, 7));
+            let m = Matrix::new(r, c, common::noise(r * c, 7));
             for &kind in kinds {
                 let group = if kind == QuantKind::Bf16 { c } else { 64 };
                 let q = QMatrix::quantize(&m, kind, group).unwrap();
@@ -163,7 +153,7 @@ fn summary(quick: bool, tokens: &[usize]) {
                         }
                         for (layout, mats) in layouts {
                             for &n in tokens {
-                                let x = data(n * c, 3);
+                                let x = common::noise(n * c, 3);
                                 let before = pool.install(|| probe.measure(2));
                                 let s = pool.install(|| {
                                     time_it(|| {
@@ -200,7 +190,7 @@ fn summary(quick: bool, tokens: &[usize]) {
 /// row length of the yardstick model): weight bytes times tokens per second, int8 activations.
 fn compute_summary(tokens: &[usize]) {
     let (r, c) = (512, 1024);
-    let m = Matrix::new(r, c, data(r * c, 7));
+    let m = Matrix::new(r, c, common::noise(r * c, 7));
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build()
@@ -224,7 +214,7 @@ fn compute_summary(tokens: &[usize]) {
         }
         for (isa, layout, q) in runs {
             for &n in tokens {
-                let x = data(n * c, 3);
+                let x = common::noise(n * c, 3);
                 let reps = (4000 / n).max(20);
                 let s = pool.install(|| {
                     time_it(|| {
@@ -279,7 +269,7 @@ fn avx2_int8_step_ceiling(steps: usize) -> (f64, i32) {
 fn criterion_benches(c: &mut Criterion) {
     let isa = Isa::detect();
     for (name, r, cols) in SHAPES {
-        let m = Matrix::new(r, cols, data(r * cols, 7));
+        let m = Matrix::new(r, cols, common::noise(r * cols, 7));
         let mut g = c.benchmark_group(name);
         g.sample_size(20);
         for kind in [QuantKind::Int4, QuantKind::Int8, QuantKind::Bf16] {
@@ -287,7 +277,7 @@ fn criterion_benches(c: &mut Criterion) {
             let q = QMatrix::quantize(&m, kind, group).unwrap();
             g.throughput(Throughput::Bytes(weight_bytes(&q)));
             for n in [1usize, 8] {
-                let x = data(n * cols, 3);
+                let x = common::noise(n * cols, 3);
                 g.bench_with_input(
                     BenchmarkId::new(format!("{}-{isa:?}", kind.name()), n),
                     &n,

@@ -44,22 +44,9 @@ fn logits_bytes(model: &Path, ids: &str, out: &Path, extra: &[&str]) -> (Vec<u8>
 
 /// `charm generate --json` (greedy, 12 tokens, with `extra` arguments): the JSON and stderr.
 fn generate_json(model: &Path, ids: &str, extra: &[&str]) -> (Value, String) {
-    let mut a = vec![
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--ids",
-        ids,
-        "--max-tokens",
-        "12",
-        "--json",
-        "--history",
-        "none",
-    ];
-    a.extend_from_slice(extra);
-    let (ok, out, err) = charm(&a);
-    assert!(ok, "{a:?}: {err}");
-    (json(&out), err)
+    let (ok, v, err) = generate_run(model, ids, 12, extra, &[]);
+    assert!(ok, "{extra:?}: {err}");
+    (v, err)
 }
 
 /// Every listed worker served requests, none failed, and nothing ran on the coordinator.
@@ -1037,17 +1024,8 @@ fn lying_worker(
                         let reply = match m {
                             Message::Hello(_) => Message::Hello(Hello {
                                 version,
-                                node: "w1".into(),
-                                model: fp.clone(),
-                                activations: vec!["f32".into()],
                                 experts: holds.clone(),
-                                ram_bytes: 0,
-                                disk_free_bytes: 0,
-                                expert_rate: 0.0,
-                                fetches: false,
-                                act_group: 0,
-                                vram_bytes: 0,
-                                gpu: String::new(),
+                                ..Hello::holding_nothing("w1", &fp, vec!["f32".into()])
                             }),
                             Message::Compute(req) => {
                                 l3.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -180,7 +180,7 @@ fn same(a: &[u32], b: &[u32], what: &str) {
 }
 
 /// One `charm generate --json` run of `tokens` tokens with activations `act` and `extra` flags
-/// and environment: whether it succeeded, its JSON (the last line it printed), its stderr.
+/// and environment: whether it succeeded, its JSON, its stderr.
 fn run(
     model: &Path,
     ids: &str,
@@ -189,25 +189,8 @@ fn run(
     extra: &[&str],
     env: &[(&str, String)],
 ) -> (bool, serde_json::Value, String) {
-    let tokens = tokens.to_string();
-    let mut args = vec![
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--ids",
-        ids,
-        "--max-tokens",
-        &tokens,
-        "--activations",
-        act,
-        "--history",
-        "none",
-        "--json",
-    ];
-    args.extend_from_slice(extra);
-    let (ok, out, err) = charm_env(&args, env);
-    let v = out.lines().last().map_or(serde_json::Value::Null, json);
-    (ok, v, err)
+    let args = [&["--activations", act][..], extra].concat();
+    common::generate_run(model, ids, tokens, &args, env)
 }
 
 /// The generated ids of a [`run`]'s JSON.

@@ -1,4 +1,6 @@
-//! Command-line helpers shared by the benchmark harnesses.
+//! Helpers shared by the benchmark harnesses: their command line, test data, a median.
+// (each benchmark compiles its own copy and uses part of it)
+#![allow(dead_code)]
 
 use std::path::PathBuf;
 
@@ -27,8 +29,6 @@ impl Args {
     }
 
     /// A comma-separated list of counts (`default` when the flag is absent).
-    // (each benchmark compiles its own copy; not all of them take a list)
-    #[allow(dead_code)]
     pub fn counts(&self, k: &str, default: &str) -> Vec<usize> {
         self.get(k)
             .unwrap_or_else(|| default.into())
@@ -39,4 +39,36 @@ impl Args {
             })
             .collect()
     }
+
+    /// Whether flag `k` is given.
+    pub fn has(&self, k: &str) -> bool {
+        self.0.iter().any(|a| a == k)
+    }
+
+    /// The value after flag `k` parsed, or `default` when the flag is absent.
+    pub fn parsed<T: std::str::FromStr>(&self, k: &str, default: T) -> T {
+        self.get(k).map_or(default, |v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{k}: cannot read `{v}`"))
+        })
+    }
+}
+
+/// `n` deterministic values in [-0.5, 0.5) (xorshift from `seed`).
+pub fn noise(n: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(2654435761) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+/// The median of `v` (NaN when empty).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }

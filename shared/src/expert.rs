@@ -7,8 +7,8 @@
 //! Contract of every executor: for each token the `top_k` contributions are added in ascending
 //! expert-id order ([`combine`]), each expert computing with the same kernels whatever else is in
 //! the batch, so the result does not depend on batch composition or on where each expert ran.
-//! [`plan_runs`], [`gather`] and [`combine`] are public so an executor that fans a batch out over
-//! several holders can keep that order.
+//! [`plan_runs`], [`gather`], [`run_rows`] and [`combine`] are public so an executor that fans a
+//! batch out over several holders can keep that order.
 
 use serde::Serialize;
 
@@ -444,6 +444,46 @@ pub fn combine<O: AsRef<[f32]>>(
         }
     }
     out
+}
+
+/// The unweighted outputs of runs `idx` of `runs` (from [`plan_runs`]), each `[its slots,
+/// hidden]`, computed by `executor` in one call: every run's tokens as a batch of one expert per
+/// row with gate weight 1 (`0 + 1 * y` is `y`, up to the sign of a zero, which [`combine`]'s sum
+/// cannot see). For executors that compute part of a layer's runs for another that combines them.
+pub fn run_rows(
+    executor: &dyn ExpertExecutor,
+    batch: &ExpertBatch<'_>,
+    runs: &[(u32, Vec<usize>)],
+    idx: &[usize],
+    hidden: usize,
+) -> Result<Vec<Vec<f32>>, ExpertError> {
+    let mut x = Vec::new();
+    let mut ids = Vec::new();
+    for &i in idx {
+        x.extend(gather(batch, &runs[i].1, hidden));
+        ids.extend(std::iter::repeat_n(runs[i].0, runs[i].1.len()));
+    }
+    let n = ids.len();
+    let y = executor.run(ExpertBatch {
+        step: batch.step,
+        layer: batch.layer,
+        x: &x,
+        n_tokens: n,
+        ids: &ids,
+        weights: &vec![1.0f32; n],
+        top_k: 1,
+    })?;
+    let mut rows = y.chunks_exact(hidden);
+    Ok(idx
+        .iter()
+        .map(|&i| {
+            rows.by_ref()
+                .take(runs[i].1.len())
+                .flatten()
+                .copied()
+                .collect()
+        })
+        .collect())
 }
 
 /// Runs `batch` with `expert(id)` giving each expert's weights: each expert runs once per batch

@@ -142,6 +142,35 @@ pub fn json(s: &str) -> serde_json::Value {
     serde_json::from_str(s.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {s}"))
 }
 
+/// `charm generate --json` of `tokens` tokens after `ids` on `model` (no routing history) with
+/// `extra` flags and environment: whether it succeeded, the JSON of its last line (`null` where it
+/// printed none), its stderr.
+pub fn generate_run(
+    model: &Path,
+    ids: &str,
+    tokens: usize,
+    extra: &[&str],
+    env: &[(&str, String)],
+) -> (bool, serde_json::Value, String) {
+    let tokens = tokens.to_string();
+    let mut args = vec![
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--ids",
+        ids,
+        "--max-tokens",
+        &tokens,
+        "--history",
+        "none",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let (ok, out, err) = charm_env(&args, env);
+    let v = out.lines().last().map_or(serde_json::Value::Null, json);
+    (ok, v, err)
+}
+
 /// `charm plan` of `dir` for a context of `ctx` tokens, with a large budget.
 pub fn plan(dir: &Path, ctx: usize) -> serde_json::Value {
     let (ok, out, err) = charm(&[

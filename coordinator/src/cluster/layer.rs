@@ -7,7 +7,7 @@ use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use charm_shared::expert::{combine, gather, ExpertBatch, ExpertError, ExpertExecutor};
+use charm_shared::expert::{combine, run_rows, ExpertBatch, ExpertError};
 use charm_shared::wire::{ComputeRequest, ResultView, Run};
 
 use super::inner::Inner;
@@ -171,29 +171,6 @@ pub(super) fn build_request(
     (req, carried)
 }
 
-/// One run's unweighted outputs from `local`: its rows as a batch of one expert per row with
-/// gate weight 1 (`0 + 1 * y` is `y`, up to the sign of a zero, which the sum cannot see).
-pub(super) fn local_rows(
-    local: &dyn ExpertExecutor,
-    b: &ExpertBatch<'_>,
-    run: &(u32, Vec<usize>),
-    h: usize,
-) -> Result<Vec<f32>, ExpertError> {
-    let x = gather(b, &run.1, h);
-    let n = run.1.len();
-    let ids = vec![run.0; n];
-    let weights = vec![1.0f32; n];
-    local.run(ExpertBatch {
-        step: b.step,
-        layer: b.layer,
-        x: &x,
-        n_tokens: n,
-        ids: &ids,
-        weights: &weights,
-        top_k: 1,
-    })
-}
-
 /// One run's unweighted outputs.
 enum Out {
     /// These values of answer `.0`'s outputs (where its frame was read, not copied out).
@@ -239,11 +216,8 @@ pub(super) async fn serve(
                 .fetch_add(local.len() as u64, Ordering::Relaxed);
             let (l, o, r) = (self_.local.clone(), owned.clone(), runs.clone());
             local_jobs.push(tokio::task::spawn_blocking(move || {
-                let b = o.batch();
-                local
-                    .into_iter()
-                    .map(|i| Ok((i, local_rows(&*l, &b, &r[i], h)?)))
-                    .collect::<Result<Vec<_>, ExpertError>>()
+                let rows = run_rows(&*l, &o.batch(), &r, &local, h)?;
+                Ok::<_, ExpertError>(local.into_iter().zip(rows).collect::<Vec<_>>())
             }));
         }
         todo.clear();
@@ -346,10 +320,8 @@ pub(super) async fn serve(
         let (l, o, r) = (self_.local.clone(), owned.clone(), runs.clone());
         let rest = std::mem::take(&mut todo);
         local_jobs.push(tokio::task::spawn_blocking(move || {
-            let b = o.batch();
-            rest.into_iter()
-                .map(|i| Ok((i, local_rows(&*l, &b, &r[i], h)?)))
-                .collect::<Result<Vec<_>, ExpertError>>()
+            let rows = run_rows(&*l, &o.batch(), &r, &rest, h)?;
+            Ok::<_, ExpertError>(rest.into_iter().zip(rows).collect::<Vec<_>>())
         }));
     }
     for j in local_jobs {

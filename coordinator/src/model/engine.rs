@@ -156,7 +156,8 @@ impl Engine {
         } else {
             Self::load_local(dir, opts)?
         };
-        e.vram = attach_vram(dir, opts, &mut e.model.experts, &mut e.warnings)?;
+        let hidden = e.model.spec.hidden_size;
+        e.vram = attach_vram(dir, opts, hidden, &mut e.model.experts, &mut e.warnings)?;
         let Some(c) = &opts.cluster else {
             return Ok(e);
         };
@@ -449,7 +450,7 @@ impl Engine {
             .map_err(|e| LoadError::config(dir, e.to_string()))?;
         let mut warnings = io_warnings(&store);
         let mut executor: Arc<dyn ExpertExecutor> = store.clone();
-        let vram = attach_vram(dir, opts, &mut executor, &mut warnings)?;
+        let vram = attach_vram(dir, opts, spec.hidden_size, &mut executor, &mut warnings)?;
         Ok(ExpertHolder {
             spec,
             executor,
@@ -502,6 +503,7 @@ impl VramBudget {
 fn attach_vram(
     dir: &Path,
     opts: &EngineOptions,
+    hidden: usize,
     experts: &mut Arc<dyn ExpertExecutor>,
     warnings: &mut Vec<String>,
 ) -> Result<Option<Arc<VramExperts>>, LoadError> {
@@ -543,7 +545,6 @@ fn attach_vram(
     }
     let total: u64 = gpus.iter().map(|g| g.1).sum();
     let c = Container::open(dir)?;
-    let spec = charm_shared::config::ModelSpec::from_dir(dir)?;
     let heat = routing_heat(dir, opts);
     let mut order: Vec<(usize, u32)> = c
         .expert_layers()
@@ -560,7 +561,7 @@ fn attach_vram(
     let tier = VramExperts::new(
         gpus,
         experts.clone(),
-        spec.hidden_size,
+        hidden,
         order,
         Box::new(move |l, e| {
             let (gate, up, down) = c.expert(l, e as usize).map_err(|e| e.to_string())?;

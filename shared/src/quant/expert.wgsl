@@ -44,9 +44,8 @@ struct Params {
     out0: u32,
     out1: u32,
     out2: u32,
-    // matvec: `n` token rows of the input to take (0xffffffff: row j is token j)
-    tok: u32,
-    _pad: u32,
+    _pad0: u32,
+    _pad1: u32,
 }
 
 @group(0) @binding(0) var<storage, read> w: array<u32>;
@@ -108,17 +107,13 @@ fn quantize(@builtin(global_invocation_id) gid: vec3<u32>) {
     arena[p.out2 + t * ng + g] = bitcast<u32>(sum);
 }
 
-// One lane per (output row r, input row j).
+// One lane per (output row r, input row t).
 @compute @workgroup_size(64)
 fn matvec(@builtin(global_invocation_id) gid: vec3<u32>) {
     let r = gid.x;
-    let j = gid.y;
-    if (r >= p.rows || j >= p.n) {
+    let t = gid.y;
+    if (r >= p.rows || t >= p.n) {
         return;
-    }
-    var t = j;
-    if (p.tok != 0xffffffffu) {
-        t = arena[p.tok + j];
     }
     let ng = p.cols / p.group;
     let row_words = p.cols / (8u - 4u * (1u - p.int4)); // int8: cols / 4; int4: cols / 8
@@ -153,7 +148,7 @@ fn matvec(@builtin(global_invocation_id) gid: vec3<u32>) {
         let s = sf_mul(w[p.w_scales + r * ng + g], arena[p.in1 + t * ng + g]);
         acc = sf_fma(s, sf_from_i32(isum), acc);
     }
-    arena[p.out0 + j * p.rows + r] = acc;
+    arena[p.out0 + t * p.rows + r] = acc;
 }
 
 // One lane per element of `[n]`: h = silu(g) * u.

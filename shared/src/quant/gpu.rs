@@ -50,18 +50,14 @@ pub struct KernelParams {
     pub out0: u32,
     pub out1: u32,
     pub out2: u32,
-    /// Word offset of the input rows to take, or [`ALL_ROWS`].
-    pub tok: u32,
 }
-
-/// [`KernelParams::tok`]: output row `j` reads input row `j`.
-pub const ALL_ROWS: u32 = u32::MAX;
 
 /// Bytes of [`KernelParams`] as the shader reads it.
 pub const PARAMS_BYTES: usize = 64;
 
 impl KernelParams {
-    /// The uniform block's bytes (little-endian words in declaration order, one word of padding).
+    /// The uniform block's bytes (little-endian words in declaration order, two words of
+    /// padding).
     pub fn to_bytes(&self) -> [u8; PARAMS_BYTES] {
         let w = [
             self.rows,
@@ -78,7 +74,7 @@ impl KernelParams {
             self.out0,
             self.out1,
             self.out2,
-            self.tok,
+            0,
             0,
         ];
         let mut b = [0u8; PARAMS_BYTES];
@@ -176,13 +172,13 @@ mod tests {
     fn params_are_sixteen_little_endian_words() {
         let p = KernelParams {
             rows: 1,
-            tok: ALL_ROWS,
+            out2: 7,
             ..Default::default()
         };
         let b = p.to_bytes();
         assert_eq!(&b[..4], &1u32.to_le_bytes());
-        assert_eq!(&b[56..60], &u32::MAX.to_le_bytes());
-        assert_eq!(&b[60..], &[0; 4]);
+        assert_eq!(&b[52..56], &7u32.to_le_bytes());
+        assert_eq!(&b[56..], &[0; 8]);
     }
 
     #[test]

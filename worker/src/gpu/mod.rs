@@ -96,7 +96,7 @@ pub fn report() -> Vec<AdapterReport> {
         .enumerate()
         .map(|(id, a)| {
             let info = a.get_info();
-            let verdict = match Gpu::from_adapter(a.clone(), true) {
+            let verdict = match Gpu::from_adapter(a.clone()) {
                 Ok(_) => "exact".to_string(),
                 Err(e) => e.to_string(),
             };
@@ -205,7 +205,7 @@ impl Gpu {
                 .into_iter()
                 .nth(id)
                 .ok_or(GpuError::NoSuchAdapter { id, count })?;
-            return Self::from_adapter(a, true);
+            return Self::from_adapter(a);
         }
         let mut all: Vec<_> = all.into_iter().collect();
         all.sort_by_key(|a| match a.get_info().device_type {
@@ -217,7 +217,7 @@ impl Gpu {
         });
         let mut first_err = None;
         for a in all {
-            match Self::from_adapter(a, true) {
+            match Self::from_adapter(a) {
                 Ok(g) => return Ok(g),
                 Err(e) => {
                     first_err.get_or_insert(e);
@@ -227,7 +227,8 @@ impl Gpu {
         Err(first_err.unwrap_or(GpuError::NoAdapter))
     }
 
-    fn from_adapter(a: wgpu::Adapter, check: bool) -> Result<Self, GpuError> {
+    /// Opens `a`, builds the kernels and runs the self-check.
+    fn from_adapter(a: wgpu::Adapter) -> Result<Self, GpuError> {
         let info = a.get_info();
         let (name, driver) = (
             info.name.clone(),
@@ -335,9 +336,7 @@ impl Gpu {
             scratch: Mutex::new(Scratch::default()),
             error,
         };
-        if check {
-            gpu.self_check()?;
-        }
+        gpu.self_check()?;
         Ok(gpu)
     }
 }

@@ -4,7 +4,7 @@
 
 use charm_shared::linear::SwiGlu;
 use charm_shared::quant::gpu::{
-    nibble_block, ExpertWords, KernelParams, MatrixWords, ALL_ROWS, PARAMS_BYTES, WORKGROUP,
+    nibble_block, ExpertWords, KernelParams, MatrixWords, PARAMS_BYTES, WORKGROUP,
 };
 
 use super::{ExpertLayout, Gpu, GpuError, GpuExpert, Job, Scratch};
@@ -71,7 +71,11 @@ struct Recorded {
 impl Gpu {
     /// Copies an expert's weights to VRAM.
     pub fn upload(&self, e: &SwiGlu) -> Result<GpuExpert, GpuError> {
-        let w = ExpertWords::new(e).map_err(GpuError::Format)?;
+        self.upload_words(&ExpertWords::new(e).map_err(GpuError::Format)?)
+    }
+
+    /// Copies an expert already laid out for the GPU ([`ExpertWords`]) to VRAM.
+    pub fn upload_words(&self, w: &ExpertWords) -> Result<GpuExpert, GpuError> {
         if w.bytes.len() as u64 > self.max_binding {
             return Err(GpuError::Format(format!(
                 "{} bytes exceed the device's largest binding ({})",
@@ -95,9 +99,9 @@ impl Gpu {
         Ok(GpuExpert {
             buffer,
             words: ExpertLayout {
-                gate: w.gate,
-                up: w.up,
-                down: w.down,
+                gate: w.gate.clone(),
+                up: w.up.clone(),
+                down: w.down.clone(),
             },
         })
     }
@@ -279,29 +283,20 @@ impl Gpu {
         slice.map_async(wgpu::MapMode::Read, move |r| {
             let _ = tx.send(r);
         });
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| GpuError::Device(e.to_string()))?;
-        let mapped = rx
-            .recv()
-            .map_err(|_| GpuError::Device("the read-back was dropped".into()))?;
-        if let Some(e) = self.error.lock().expect("gpu error slot").take() {
-            return Err(GpuError::Device(e));
-        }
-        mapped.map_err(|e| GpuError::Device(format!("read-back: {e}")))?;
+        self.wait()?;
+        rx.recv()
+            .map_err(|_| GpuError::Device("the read-back was dropped".into()))?
+            .map_err(|e| GpuError::Device(format!("read-back: {e}")))?;
         let data = slice
             .get_mapped_range()
             .map_err(|e| GpuError::Device(format!("read-back: {e}")))?;
+        // (a mapped range is aligned for f32: wgpu maps at multiples of 8 bytes)
+        let values: &[f32] = bytemuck::cast_slice(&data);
         let mut outs = Vec::with_capacity(pieces.len());
         let mut o = 0usize;
         for &(i, _, n) in pieces {
-            let len = n * jobs[i].expert.words.down.rows * 4;
-            outs.push(
-                data[o..o + len]
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            );
+            let len = n * jobs[i].expert.words.down.rows;
+            outs.push(values[o..o + len].to_vec());
             o += len;
         }
         drop(data);
@@ -360,10 +355,9 @@ impl Gpu {
             let e = &jobs[i].expert.words;
             let hidden = e.gate.cols;
             let x = &jobs[i].x[r0 * hidden..(r0 + n) * hidden];
-            let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-            self.queue.write_buffer(&arena, a.x as u64 * 4, &bytes);
+            self.queue
+                .write_buffer(&arena, a.x as u64 * 4, bytemuck::cast_slice(x));
             let quant = |cols: usize, m: &MatrixWords, src: u32, dst: [u32; 3]| KernelParams {
-                rows: 0,
                 cols: cols as u32,
                 group: m.group as u32,
                 int4: m.int4 as u32,
@@ -373,7 +367,6 @@ impl Gpu {
                 out0: dst[0],
                 out1: dst[1],
                 out2: dst[2],
-                tok: ALL_ROWS,
                 ..Default::default()
             };
             let mat = |m: &MatrixWords, src: [u32; 3], dst: u32| KernelParams {
@@ -389,7 +382,6 @@ impl Gpu {
                 in1: src[1],
                 in2: src[2],
                 out0: dst,
-                tok: ALL_ROWS,
                 ..Default::default()
             };
             let inter = e.gate.rows;
@@ -403,7 +395,6 @@ impl Gpu {
                     in0: a.g,
                     in1: a.u,
                     out0: a.h,
-                    tok: ALL_ROWS,
                     ..Default::default()
                 },
             );
@@ -419,8 +410,8 @@ impl Gpu {
             });
         let groups = |n: usize| (n as u32).div_ceil(WORKGROUP);
         // `reps` times over: each repetition computes the same outputs (for `time_run`)
-        let each = || pieces.iter().zip(&arenas).enumerate();
-        for (k, (&(i, _, n), a)) in (0..reps).flat_map(|_| each()) {
+        let each = || pieces.iter().enumerate();
+        for (k, &(i, _, n)) in (0..reps).flat_map(|_| each()) {
             let e = &jobs[i].expert;
             let w = &e.words;
             let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
@@ -473,7 +464,6 @@ impl Gpu {
                 pass.set_bind_group(0, &bind, &[((6 * k + s) as u64 * params_stride) as u32]);
                 pass.dispatch_workgroups(x, y, 1);
             }
-            let _ = a;
         }
         Ok(Recorded { enc, arena, arenas })
     }

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use charm_shared::expert::{
-    combine, gather, plan_runs, ExpertBatch, ExpertError, ExpertExecutor, ExpertStats,
+    combine, gather, plan_runs, run_rows, ExpertBatch, ExpertError, ExpertExecutor, ExpertStats,
     LookaheadPolicy,
 };
 use charm_shared::linear::SwiGlu;
@@ -146,7 +146,7 @@ impl VramExperts {
         if room(d) < need {
             return Ok(Upload::NoRoom);
         }
-        let g = self.gpus[d].upload(&e)?;
+        let g = self.gpus[d].upload_words(&words)?;
         self.bytes[d].fetch_add(g.bytes(), Ordering::Relaxed);
         self.resident
             .write()
@@ -250,15 +250,6 @@ impl VramExperts {
     pub fn gpus(&self) -> &[Arc<Gpu>] {
         &self.gpus
     }
-
-    /// Experts held on each device.
-    pub fn per_device(&self) -> Vec<usize> {
-        let mut n = vec![0; self.gpus.len()];
-        for (d, _) in self.resident.read().expect("resident experts").values() {
-            n[*d] += 1;
-        }
-        n
-    }
 }
 
 /// What [`VramExperts::upload`] did.
@@ -270,44 +261,6 @@ enum Upload {
     Unreadable,
     /// Not within the budget's free room.
     NoRoom,
-}
-
-/// The rows of the runs `idx` computed by `below`: every run's tokens as one batch of one expert
-/// per row with gate weight 1 (`0 + 1 * y` is `y`, up to the sign of a zero, which the sum cannot
-/// see).
-fn rows_below(
-    below: &dyn ExpertExecutor,
-    b: &ExpertBatch<'_>,
-    runs: &[(u32, Vec<usize>)],
-    idx: &[usize],
-    hidden: usize,
-) -> Result<Vec<Vec<f32>>, ExpertError> {
-    let mut x = Vec::new();
-    let mut ids = Vec::new();
-    for &i in idx {
-        x.extend(gather(b, &runs[i].1, hidden));
-        ids.extend(std::iter::repeat_n(runs[i].0, runs[i].1.len()));
-    }
-    let n = ids.len();
-    let y = below.run(ExpertBatch {
-        step: b.step,
-        layer: b.layer,
-        x: &x,
-        n_tokens: n,
-        ids: &ids,
-        weights: &vec![1.0f32; n],
-        top_k: 1,
-    })?;
-    let mut at = 0;
-    Ok(idx
-        .iter()
-        .map(|&i| {
-            let len = runs[i].1.len() * hidden;
-            let r = y[at..at + len].to_vec();
-            at += len;
-            r
-        })
-        .collect())
 }
 
 impl ExpertExecutor for VramExperts {
@@ -352,7 +305,7 @@ impl ExpertExecutor for VramExperts {
             let cpu = if below.is_empty() {
                 Ok(Vec::new())
             } else {
-                rows_below(&*self.below, &batch, &runs, &below, h)
+                run_rows(&*self.below, &batch, &runs, &below, h)
             };
             let gpu: Result<Vec<DeviceRows>, GpuError> = started
                 .into_iter()
