@@ -108,12 +108,11 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
     let quantized = matches!(p.formats.experts, StoreFormat::Int8 | StoreFormat::Int4);
     let (cluster, prediction) = match (&described, args.cluster_options()?) {
         (Some(d), _) => {
-            let group = match act {
-                Activations::Int8 if quantized => p.formats.group,
-                _ => 0,
-            };
+            // int8 activations on int8/int4 experts: requests carry the codes, and the VRAM
+            // tier (`--vram`) runs; otherwise neither
+            let int_path = act == Activations::Int8 && quantized;
+            let group = if int_path { p.formats.group } else { 0 };
             let m = ClusterCost::from_plan(&p, spec.hidden_size, group);
-            // the VRAM tier runs int8/int4 experts with int8 activations only (`--vram`)
             let mut d = d.clone();
             let gpus: Vec<&str> = d
                 .machines
@@ -121,8 +120,7 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
                 .filter(|x| x.gpu.is_some())
                 .map(|x| x.name.as_str())
                 .collect();
-            let tier_runs = act == Activations::Int8 && quantized;
-            if !gpus.is_empty() && !tier_runs {
+            if !gpus.is_empty() && !int_path {
                 eprintln!(
                     "warning: the GPUs are left out of the prediction ({}): routed experts run in VRAM with int8 or int4 experts and --activations int8 only (here {} experts, {} activations)",
                     gpus.join(", "),

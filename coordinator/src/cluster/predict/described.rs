@@ -308,8 +308,9 @@ mod tests {
     #[test]
     fn described_gpus() {
         let mut m = model();
-        m.shared_read_bytes = 0; // (its compute would hide these small experts' time)
-                                 // `gpu` on the second machine
+        // (the shared expert's compute would hide these small experts' time)
+        m.shared_read_bytes = 0;
+        // `gpu` on the second machine
         let text = |gpu: &str| {
             format!(
                 r#"{{"machines": [{{"name": "a", "ram_gib": 2, "mem_gb_s": 50}},
