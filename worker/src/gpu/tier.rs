@@ -19,6 +19,8 @@ use charm_shared::expert::{
 };
 use charm_shared::linear::SwiGlu;
 
+use charm_shared::quant::gpu::ExpertWords;
+
 use super::{Gpu, GpuError, GpuExpert, Job};
 
 /// Steps between two looks at which experts should move into VRAM.
@@ -118,7 +120,7 @@ impl VramExperts {
         };
         for key in order {
             match t.upload(key)? {
-                Upload::Done | Upload::Unfit | Upload::Unreadable => {}
+                Upload::Done | Upload::Stays => {}
                 Upload::NoRoom => break,
             }
         }
@@ -127,18 +129,27 @@ impl VramExperts {
 
     /// Reads expert `key` from below and puts it in VRAM if it fits the budget's free room.
     fn upload(&self, key: (usize, u32)) -> Result<Upload, GpuError> {
-        // (an expert that cannot be read now, as one a worker has not fetched yet, stays below
-        // and may move up later)
-        let Ok(e) = (self.load)(key.0, key.1) else {
-            return Ok(Upload::Unreadable);
-        };
-        // (an expert whose formats the kernels do not take stays below)
-        let Ok(words) = charm_shared::quant::gpu::ExpertWords::new(&e) else {
+        match self.prepare(key) {
+            Some(words) => self.place(key, &words),
+            None => Ok(Upload::Stays),
+        }
+    }
+
+    /// Expert `key` read from below and laid out for the GPU, or `None` where it stays below:
+    /// formats the kernels do not take (remembered, never a candidate again) or weights that
+    /// cannot be read now (as one a worker has not fetched yet: it may move up later).
+    fn prepare(&self, key: (usize, u32)) -> Option<ExpertWords> {
+        let e = (self.load)(key.0, key.1).ok()?;
+        let words = ExpertWords::new(&e).ok();
+        if words.is_none() {
             self.unfit.lock().expect("unfit set").insert(key);
-            return Ok(Upload::Unfit);
-        };
+        }
+        words
+    }
+
+    /// Puts `words` (expert `key`) on the device with the most room left, if it fits there.
+    fn place(&self, key: (usize, u32), words: &ExpertWords) -> Result<Upload, GpuError> {
         let need = words.bytes.len() as u64;
-        // the device with the most room left
         let room = |d: usize| self.budget[d].saturating_sub(self.bytes[d].load(Ordering::Relaxed));
         let Some(d) = (0..self.gpus.len()).max_by_key(|&d| (room(d), std::cmp::Reverse(d))) else {
             return Ok(Upload::NoRoom);
@@ -146,7 +157,7 @@ impl VramExperts {
         if room(d) < need {
             return Ok(Upload::NoRoom);
         }
-        let g = self.gpus[d].upload_words(&words)?;
+        let g = self.gpus[d].upload_words(words)?;
         self.bytes[d].fetch_add(g.bytes(), Ordering::Relaxed);
         self.resident
             .write()
@@ -155,9 +166,21 @@ impl VramExperts {
         Ok(Upload::Done)
     }
 
+    /// Takes expert `key` out of VRAM.
+    fn evict(&self, key: (usize, u32)) {
+        if let Some((d, g)) = self
+            .resident
+            .write()
+            .expect("resident experts")
+            .remove(&key)
+        {
+            self.bytes[d].fetch_sub(g.bytes(), Ordering::Relaxed);
+        }
+    }
+
     /// Moves the most used experts below into VRAM: into free room, or in place of resident
-    /// experts used clearly less ([`SwapPolicy`]). Failures leave the tier as it was (the
-    /// experts stay where they are and compute there).
+    /// experts used clearly less ([`SwapPolicy`]). Each candidate is read from below once;
+    /// failures leave the tier as it was (the experts stay where they are and compute there).
     fn rebalance(&self, uses: &Uses) {
         let unfit = self.unfit.lock().expect("unfit set").clone();
         let (mut below, mut resident): (Vec<_>, Vec<_>) = {
@@ -178,13 +201,15 @@ impl VramExperts {
         resident.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
         let mut cold = resident.into_iter();
         for (key, n) in below.into_iter().take(self.policy.max_moves) {
-            match self.upload(key) {
+            let Some(words) = self.prepare(key) else {
+                continue;
+            };
+            match self.place(key, &words) {
                 Ok(Upload::Done) => {
                     self.swaps.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
-                Ok(Upload::Unfit | Upload::Unreadable) => continue,
-                Ok(Upload::NoRoom) => {}
+                Ok(_) => {}
                 Err(_) => return,
             }
             // no room: replace the coldest resident expert if this one is clearly hotter
@@ -194,23 +219,13 @@ impl VramExperts {
             if n <= self.policy.ratio * m + 1.0 {
                 return;
             }
-            if let Some((d, g)) = self
-                .resident
-                .write()
-                .expect("resident experts")
-                .remove(&victim)
-            {
-                self.bytes[d].fetch_sub(g.bytes(), Ordering::Relaxed);
-            }
-            match self.upload(key) {
-                Ok(Upload::Done) => {
-                    self.swaps.fetch_add(1, Ordering::Relaxed);
-                }
-                _ => {
-                    // (the victim goes back where it was if this one could not go up)
-                    let _ = self.upload(victim);
-                    return;
-                }
+            self.evict(victim);
+            if let Ok(Upload::Done) = self.place(key, &words) {
+                self.swaps.fetch_add(1, Ordering::Relaxed);
+            } else {
+                // (the victim goes back where it was if this one could not go up)
+                let _ = self.upload(victim);
+                return;
             }
         }
     }
@@ -255,10 +270,8 @@ impl VramExperts {
 /// What [`VramExperts::upload`] did.
 enum Upload {
     Done,
-    /// Formats the kernels do not take: stays below.
-    Unfit,
-    /// Its weights could not be read (yet): stays below.
-    Unreadable,
+    /// It stays below ([`VramExperts::prepare`]).
+    Stays,
     /// Not within the budget's free room.
     NoRoom,
 }
