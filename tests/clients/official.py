@@ -76,7 +76,8 @@ outs = {
 }
 assert len(outs) > 1, outs
 
-# Anthropic messages, whole and streamed (greedy: the same text)
+# Anthropic messages, whole and streamed (greedy: the same text; `temperature` goes in
+# extra_body: the anthropic client (2.17) takes no such argument)
 m = an.messages.create(model=name, max_tokens=20, system="Be brief.", messages=msgs,
                        extra_body={"temperature": 0})
 assert m.content[0].type == "text" and m.usage.output_tokens > 0, m

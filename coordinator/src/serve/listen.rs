@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
+use axum::body::{Body, HttpBody};
 use axum::extract::Request;
 use axum::http::{header, StatusCode};
 use axum::middleware::Next;
@@ -109,13 +109,9 @@ pub(super) async fn read_body(
             .into_response(),
         )
     };
-    // a body announced larger than the limit is refused at once, before any of it is read
-    let announced = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    if announced.is_some_and(|n| n > limit as u64) {
+    // a body announced larger than the limit (hyper's reading of its `Content-Length`) is
+    // refused at once, before any of it is read
+    if HttpBody::size_hint(&body).lower() > limit as u64 {
         return too_large();
     }
     match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {

@@ -23,7 +23,6 @@ use super::structured::{self, MustCall};
 use super::{now, Shared};
 use crate::decode::grammar::Constraint;
 use crate::decode::reasoning::Reasoning;
-use crate::decode::template::{drop_null_keys, tool_arguments};
 use crate::decode::tokenizer::TextTokenizer;
 use crate::decode::tool_calls::ToolFormat;
 
@@ -170,28 +169,7 @@ pub(super) async fn chat_completions(
     }
     // the template sees the messages in their key order
     let v: minijinja::Value = serde_json::from_slice(&body).map_err(|e| bad(e.to_string()))?;
-    let mut messages = drop_null_keys(&v.get_attr("messages").unwrap_or_default());
-    // tool-call arguments in the form the template reads (clients send JSON text)
-    match t.tool_format {
-        Some(ToolFormat::Glm) => messages = tool_arguments(&messages, true),
-        Some(ToolFormat::DeepSeek) => messages = tool_arguments(&messages, false),
-        _ => {}
-    }
-    let tools = if use_tools {
-        let t = v.get_attr("tools").unwrap_or_default();
-        if t.kind() != minijinja::value::ValueKind::Seq {
-            return Err(bad("`tools` must be a list"));
-        }
-        t
-    } else {
-        minijinja::Value::from(())
-    };
-    let kwargs = template_kwargs(&v)?;
-    let conversation = Conversation {
-        messages,
-        tools,
-        kwargs,
-    };
+    let conversation = Conversation::openai(&v, t, use_tools)?;
     // the reasoning part of a turn the template opened with `<think>` (GLM with thinking on) is
     // returned apart, as `reasoning_content`
     let (mut prompt, mut thinking) = conversation.prompt(t, &s.tok)?;
@@ -579,22 +557,5 @@ fn completion_logprobs(
             None => Json::Null,
         }).collect::<Vec<_>>(),
         "text_offset": offsets,
-    })
-}
-
-/// A request's `chat_template_kwargs` (an object; absent or null: none), for the chat template.
-pub(super) fn template_kwargs(
-    v: &minijinja::Value,
-) -> Result<Vec<(String, minijinja::Value)>, ApiError> {
-    Ok(match v.get_attr("chat_template_kwargs") {
-        Ok(k) if !k.is_undefined() && !k.is_none() => k
-            .try_iter()
-            .map_err(|_| bad("`chat_template_kwargs` must be an object"))?
-            .filter_map(|key| {
-                let val = k.get_item(&key).ok()?;
-                Some((key.as_str()?.to_string(), val))
-            })
-            .collect(),
-        _ => vec![],
     })
 }

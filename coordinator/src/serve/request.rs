@@ -1,7 +1,9 @@
-//! The one request both APIs translate into: a prompt (token ids, or a conversation rendered by
-//! the chat template), the shared settings, and how the answer is taken apart. Each adapter
-//! (`openai`, `anthropic`) reads its body into a [`Request`], [`submit`]s it, and writes the
-//! scheduler's events back in its own shapes ([`whole`] collects them for a non-streamed answer).
+//! The one request both APIs translate into: a prompt (token ids, or a [`Conversation`] rendered
+//! by the chat template), the shared settings, and how the answer is taken apart. Each adapter
+//! reads its body into prompts and settings (`anthropic` one [`Request`]; `openai` one prompt,
+//! or a completion's list of them), queues them ([`submit`], [`submit_all`]), and writes the
+//! scheduler's events back in its own shapes ([`whole`] collects them for a non-streamed
+//! answer).
 
 use axum::http::StatusCode;
 use tokio::sync::mpsc;
@@ -11,7 +13,7 @@ use super::scheduler::{Event, Job, Refused, TokenLogprob};
 use super::settings::Settings;
 use super::Shared;
 use crate::decode::grammar::{Constraint, GrammarSpec, Grammars};
-use crate::decode::template::{ChatInput, ChatTemplate};
+use crate::decode::template::{drop_null_keys, tool_arguments, ChatInput, ChatTemplate};
 use crate::decode::tokenizer::TextTokenizer;
 use crate::decode::tool_calls::ToolFormat;
 
@@ -75,6 +77,66 @@ pub(super) struct Conversation {
 }
 
 impl Conversation {
+    /// The conversation of an OpenAI body `v` (read in its key order, which the template
+    /// sees) for template `t`: its `messages` without null keys and with tool-call arguments in
+    /// the form `t` reads (clients send JSON text), its `tools` when `use_tools` (a list), its
+    /// `chat_template_kwargs` (an object; absent or null: none).
+    pub(super) fn openai(
+        v: &minijinja::Value,
+        t: &ChatTemplate,
+        use_tools: bool,
+    ) -> Result<Self, ApiError> {
+        let mut messages = drop_null_keys(&v.get_attr("messages").unwrap_or_default());
+        match t.tool_format {
+            Some(ToolFormat::Glm) => messages = tool_arguments(&messages, true),
+            Some(ToolFormat::DeepSeek) => messages = tool_arguments(&messages, false),
+            _ => {}
+        }
+        let tools = if use_tools {
+            let t = v.get_attr("tools").unwrap_or_default();
+            if t.kind() != minijinja::value::ValueKind::Seq {
+                return Err(bad("`tools` must be a list"));
+            }
+            t
+        } else {
+            minijinja::Value::from(())
+        };
+        let kwargs = match v.get_attr("chat_template_kwargs") {
+            Ok(k) if !k.is_undefined() && !k.is_none() => k
+                .try_iter()
+                .map_err(|_| bad("`chat_template_kwargs` must be an object"))?
+                .filter_map(|key| {
+                    let val = k.get_item(&key).ok()?;
+                    Some((key.as_str()?.to_string(), val))
+                })
+                .collect(),
+            _ => vec![],
+        };
+        Ok(Self {
+            messages,
+            tools,
+            kwargs,
+        })
+    }
+
+    /// The text of the conversation as template `t` renders it; with `add_generation_prompt`,
+    /// the assistant's turn opened.
+    pub(super) fn text(
+        self,
+        t: &ChatTemplate,
+        add_generation_prompt: bool,
+    ) -> Result<String, ApiError> {
+        t.render(&ChatInput {
+            messages: self.messages,
+            tools: self.tools,
+            add_generation_prompt,
+            bos_token: None,
+            eos_token: None,
+            kwargs: self.kwargs,
+        })
+        .map_err(|e| bad(e.to_string()))
+    }
+
     /// The prompt of the conversation, with the assistant's turn opened; and whether that turn
     /// opens with `<think>` (the model reasons first).
     pub(super) fn prompt(
@@ -82,16 +144,7 @@ impl Conversation {
         t: &ChatTemplate,
         tok: &TextTokenizer,
     ) -> Result<(Vec<u32>, bool), ApiError> {
-        let text = t
-            .render(&ChatInput {
-                messages: self.messages,
-                tools: self.tools,
-                add_generation_prompt: true,
-                bos_token: None,
-                eos_token: None,
-                kwargs: self.kwargs,
-            })
-            .map_err(|e| bad(e.to_string()))?;
+        let text = self.text(t, true)?;
         let prompt = tok.encode(&text).map_err(|e| bad(e.to_string()))?;
         // a template that opens the assistant's turn with `<think>` (GLM with thinking on) has
         // the model reason first

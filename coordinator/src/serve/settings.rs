@@ -162,19 +162,11 @@ pub(super) fn settings(body: &Json, known: &[&str]) -> Result<Settings, ApiError
     })
 }
 
-/// A seed no earlier request had, for a request that gives none: std's per-process random hash
-/// keys (drawn from the OS) over a counter and the clock.
+/// A seed for a request that gives none: a hash under std's random keys (drawn from the OS per
+/// thread; every `RandomState` gets keys of its own).
 fn fresh_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static DRAWN: AtomicU64 = AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(DRAWN.fetch_add(1, Ordering::Relaxed));
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    h.write_u64(t);
-    h.finish()
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(())
 }
 
 pub(super) const COMMON: &[&str] = &[

@@ -14,11 +14,9 @@ use serde_json::{json, Value as Json};
 
 use super::auth::authorized;
 use super::error::{bad, ApiError};
-use super::request::check_model;
+use super::request::{check_model, Conversation};
 use super::settings::parse;
 use super::Shared;
-use crate::decode::template::{drop_null_keys, tool_arguments, ChatInput};
-use crate::decode::tool_calls::ToolFormat;
 
 /// Reads `known` fields of an object body; anything else is a 400.
 fn fields(body: &Bytes, known: &[&str]) -> Result<Json, ApiError> {
@@ -132,27 +130,10 @@ fn rendered(s: &Shared, body: &Bytes, add_generation_prompt: bool) -> Result<Str
     };
     // the template sees the messages in their key order
     let v: minijinja::Value = serde_json::from_slice(body).map_err(|e| bad(e.to_string()))?;
-    let mut messages = drop_null_keys(&v.get_attr("messages").unwrap_or_default());
-    match t.tool_format {
-        Some(ToolFormat::Glm) => messages = tool_arguments(&messages, true),
-        Some(ToolFormat::DeepSeek) => messages = tool_arguments(&messages, false),
-        _ => {}
-    }
-    let tools = match v.get_attr("tools") {
-        Ok(t) if t.kind() == minijinja::value::ValueKind::Seq => t,
-        Ok(t) if t.is_undefined() || t.is_none() => minijinja::Value::from(()),
-        _ => return Err(bad("`tools` must be a list")),
-    };
-    let kwargs = super::openai::template_kwargs(&v)?;
-    t.render(&ChatInput {
-        messages,
-        tools,
-        add_generation_prompt,
-        bos_token: None,
-        eos_token: None,
-        kwargs,
-    })
-    .map_err(|e| bad(e.to_string()))
+    let tools = v
+        .get_attr("tools")
+        .is_ok_and(|t| !t.is_undefined() && !t.is_none());
+    Conversation::openai(&v, t, tools)?.text(t, add_generation_prompt)
 }
 
 /// `POST /detokenize`: `{"tokens": [ID, ...]}` to the text (special tokens shown), as
