@@ -153,6 +153,12 @@ fn experts_the_kernels_do_not_take_are_refused_by_name() {
     }
 }
 
+/// [`int4_container`] of `src` where a GPU opens (`None`, with a note, where none does).
+fn gpu_container(tag: &str, src: &Path) -> Option<PathBuf> {
+    device()?;
+    Some(int4_container(tag, src))
+}
+
 /// `NAME` converted with int4 routed experts (the rest as the converter's defaults).
 fn int4_container(name: &str, src: &Path) -> PathBuf {
     let out = scratch(&format!("gpu-{name}"));
@@ -291,10 +297,9 @@ fn every_oracle_fixture_gives_the_cpu_bits_with_experts_in_vram() {
 
 #[test]
 fn the_demo_model_samples_and_drafts_the_same_tokens_with_experts_in_vram() {
-    if device().is_none() {
+    let Some(c) = gpu_container("demo", &common::server::demo()) else {
         return;
-    }
-    let c = int4_container("demo", &common::server::demo());
+    };
     let prompt = "1,2,3,4,5,6,7,8";
     let (_, all) = generate(&c, prompt, &["--vram", "4"]);
     let third = format!(
@@ -329,11 +334,10 @@ fn the_demo_model_samples_and_drafts_the_same_tokens_with_experts_in_vram() {
 
 #[test]
 fn a_device_whose_kernel_rounds_differently_is_refused_and_the_cpu_runs() {
-    if device().is_none() {
-        return;
-    }
     let name = "glm5-tiny";
-    let c = int4_container("perturbed", &fixture(name));
+    let Some(c) = gpu_container("perturbed", &fixture(name)) else {
+        return;
+    };
     let ids = "1,2,3,4,5";
     let (cpu, _) = generate(&c, ids, &[]);
     let perturbed = [("CHARM_GPU_TEST_PERTURB", "1".to_string())];
@@ -438,10 +442,9 @@ fn batched_completions(addr: &str) -> Vec<String> {
 
 #[test]
 fn the_gateway_batches_the_same_answers_with_experts_in_vram() {
-    if device().is_none() {
+    let Some(c) = gpu_container("gateway", &common::server::demo()) else {
         return;
-    }
-    let c = int4_container("gateway", &common::server::demo());
+    };
     let base = ["--activations", "int8", "--history", "none"];
     let cpu = {
         let s = common::server::Server::start_model(&c, &base);
@@ -475,11 +478,10 @@ fn the_gateway_batches_the_same_answers_with_experts_in_vram() {
 #[test]
 fn a_cluster_of_a_gpu_worker_and_a_cpu_worker_gives_the_single_box_bits() {
     use common::cluster::{certs, workers_arg, Worker};
-    if device().is_none() {
-        return;
-    }
     // (the demo model: the gateway below needs its tokenizer)
-    let c = int4_container("cluster", &common::server::demo());
+    let Some(c) = gpu_container("cluster", &common::server::demo()) else {
+        return;
+    };
     let dir = certs("gpu-certs");
     let act = ["--activations", "int8"];
     let w1 = Worker::start(&c, &dir, "w1", 0, &[&act[..], &["--vram", "4"]].concat());
@@ -570,11 +572,10 @@ fn a_cluster_of_a_gpu_worker_and_a_cpu_worker_gives_the_single_box_bits() {
 
 #[test]
 fn experts_spread_over_two_devices_and_auto_sized_vram_give_the_cpu_tokens() {
-    if device().is_none() {
-        return;
-    }
     let name = "deepseek3-tiny";
-    let c = int4_container("twodev", &fixture(name));
+    let Some(c) = gpu_container("twodev", &fixture(name)) else {
+        return;
+    };
     let ids = "3,1,4,1,5,9,2,6";
     let (cpu, _) = generate_n(&c, ids, 16, &[]);
     // the first adapter opened twice: two devices, experts spread over both
