@@ -404,12 +404,15 @@ pub fn silu(x: f32) -> f32 {
     crate::softfloat::silu(x)
 }
 
-/// Numerically stable softmax in place.
+/// Numerically stable softmax in place: `e^(x - max)` with charm's own exponential
+/// ([`crate::softfloat::exp`]), summed in order, then each divided by the sum. Like [`silu`], built
+/// from correctly rounded f32 steps only, so that the GPU's soft-float twin gives the same bits
+/// (libm's `expf` is not reproducible there).
 pub fn softmax(x: &mut [f32]) {
     let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut s = 0.0f32;
     for v in x.iter_mut() {
-        *v = (*v - m).exp();
+        *v = crate::softfloat::exp(*v - m);
         s += *v;
     }
     for v in x.iter_mut() {

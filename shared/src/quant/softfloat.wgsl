@@ -7,8 +7,10 @@
 // fuse or not, division is 2.5 ULP, subnormals may flush), so a kernel that must agree with the CPU
 // bit for bit does its float steps with these.
 //
-// This file mirrors shared/src/softfloat.rs line by line (sf_mul is mul, sf_exp is exp_soft, and so
-// on); the Rust is tested bit for bit against the CPU's native f32 ops. Change one, change the other.
+// Functions: sf_mul, sf_add, sf_sub, sf_fma, sf_div, sf_sqrt, sf_from_i32, sf_round_away_i32,
+// sf_exp, sf_silu. This file mirrors shared/src/softfloat/mod.rs line by line (sf_mul is mul,
+// sf_sqrt is sqrt, sf_exp is exp_soft, and so on); the Rust is tested bit for bit against the CPU's
+// native f32 ops. Change one, change the other.
 //
 // Needs u64 (wgpu Features::SHADER_INT64). Only functions, constants and one struct, all named
 // sf_ / SF_ / Sf, and no bindings or entry points: it is concatenated in front of the compute
@@ -281,6 +283,50 @@ fn sf_div(a: u32, b: u32) -> u32 {
     }
     let m = (u64(q) << 39u) | select(0lu, 1lu, r != 0u);
     return sf_round_pack(sign, e + 127, m);
+}
+
+// sqrt(a): sqrt(-0) is -0, sqrt(+inf) is +inf, the root of any other negative number is NaN.
+fn sf_sqrt(a: u32) -> u32 {
+    if (sf_is_nan(a)) {
+        return SF_NAN;
+    }
+    if (sf_is_zero(a)) {
+        return a;
+    }
+    if ((a & SF_SIGN) != 0u) {
+        return SF_NAN;
+    }
+    if (sf_is_inf(a)) {
+        return a;
+    }
+    let ua = sf_unpack(a);
+    // a = m / 2^23 * 2^ex; with ex made even it halves exactly, and m / 2^23 is in [1, 4).
+    var ex = ua.e - 127;
+    var m = u64(ua.m);
+    if ((ex & 1) != 0) {
+        m = m << 1u;
+        ex = ex - 1;
+    }
+    // Restoring square root, one root bit per step, of x = m * 2^39 in [2^62, 2^64): root ends as
+    // floor(sqrt(x)) in [2^31, 2^32), rem as x - root^2 (the sticky bit).
+    var rem = m << 39u;
+    var root = 0lu;
+    var bit = 1lu << 62u;
+    var i = 0;
+    while (i < 32) {
+        let t = root + bit;
+        if (rem >= t) {
+            rem = rem - t;
+            root = (root >> 1u) + bit;
+        } else {
+            root = root >> 1u;
+        }
+        bit = bit >> 2u;
+        i = i + 1;
+    }
+    // The root of a normal or subnormal f32 is normal: no overflow, no underflow.
+    let mr = (root << 32u) | select(0lu, 1lu, rem != 0lu);
+    return sf_round_pack(0u, ex / 2 + 127, mr);
 }
 
 // f32(v), rounded to nearest even.

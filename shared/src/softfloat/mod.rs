@@ -3,7 +3,8 @@
 //! WGSL promises nothing about float rounding (an `a * b + c` may or may not fuse, division is
 //! allowed 2.5 ULP, subnormals may flush to zero), so a GPU that must agree with the CPU bit for bit
 //! does every float step in integer arithmetic on `u32` bit patterns. This module is that soft-float
-//! library's scalar twin: each function here equals the CPU's native f32 operation bit for bit
+//! library's scalar twin: each function here ([`mul`], [`add`], [`sub`], [`fma`], [`div`],
+//! [`sqrt`], [`from_i32`], [`round_away_i32`]) equals the CPU's native f32 operation bit for bit
 //! (round to nearest, ties to even; subnormal inputs and outputs kept, as x86 SSE does them with
 //! the default MXCSR), and `quant/softfloat.wgsl` is its line-by-line WGSL port (`sf_mul` for
 //! [`mul`], and so on). Change one, change the other.
@@ -318,6 +319,53 @@ pub const fn div(a: u32, b: u32) -> u32 {
     // q in [2^24, 2^25).
     let m = ((q as u64) << 39) | (r != 0) as u64;
     round_pack(sign, e + 127, m)
+}
+
+/// `a.sqrt()` (`f32::from_bits(a).sqrt().to_bits()`): `sqrt(-0)` is -0, `sqrt(+inf)` is +inf, the
+/// root of any other negative number is NaN.
+#[inline]
+pub const fn sqrt(a: u32) -> u32 {
+    if is_nan(a) {
+        return NAN;
+    }
+    if is_zero(a) {
+        return a;
+    }
+    if (a & SIGN) != 0 {
+        return NAN;
+    }
+    if is_inf(a) {
+        return a;
+    }
+    let ua = unpack(a);
+    // a = m / 2^23 * 2^ex; with ex made even it halves exactly, and m / 2^23 is in [1, 4).
+    let mut ex = ua.e - 127;
+    let mut m = ua.m as u64;
+    if (ex & 1) != 0 {
+        m <<= 1;
+        ex -= 1;
+    }
+    // Restoring square root, one root bit per step, of x = m * 2^39 = m / 2^23 * 2^62 in
+    // [2^62, 2^64): `root` ends as floor(sqrt(x)) in [2^31, 2^32), 24 significand bits and 8 more,
+    // and `rem` as x - root^2, whose nonzero-ness is the sticky bit.
+    let mut rem = m << 39;
+    let mut root = 0u64;
+    let mut bit = 1u64 << 62;
+    let mut i = 0;
+    while i < 32 {
+        let t = root + bit;
+        if rem >= t {
+            rem -= t;
+            root = (root >> 1) + bit;
+        } else {
+            root >>= 1;
+        }
+        bit >>= 2;
+        i += 1;
+    }
+    // The root of a normal or subnormal f32 is normal: no overflow, no underflow.
+    let mr = (root << 32) | (rem != 0) as u64;
+    round_pack(0, ex / 2 + 127, mr)
 }
 
 /// `v as f32`, rounded to nearest even (exact up to 2^24 in magnitude).

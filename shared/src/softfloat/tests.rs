@@ -64,6 +64,16 @@ fn check_div(a: u32, b: u32) {
     );
 }
 
+fn check_sqrt(a: u32) {
+    let want = f(a).sqrt();
+    assert!(
+        same(sqrt(a), want),
+        "sqrt({a:#010x}) = {:#010x}, want {:#010x}",
+        sqrt(a),
+        want.to_bits()
+    );
+}
+
 fn check_round(a: u32) {
     let want = f(a).round() as i32;
     assert_eq!(round_away_i32(a), want, "round_away_i32({a:#010x})");
@@ -209,6 +219,9 @@ proptest! {
     }
 
     #[test]
+    fn sqrt_matches_native(a in bits()) { check_sqrt(a); }
+
+    #[test]
     fn from_i32_matches_native(v in any::<i32>(), s in 0u32..32) {
         assert_eq!(from_i32(v), (v as f32).to_bits());
         let w = v >> s;
@@ -250,6 +263,7 @@ fn special_values() {
     ];
     for &a in &specials {
         check_round(a);
+        check_sqrt(a);
         check_silu(a);
         for &b in &specials {
             check_mul(a, b);
@@ -278,6 +292,10 @@ fn special_values() {
     assert_eq!(add(INF, INF | SIGN), NAN);
     assert_eq!(fma(INF, 0, ONE), NAN);
     assert_eq!(div(0, 0), NAN);
+    assert_eq!(sqrt(SIGN), SIGN);
+    assert_eq!(sqrt(ONE | SIGN), NAN);
+    assert_eq!(sqrt(INF | SIGN), NAN);
+    assert_eq!(sqrt(0xffc0_0000), NAN);
     assert_eq!(exp_soft(NAN), NAN);
 }
 
@@ -295,6 +313,62 @@ fn ops_match_native_on_many_random_inputs() {
         check_fma(a, b, c);
         check_div(a, b);
         check_round(a);
+    }
+}
+
+#[test]
+fn sqrt_matches_native_on_edges() {
+    let mut edges = vec![
+        0u32,
+        IMPLICIT,
+        IMPLICIT | 1,
+        0x7f7f_ffff,
+        0x7f7f_fffe,
+        INF,
+        NAN,
+        0x7f80_0001,
+        0x7fff_ffff,
+    ];
+    // Every subnormal with one or two bits set, and its neighbours.
+    for i in 0..23 {
+        for j in 0..=i {
+            let s = (1u32 << i) | (1 << j);
+            edges.extend([s - 1, s, s + 1]);
+        }
+    }
+    // Every power of two and its neighbours: both exponent parities, the exact roots.
+    for e in 1..255u32 {
+        let p = e << 23;
+        edges.extend([p - 1, p, p + 1, p | 0x40_0000, p | FRAC]);
+    }
+    // Exact squares (the root has at most 12 significant bits) and their neighbours.
+    for r in 1..4096u32 {
+        let sq = (r as f32 * r as f32).to_bits();
+        edges.extend([sq - 1, sq, sq + 1]);
+        let tiny = (r as f32 * 2f32.powi(-70)).powi(2).to_bits();
+        edges.extend([tiny - 1, tiny, tiny + 1]);
+    }
+    for a in edges {
+        check_sqrt(a);
+        check_sqrt(a ^ SIGN);
+    }
+}
+
+/// About 16.7 million patterns spread over the whole u32 range (every sign, exponent and a
+/// fraction sample of each), then 1 million from the edge generator.
+#[test]
+fn sqrt_matches_native_on_many_inputs() {
+    let mut a = 0u32;
+    loop {
+        check_sqrt(a);
+        match a.checked_add(257) {
+            Some(n) => a = n,
+            None => break,
+        }
+    }
+    let mut g = Lcg(0x5091);
+    for _ in 0..1_000_000 {
+        check_sqrt(g.edge());
     }
 }
 
@@ -374,8 +448,8 @@ fn exp_thresholds_are_the_correctly_rounded_ones() {
 }
 
 /// Every f32 input, in release (about 6 minutes): `cargo test -p charm-shared --release --lib
-/// softfloat::tests::exhaustive -- --ignored --nocapture`. Prints the bounds quoted in
-/// [`exp`]'s and [`silu`]'s docs.
+/// softfloat::tests::exhaustive_exp_silu_error -- --ignored --nocapture`. Prints the bounds quoted
+/// in [`exp`]'s and [`silu`]'s docs.
 #[test]
 #[ignore = "4 billion inputs: run in release"]
 fn exhaustive_exp_silu_error() {
@@ -417,6 +491,16 @@ fn exhaustive_exp_silu_error() {
     println!(
         "silu: {silu_exact:.3} ULP from exact (normal results, x > -88.72), {silu_libm} ULP from libm"
     );
+}
+
+/// Every f32 input against the native `sqrt`, in release (about 2 minutes): `cargo test -p
+/// charm-shared --release --lib softfloat::tests::exhaustive_sqrt -- --ignored`.
+#[test]
+#[ignore = "4 billion inputs: run in release"]
+fn exhaustive_sqrt() {
+    for a in 0..=u32::MAX {
+        check_sqrt(a);
+    }
 }
 
 /// The WGSL port spells the same constants.
