@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use charm_coordinator::cluster::remote::RemoteExperts;
 use charm_coordinator::cluster::{model_fingerprint, ClusterOptions, WorkerAddr};
 use charm_coordinator::decode::speculative::{DraftOptions, DraftSource};
-use charm_coordinator::model::engine::VramBudget;
+use charm_coordinator::model::engine::{DenseDevice, VramBudget};
 use charm_coordinator::ops::plan::PlanInput;
 use charm_coordinator::{Engine, EngineOptions, HistoryPolicy};
 use charm_shared::config::ModelSpec;
@@ -108,10 +108,25 @@ pub struct StoreArgs {
     /// stream from disk.
     #[arg(long)]
     pub vram: Option<String>,
-    /// The GPU adapters for `--vram`, by their numbers in `charm doctor`, comma-separated
-    /// (experts are spread over them; default: the first that passes its self-check).
-    #[arg(long, requires = "vram", value_delimiter = ',')]
+    /// The GPU adapters for `--vram` and `--dense-device gpu`, by their numbers in `charm
+    /// doctor`, comma-separated (experts are spread over them and the dense skeleton goes to
+    /// the first; default: the first that passes its self-check).
+    #[arg(long, value_delimiter = ',')]
     pub gpu: Vec<usize>,
+    /// Where the dense skeleton (attention, norms, router, shared experts, head) and its KV
+    /// cache run: `cpu`, `gpu` (every dense kernel on the GPU with the CPU's bits), or `auto`
+    /// (the GPU when one passes its self-check, takes the model, and holds the skeleton and the
+    /// KV cache of the context; else the CPU).
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub dense_device: DenseAt,
+}
+
+/// `--dense-device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DenseAt {
+    Cpu,
+    Gpu,
+    Auto,
 }
 
 impl StoreArgs {
@@ -152,6 +167,11 @@ impl StoreArgs {
             cluster: self.cluster_options()?,
             vram: self.vram_bytes()?,
             gpu: self.gpu.clone(),
+            dense_device: match self.dense_device {
+                DenseAt::Cpu => DenseDevice::Cpu,
+                DenseAt::Gpu => DenseDevice::Gpu,
+                DenseAt::Auto => DenseDevice::Auto,
+            },
         })
     }
 

@@ -32,6 +32,9 @@ impl LayerCache {
 #[derive(Debug, Clone)]
 pub struct KvCache {
     pub layers: Vec<LayerCache>,
+    /// Its copy in VRAM when the dense skeleton runs on a GPU (`--dense-device gpu`): a mirror of
+    /// `layers`, never the only copy; a clone starts without one.
+    pub device: crate::model::gpu::DeviceKv,
 }
 
 impl KvCache {
@@ -53,6 +56,7 @@ impl KvCache {
                     ..Default::default()
                 })
                 .collect(),
+            device: Default::default(),
         }
     }
 
@@ -76,6 +80,7 @@ impl KvCache {
             l.kv.truncate(tokens * l.width);
             l.index_keys.truncate(tokens * per_token_index);
         }
+        self.device.truncate(tokens);
     }
 
     /// Tokens cached so far.

@@ -22,6 +22,7 @@ use charm_worker::{IoEvent, StoreOptions, StreamingExperts};
 
 use crate::cluster::remote::RemoteExperts;
 use crate::cluster::{model_fingerprint, ClusterOptions};
+use crate::model::cache::KvCache;
 use crate::model::{open_source, Model};
 use crate::ops::plan::{rss, Plan, PlanInput};
 
@@ -65,6 +66,21 @@ pub struct EngineOptions {
     /// The GPU adapters to use (`charm doctor` lists them; empty: the first that passes its
     /// self-check); experts are spread over them.
     pub gpu: Vec<usize>,
+    /// Where the dense skeleton runs.
+    pub dense_device: DenseDevice,
+}
+
+/// Where the dense skeleton (attention, norms, router, shared experts, head) and the KV cache
+/// run. The GPU computes the CPU's bits (`model::gpu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DenseDevice {
+    #[default]
+    Cpu,
+    /// On the GPU; a device that does not open or a model it does not take is an error.
+    Gpu,
+    /// On the GPU when one opens, takes the model, and holds the skeleton and the KV cache of
+    /// the context in its free memory; else on the CPU.
+    Auto,
 }
 
 impl Default for EngineOptions {
@@ -82,6 +98,7 @@ impl Default for EngineOptions {
             cluster: None,
             vram: None,
             gpu: Vec::new(),
+            dense_device: DenseDevice::Cpu,
         }
     }
 }
@@ -156,6 +173,7 @@ impl Engine {
         } else {
             Self::load_local(dir, opts)?
         };
+        attach_dense(dir, opts, &mut e.model, &mut e.warnings)?;
         let hidden = e.model.spec.hidden_size;
         e.vram = attach_vram(dir, opts, hidden, &mut e.model.experts, &mut e.warnings)?;
         let Some(c) = &opts.cluster else {
@@ -494,6 +512,69 @@ impl VramBudget {
             }
         }
     }
+}
+
+/// Moves the dense skeleton to a GPU as `opts.dense_device` says: `gpu` insists (no device, a
+/// device that fails its self-check or a model the GPU path does not take is an error), `auto`
+/// takes the GPU when all of that holds and the skeleton and the KV cache of the context fit in
+/// 90% of its free memory, and says why not otherwise.
+fn attach_dense(
+    dir: &Path,
+    opts: &EngineOptions,
+    model: &mut Model,
+    warnings: &mut Vec<String>,
+) -> Result<(), LoadError> {
+    let insist = match opts.dense_device {
+        DenseDevice::Cpu => return Ok(()),
+        DenseDevice::Gpu => true,
+        DenseDevice::Auto => false,
+    };
+    let refuse = |why: String| -> Result<(), LoadError> {
+        if insist {
+            Err(LoadError::config(dir, format!("--dense-device gpu: {why}")))
+        } else {
+            Ok(())
+        }
+    };
+    if let Some(why) = crate::model::gpu::unsupported(model) {
+        warnings
+            .extend((!insist).then(|| {
+                format!("--dense-device auto: {why}; the dense skeleton runs on the CPU")
+            }));
+        return refuse(why);
+    }
+    let gpu = match Gpu::open(opts.gpu.first().copied()) {
+        Ok(g) => Arc::new(g),
+        Err(e) => return refuse(e.to_string()),
+    };
+    if !insist {
+        let kv = opts.context as u64 * 4 * KvCache::floats_per_token(&model.spec) as u64;
+        let need = crate::model::gpu::skeleton_bytes(model) + kv;
+        match gpu.free_bytes {
+            Some(free) if need <= free / 10 * 9 => {}
+            Some(free) => {
+                warnings.push(format!(
+                    "--dense-device auto: the dense skeleton and the KV cache of {} tokens need {:.2} GiB, more than 90% of the {:.2} GiB free on {}; they stay on the CPU",
+                    opts.context,
+                    need as f64 / (1u64 << 30) as f64,
+                    free as f64 / (1u64 << 30) as f64,
+                    gpu.name
+                ));
+                return Ok(());
+            }
+            None => {
+                warnings.push(format!(
+                    "--dense-device auto: the driver of {} does not say how much memory is free; the dense skeleton stays on the CPU (--dense-device gpu puts it there)",
+                    gpu.name
+                ));
+                return Ok(());
+            }
+        }
+    }
+    model
+        .attach_dense_gpu(gpu)
+        .map(|_| ())
+        .or_else(|e| refuse(e.to_string()))
 }
 
 /// Puts the VRAM tier in front of `experts` when `opts.vram` asks for one: the experts of the

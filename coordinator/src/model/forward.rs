@@ -52,6 +52,9 @@ pub enum ForwardError {
     /// Inputs whose sizes disagree.
     #[error("{0}")]
     Shape(String),
+    /// The GPU running the dense skeleton failed or cannot run this step.
+    #[error("dense forward on the GPU: {0}")]
+    Gpu(String),
 }
 
 /// How MLA attention is evaluated. Both give the same result up to float rounding.
@@ -152,6 +155,9 @@ impl Model {
                 }
             }
         }
+        if let Some(dg) = &self.dense_gpu {
+            return self.forward_batch_gpu(dg, steps, trace);
+        }
         let rows = Rows::new(&lens, &cached);
         let n = rows.n();
         let mut x = Vec::with_capacity(n * h);
@@ -188,7 +194,7 @@ impl Model {
     }
 
     /// RoPE tables for positions `pos`.
-    fn rope_tables(&self, pos: &[usize]) -> Vec<RopeAt> {
+    pub(crate) fn rope_tables(&self, pos: &[usize]) -> Vec<RopeAt> {
         pos.iter()
             .map(|&p| RopeAt::new(&self.spec.rope, p))
             .collect()
@@ -196,13 +202,19 @@ impl Model {
 
     /// `[n, hidden]` final-normed states -> `[n, vocab]` logits.
     pub fn logits(&self, normed: &[f32], n: usize) -> Result<Vec<f32>, ForwardError> {
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let l = head.matmul(normed, n);
+        let l = match &self.dense_gpu {
+            Some(dg) => dg.logits(normed, n)?,
+            None => self
+                .lm_head
+                .as_ref()
+                .unwrap_or(&self.embed)
+                .matmul(normed, n),
+        };
         check_finite(&l, || "the logits".into())?;
         Ok(l)
     }
 
-    fn embed_tokens(
+    pub(crate) fn embed_tokens(
         &self,
         table: &Linear,
         tokens: &[u32],

@@ -6,6 +6,7 @@ mod attention;
 pub mod cache;
 pub mod engine;
 pub mod forward;
+pub mod gpu;
 pub mod rope;
 mod rows;
 pub mod usage;
@@ -140,6 +141,8 @@ pub struct Model {
     pub dense_attention_limit: Option<usize>,
     /// The router's picks per `(layer, expert)` since the load.
     pub expert_use: std::sync::Arc<usage::ExpertUse>,
+    /// The dense skeleton's copy on a GPU, when the forward runs there ([`Model::attach_dense_gpu`]).
+    pub dense_gpu: Option<gpu::DenseGpu>,
 }
 
 /// A directory made by colibrì's converter (see [`charm_shared::colibri`]).
@@ -618,6 +621,20 @@ impl Model {
             norm,
             lm_head,
             mtp,
+            dense_gpu: None,
         })
+    }
+
+    /// Moves the dense forward to `gpu` (`--dense-device gpu`): the dense weights are copied to
+    /// its memory, and every later step runs there with the same bits. Refused, with the reason,
+    /// for models the GPU path does not take yet ([`gpu::unsupported`]).
+    pub fn attach_dense_gpu(
+        &mut self,
+        gpu: Arc<charm_worker::gpu::Gpu>,
+    ) -> Result<u64, charm_worker::gpu::GpuError> {
+        let d = gpu::DenseGpu::new(self, gpu)?;
+        let bytes = d.bytes();
+        self.dense_gpu = Some(d);
+        Ok(bytes)
     }
 }

@@ -507,6 +507,7 @@ impl KvLog {
                     ..Default::default()
                 })
                 .collect(),
+            device: Default::default(),
         };
         self.fill(seq, &mut c)?;
         Ok(c)

@@ -10,6 +10,9 @@ use crate::linear::{Linear, SwiGlu};
 pub const EXPERT_SHADER: &str =
     concat!(include_str!("softfloat.wgsl"), include_str!("expert.wgsl"));
 
+/// The dense skeleton's kernels' WGSL: the soft-float functions, then `dense.wgsl`.
+pub const DENSE_SHADER: &str = concat!(include_str!("softfloat.wgsl"), include_str!("dense.wgsl"));
+
 /// Invocations per workgroup of every kernel in [`EXPERT_SHADER`].
 pub const WORKGROUP: u32 = 64;
 

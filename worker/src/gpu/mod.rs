@@ -12,6 +12,7 @@
 //! what a device must reproduce before it is used.
 
 pub mod memory;
+pub mod program;
 pub mod selfcheck;
 mod submit;
 pub mod tier;

@@ -193,7 +193,7 @@ impl Gpu {
     }
 
     /// Blocks until the device has done every submission; the first error it reported.
-    fn wait(&self) -> Result<(), GpuError> {
+    pub(super) fn wait(&self) -> Result<(), GpuError> {
         self.device
             .poll(wgpu::PollType::wait_indefinitely())
             .map_err(|e| GpuError::Device(e.to_string()))?;
@@ -470,7 +470,7 @@ impl Gpu {
 }
 
 /// `slot`'s buffer, replaced by a larger one when it holds fewer than `bytes`.
-fn grown(
+pub(super) fn grown(
     device: &wgpu::Device,
     slot: &mut Option<wgpu::Buffer>,
     bytes: u64,

@@ -1,0 +1,350 @@
+//! The dense skeleton on a GPU (`--dense-device gpu`): the model's dense weights copied to VRAM
+//! once, each sequence's KV cache mirrored there, and a forward step that runs every dense kernel
+//! on the device ([`forward`]) with the CPU's bits (the kernels of
+//! [`charm_shared::quant::gpu::DENSE_SHADER`] do every float step in integer arithmetic). Routed
+//! experts stay with the model's executor: at each MoE layer the normed rows and the router's
+//! logits come back, the CPU routes and runs (or sends) the experts, and their sum goes back down.
+//!
+//! The rooms: this file holds the weights in VRAM, what a model must be to run here, and the KV
+//! mirror; `forward` records and runs a step.
+
+mod forward;
+
+use std::sync::{Arc, Mutex};
+
+use charm_shared::config::AttentionSpec;
+use charm_shared::kernels::Matrix;
+use charm_shared::linear::{Linear, SwiGlu};
+use charm_shared::quant::{Activations, QuantKind};
+use charm_worker::gpu::program::Kernels;
+use charm_worker::gpu::{Gpu, GpuError};
+
+use crate::model::{AttnWeights, FfnWeights, GqaWeights, LayerWeights, Model};
+
+/// A weight matrix in VRAM: an f32 matrix, or a quantized one row-major as the container lays it
+/// out (codes, then scales, then int2's minimums).
+#[derive(Debug)]
+pub(crate) struct GLinear {
+    buf: wgpu::Buffer,
+    rows: usize,
+    cols: usize,
+    /// The dense shader's `kind`: 0 f32, 1 bf16, 2 int8, 3 int4, 4 int2.
+    kind: u32,
+    group: usize,
+    scales: u32,
+    mins: u32,
+    /// `Some(int4)` where the CPU multiplies it on the integer path (int8 activations).
+    int_path: Option<bool>,
+}
+
+/// A SwiGLU block in VRAM.
+#[derive(Debug)]
+struct GSwiGlu {
+    gate: GLinear,
+    up: GLinear,
+    down: GLinear,
+}
+
+#[derive(Debug)]
+struct GGqa {
+    q: GLinear,
+    k: GLinear,
+    v: GLinear,
+    o: GLinear,
+    q_bias: Option<wgpu::Buffer>,
+    k_bias: Option<wgpu::Buffer>,
+    v_bias: Option<wgpu::Buffer>,
+    q_norm: Option<wgpu::Buffer>,
+    k_norm: Option<wgpu::Buffer>,
+}
+
+#[derive(Debug)]
+enum GFfn {
+    Dense(GSwiGlu),
+    Moe {
+        router: GLinear,
+        shared: Option<GSwiGlu>,
+    },
+}
+
+#[derive(Debug)]
+struct GLayer {
+    input_norm: wgpu::Buffer,
+    post_norm: wgpu::Buffer,
+    attn: GGqa,
+    ffn: GFfn,
+}
+
+/// The dense skeleton of a model in VRAM, with the kernels that run it.
+pub struct DenseGpu {
+    gpu: Arc<Gpu>,
+    kernels: Kernels,
+    layers: Vec<GLayer>,
+    norm: wgpu::Buffer,
+    head: GLinear,
+    /// Bytes of VRAM the weights hold.
+    bytes: u64,
+    /// The step's working memory, grown as steps need.
+    arena: Mutex<Option<wgpu::Buffer>>,
+}
+
+impl std::fmt::Debug for DenseGpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DenseGpu({:?}, {} bytes)", self.gpu, self.bytes)
+    }
+}
+
+/// Why a model's dense skeleton does not run on the GPU, or `None` when it does.
+pub fn unsupported(m: &Model) -> Option<String> {
+    if let AttentionSpec::Mla(_) = m.spec.attention {
+        return Some(
+            "MLA attention (DeepSeek-V3, Kimi-K2, GLM-5) does not run on the GPU yet: only GQA models (Qwen3-MoE) do".into(),
+        );
+    }
+    None
+}
+
+/// Bytes the dense skeleton [`DenseGpu::new`] copies takes in VRAM (before the KV cache).
+pub fn skeleton_bytes(m: &Model) -> u64 {
+    let vec = |v: &[f32]| 4 * v.len() as u64;
+    let lin = |l: &Linear| l.bytes() as u64;
+    let swiglu = |s: &SwiGlu| s.bytes() as u64;
+    let opt = |v: &Option<Vec<f32>>| v.as_deref().map_or(0, vec);
+    let layers: u64 = m
+        .layers
+        .iter()
+        .map(|l| {
+            let attn = match &l.attn {
+                AttnWeights::Gqa(g) => {
+                    lin(&g.q)
+                        + lin(&g.k)
+                        + lin(&g.v)
+                        + lin(&g.o)
+                        + opt(&g.q_bias)
+                        + opt(&g.k_bias)
+                        + opt(&g.v_bias)
+                        + opt(&g.q_norm)
+                        + opt(&g.k_norm)
+                }
+                AttnWeights::Mla(w) => {
+                    w.q_a.as_ref().map_or(0, lin)
+                        + lin(&w.q_b)
+                        + lin(&w.kv_a)
+                        + lin(&w.kv_b)
+                        + lin(&w.o)
+                }
+            };
+            let ffn = match &l.ffn {
+                FfnWeights::Dense(s) => swiglu(s),
+                FfnWeights::Moe { router, shared, .. } => {
+                    vec(&router.data) + shared.as_ref().map_or(0, swiglu)
+                }
+            };
+            vec(&l.input_norm) + vec(&l.post_norm) + attn + ffn
+        })
+        .sum();
+    layers + vec(&m.norm) + lin(m.lm_head.as_ref().unwrap_or(&m.embed))
+}
+
+fn f32_bytes(v: &[f32]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
+
+impl DenseGpu {
+    /// Copies `m`'s dense skeleton to `gpu`'s memory.
+    pub fn new(m: &Model, gpu: Arc<Gpu>) -> Result<Self, GpuError> {
+        if let Some(why) = unsupported(m) {
+            return Err(GpuError::Format(why));
+        }
+        let kernels = gpu.dense_kernels()?;
+        let mut bytes = 0u64;
+        let mut vector = |v: &[f32], what: &str| -> Result<wgpu::Buffer, GpuError> {
+            bytes += 4 * v.len() as u64;
+            gpu.constant(f32_bytes(v), what)
+        };
+        let mut layers = Vec::with_capacity(m.layers.len());
+        for l in &m.layers {
+            layers.push(GLayer {
+                input_norm: vector(&l.input_norm, "input norm")?,
+                post_norm: vector(&l.post_norm, "post norm")?,
+                attn: Self::gqa(&gpu, l, &mut vector)?,
+                ffn: match &l.ffn {
+                    FfnWeights::Dense(s) => GFfn::Dense(swiglu(&gpu, s)?),
+                    FfnWeights::Moe { router, shared, .. } => GFfn::Moe {
+                        router: matrix(&gpu, router)?,
+                        shared: shared.as_ref().map(|s| swiglu(&gpu, s)).transpose()?,
+                    },
+                },
+            });
+        }
+        let norm = vector(&m.norm, "final norm")?;
+        let head = linear(&gpu, m.lm_head.as_ref().unwrap_or(&m.embed))?;
+        let weights: u64 = layers
+            .iter()
+            .map(|l| {
+                let a = &l.attn;
+                let ffn = match &l.ffn {
+                    GFfn::Dense(s) => s.bytes(),
+                    GFfn::Moe { router, shared } => {
+                        router.bytes() + shared.as_ref().map_or(0, |s| s.bytes())
+                    }
+                };
+                a.q.bytes() + a.k.bytes() + a.v.bytes() + a.o.bytes() + ffn
+            })
+            .sum();
+        Ok(Self {
+            kernels,
+            layers,
+            norm,
+            bytes: bytes + weights + head.bytes(),
+            head,
+            gpu,
+            arena: Mutex::new(None),
+        })
+    }
+
+    fn gqa(
+        gpu: &Gpu,
+        l: &LayerWeights,
+        vector: &mut impl FnMut(&[f32], &str) -> Result<wgpu::Buffer, GpuError>,
+    ) -> Result<GGqa, GpuError> {
+        let AttnWeights::Gqa(GqaWeights {
+            q,
+            k,
+            v,
+            o,
+            q_bias,
+            k_bias,
+            v_bias,
+            q_norm,
+            k_norm,
+        }) = &l.attn
+        else {
+            return Err(GpuError::Format("not a GQA layer".into()));
+        };
+        let mut opt =
+            |v: &Option<Vec<f32>>, what| v.as_deref().map(|v| vector(v, what)).transpose();
+        Ok(GGqa {
+            q: linear(gpu, q)?,
+            k: linear(gpu, k)?,
+            v: linear(gpu, v)?,
+            o: linear(gpu, o)?,
+            q_bias: opt(q_bias, "q bias")?,
+            k_bias: opt(k_bias, "k bias")?,
+            v_bias: opt(v_bias, "v bias")?,
+            q_norm: opt(q_norm, "q norm")?,
+            k_norm: opt(k_norm, "k norm")?,
+        })
+    }
+
+    /// Bytes of VRAM the dense weights hold.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The device, as its driver names it.
+    pub fn device_name(&self) -> &str {
+        &self.gpu.name
+    }
+}
+
+impl GLinear {
+    fn bytes(&self) -> u64 {
+        self.buf.size()
+    }
+}
+
+impl GSwiGlu {
+    fn bytes(&self) -> u64 {
+        self.gate.bytes() + self.up.bytes() + self.down.bytes()
+    }
+}
+
+fn swiglu(gpu: &Gpu, s: &SwiGlu) -> Result<GSwiGlu, GpuError> {
+    Ok(GSwiGlu {
+        gate: linear(gpu, &s.gate)?,
+        up: linear(gpu, &s.up)?,
+        down: linear(gpu, &s.down)?,
+    })
+}
+
+fn matrix(gpu: &Gpu, m: &Matrix) -> Result<GLinear, GpuError> {
+    Ok(GLinear {
+        buf: gpu.constant(f32_bytes(&m.data), "f32 matrix")?,
+        rows: m.rows,
+        cols: m.cols,
+        kind: 0,
+        group: m.cols,
+        scales: 0,
+        mins: 0,
+        int_path: None,
+    })
+}
+
+fn linear(gpu: &Gpu, l: &Linear) -> Result<GLinear, GpuError> {
+    let q = match l {
+        Linear::F32(m) => return matrix(gpu, m),
+        Linear::Quant(q) => q.to_row_major(),
+    };
+    let mut bytes = q.data.to_vec();
+    bytes.resize(bytes.len().next_multiple_of(4), 0);
+    let scales = bytes.len() / 4;
+    bytes.extend_from_slice(f32_bytes(&q.scales));
+    let mins = bytes.len() / 4;
+    bytes.extend_from_slice(f32_bytes(&q.mins));
+    let kind = match q.kind {
+        QuantKind::Bf16 => 1,
+        QuantKind::Int8 => 2,
+        QuantKind::Int4 => 3,
+        QuantKind::Int2 => 4,
+    };
+    Ok(GLinear {
+        buf: gpu.constant(&bytes, "quantized matrix")?,
+        rows: q.rows,
+        cols: q.cols,
+        kind,
+        group: q.group,
+        scales: scales as u32,
+        mins: mins as u32,
+        int_path: (q.act == Activations::Int8 && q.integer_path())
+            .then_some(q.kind == QuantKind::Int4),
+    })
+}
+
+/// One sequence's KV cache in VRAM: every layer's entries, `cap` tokens a layer, of which the
+/// first `valid` equal the cache's own.
+#[derive(Debug)]
+pub struct SeqKv {
+    buf: wgpu::Buffer,
+    cap: usize,
+    valid: usize,
+}
+
+/// A cache's copy in VRAM, if it has one ([`crate::model::cache::KvCache::device`]). A clone
+/// has none: two caches never share one.
+#[derive(Default)]
+pub struct DeviceKv(Option<SeqKv>);
+
+impl Clone for DeviceKv {
+    fn clone(&self) -> Self {
+        Self(None)
+    }
+}
+
+impl std::fmt::Debug for DeviceKv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Some(s) => write!(f, "DeviceKv({} of {} tokens)", s.valid, s.cap),
+            None => write!(f, "DeviceKv(none)"),
+        }
+    }
+}
+
+impl DeviceKv {
+    /// The cache kept its first `tokens` tokens.
+    pub fn truncate(&mut self, tokens: usize) {
+        if let Some(s) = &mut self.0 {
+            s.valid = s.valid.min(tokens);
+        }
+    }
+}

@@ -1,0 +1,375 @@
+// The dense skeleton on the GPU: the GPU twins of the CPU kernels a decoder layer runs outside the
+// routed experts (`kernels::dot` and `Matrix::matmul`, `scalar::row_dot`, `kernels::rms_norm`,
+// `RopeAt::apply`, `kernels::softmax`, `kernels::axpy`, the residual and bias additions, SwiGLU's
+// `silu(g) * u`). Concatenated after softfloat.wgsl: every float step is an `sf_*` function, so
+// each output has the bits the CPU computes. (The integer path of int8 activations runs
+// expert.wgsl's `quantize` and `matvec`, built with this module's bindings.)
+//
+// Buffers (words; f32 values are their bit patterns):
+// - `w` (read-only): one weight: an f32 matrix or vector, or a quantized matrix as the container
+//   lays it out row-major (packed codes, `row_bytes` a row, from word `w_data`), its scales
+//   `[rows, groups]` from `w_scales` and int2's minimums from `w_mins`.
+// - `arena` (read-write): a step's activations at word offsets the host computes.
+// - `p` (uniform, one block a dispatch through a dynamic offset).
+// - `kv` (read-write): one sequence's KV cache, `kv_width` words a token from word `kv_base`.
+//
+// Arithmetic promised, per kernel (the CPU function it mirrors):
+// - `linear`: `Matrix::matmul` (f32 weights: `dot`, 8 lanes of multiply-then-add, the fixed tree,
+//   then the tail) or `scalar::row_dot` (quantized weights with f32 activations: per group 8 lane
+//   partials by fused multiply-adds, each lane's `fma(scale, partial, acc)`, the tree, int2's
+//   offsets `fma(min, xsum, offs)` added last; bf16's scale is 1).
+// - `rmsnorm`: `rms_norm`: `dot(x, x) / d`, `1 / sqrt(ss + eps)`, `w * (x * r)`.
+// - `add`: `x + y` elementwise (`y` from the arena, or a bias from `w` repeated every `cols`).
+// - `silu_mul`: `silu(g) * u`.
+// - `rope`: `RopeAt::apply`: `(a cos - b sin, b cos + a sin)`, interleaved pairs in, half-split out.
+// - `to_kv`: copies rows into the cache (no arithmetic).
+// - `gqa_scores`: `dot(q, k) * scale` for every causal key; `softmax`: `softmax` over a query's
+//   keys (max, `exp(v - max)` with charm's exp, the sum in key order, then each divided by it);
+//   `gqa_values`: the value rows added in key order, `o += p * v` unfused from `o = +0`.
+// - `finite`: sets a flag word when any value is NaN or infinite.
+
+struct Params {
+    n: u32,
+    rows: u32,
+    cols: u32,
+    // linear: 0 f32, 1 bf16, 2 int8, 3 int4, 4 int2; add: 1 when the second operand is `w`;
+    // rope: 1 for interleaved input pairs
+    kind: u32,
+    group: u32,
+    w_data: u32,
+    w_scales: u32,
+    w_mins: u32,
+    in0: u32,
+    in1: u32,
+    in2: u32,
+    out0: u32,
+    eps: u32,
+    scale: u32,
+    heads: u32,
+    kv_heads: u32,
+    head_dim: u32,
+    // the score row's stride (the most keys any query of the step sees)
+    ctx: u32,
+    kv_width: u32,
+    kv_off: u32,
+    v_off: u32,
+    // position of the dispatch's first row in its sequence
+    pos0: u32,
+    stride_in: u32,
+    stride_out: u32,
+    rope_off: u32,
+    half: u32,
+    kv_base: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+    _pad3: u32,
+    _pad4: u32,
+}
+
+@group(0) @binding(0) var<storage, read> w: array<u32>;
+@group(0) @binding(1) var<storage, read_write> arena: array<u32>;
+@group(0) @binding(2) var<uniform> p: Params;
+@group(0) @binding(3) var<storage, read_write> kv: array<u32>;
+
+// ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)), as `kernels::dot` and `quant::tree`.
+fn tree8(a: array<u32, 8>) -> u32 {
+    return sf_add(sf_add(sf_add(a[0], a[4]), sf_add(a[1], a[5])), sf_add(sf_add(a[2], a[6]), sf_add(a[3], a[7])));
+}
+
+// IEEE maxNum as Rust's f32::max: a NaN operand gives the other.
+fn sf_max(a: u32, b: u32) -> u32 {
+    if (sf_is_nan(a)) {
+        return b;
+    }
+    if (sf_is_nan(b)) {
+        return a;
+    }
+    let a_neg = (a >> 31u) != 0u;
+    let b_neg = (b >> 31u) != 0u;
+    var a_less: bool;
+    if (a_neg != b_neg) {
+        a_less = a_neg;
+    } else if (a_neg) {
+        a_less = (a & 0x7fffffffu) > (b & 0x7fffffffu);
+    } else {
+        a_less = a < b;
+    }
+    if (a_less) {
+        return b;
+    }
+    return a;
+}
+
+fn wbyte(b: u32) -> u32 {
+    return (w[b >> 2u] >> ((b & 3u) * 8u)) & 0xffu;
+}
+
+// Element `j` of a quantized row starting at byte `rb0`, as f32 bits (`scalar::codes8`).
+fn code(rb0: u32, j: u32) -> u32 {
+    switch p.kind {
+        case 1u: {
+            return (wbyte(rb0 + 2u * j) | (wbyte(rb0 + 2u * j + 1u) << 8u)) << 16u;
+        }
+        case 2u: {
+            return sf_from_i32(bitcast<i32>(wbyte(rb0 + j) << 24u) >> 24u);
+        }
+        case 3u: {
+            return sf_from_i32(i32((wbyte(rb0 + j / 2u) >> (4u * (j % 2u))) & 15u) - 8i);
+        }
+        default: {
+            return sf_from_i32(i32((wbyte(rb0 + j / 4u) >> (2u * (j % 4u))) & 3u));
+        }
+    }
+}
+
+// One lane per (output row r, input row t): y[t, r] = W[r] . x[t].
+@compute @workgroup_size(64)
+fn linear(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let r = gid.x;
+    let t = gid.y;
+    if (r >= p.rows || t >= p.n) {
+        return;
+    }
+    let x0 = p.in0 + t * p.cols;
+    var acc: array<u32, 8>;
+    if (p.kind == 0u) {
+        let w0 = p.w_data + r * p.cols;
+        let full = p.cols - p.cols % 8u;
+        for (var j = 0u; j < full; j++) {
+            let k = j % 8u;
+            acc[k] = sf_add(acc[k], sf_mul(w[w0 + j], arena[x0 + j]));
+        }
+        var tail = 0u;
+        for (var j = full; j < p.cols; j++) {
+            tail = sf_add(tail, sf_mul(w[w0 + j], arena[x0 + j]));
+        }
+        arena[p.out0 + t * p.rows + r] = sf_add(tree8(acc), tail);
+        return;
+    }
+    var bits = 16u;
+    if (p.kind == 2u) {
+        bits = 8u;
+    } else if (p.kind == 3u) {
+        bits = 4u;
+    } else if (p.kind == 4u) {
+        bits = 2u;
+    }
+    let rb0 = p.w_data * 4u + r * (p.cols * bits / 8u);
+    let ng = p.cols / p.group;
+    var offs = 0u;
+    for (var g = 0u; g < ng; g++) {
+        var l: array<u32, 8>;
+        for (var i = g * p.group; i < (g + 1u) * p.group; i += 8u) {
+            for (var k = 0u; k < 8u; k++) {
+                l[k] = sf_fma(code(rb0, i + k), arena[x0 + i + k], l[k]);
+            }
+        }
+        var s = 0x3f800000u;
+        if (p.kind != 1u) {
+            s = w[p.w_scales + r * ng + g];
+        }
+        for (var k = 0u; k < 8u; k++) {
+            acc[k] = sf_fma(s, l[k], acc[k]);
+        }
+        if (p.kind == 4u) {
+            // the group's sum of x (`lane_sum_scalar`): 8 lanes, then the tree
+            var xl: array<u32, 8>;
+            for (var i = g * p.group; i < (g + 1u) * p.group; i += 8u) {
+                for (var k = 0u; k < 8u; k++) {
+                    xl[k] = sf_add(xl[k], arena[x0 + i + k]);
+                }
+            }
+            offs = sf_fma(w[p.w_mins + r * ng + g], tree8(xl), offs);
+        }
+    }
+    arena[p.out0 + t * p.rows + r] = sf_add(tree8(acc), offs);
+}
+
+// One lane per row of `cols` values (`n` rows): in0 -> out0 (may be the same), weight `w`.
+@compute @workgroup_size(64)
+fn rmsnorm(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let t = gid.x + gid.y * nw.x * 64u;
+    if (t >= p.n) {
+        return;
+    }
+    let x0 = p.in0 + t * p.cols;
+    var acc: array<u32, 8>;
+    let full = p.cols - p.cols % 8u;
+    for (var j = 0u; j < full; j++) {
+        let v = arena[x0 + j];
+        acc[j % 8u] = sf_add(acc[j % 8u], sf_mul(v, v));
+    }
+    var tail = 0u;
+    for (var j = full; j < p.cols; j++) {
+        let v = arena[x0 + j];
+        tail = sf_add(tail, sf_mul(v, v));
+    }
+    let ss = sf_div(sf_add(tree8(acc), tail), sf_from_i32(i32(p.cols)));
+    let r = sf_div(0x3f800000u, sf_sqrt(sf_add(ss, p.eps)));
+    let o0 = p.out0 + t * p.cols;
+    for (var j = 0u; j < p.cols; j++) {
+        arena[o0 + j] = sf_mul(w[p.w_data + j], sf_mul(arena[x0 + j], r));
+    }
+}
+
+fn flat(gid: vec3<u32>, nw: vec3<u32>) -> u32 {
+    return gid.x + gid.y * nw.x * 64u;
+}
+
+// One lane per element of `[n]`: out0 = in0 + (in1, or w's bias at `i % cols`).
+@compute @workgroup_size(64)
+fn add(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let i = flat(gid, nw);
+    if (i >= p.n) {
+        return;
+    }
+    var b: u32;
+    if (p.kind == 1u) {
+        b = w[p.w_data + i % p.cols];
+    } else {
+        b = arena[p.in1 + i];
+    }
+    arena[p.out0 + i] = sf_add(arena[p.in0 + i], b);
+}
+
+// One lane per element of `[n]`: out0 = silu(in0) * in1.
+@compute @workgroup_size(64)
+fn silu_mul(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let i = flat(gid, nw);
+    if (i >= p.n) {
+        return;
+    }
+    arena[p.out0 + i] = sf_mul(sf_silu(arena[p.in0 + i]), arena[p.in1 + i]);
+}
+
+// One lane per (head, row): rotates `2 * half` values at `in0 + t * stride_in + h * cols +
+// rope_off` in place with row t's cos (`in1`) and sin (`in2`) tables of `half` values.
+@compute @workgroup_size(64)
+fn rope(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let h = gid.x;
+    let t = gid.y;
+    if (h >= p.heads || t >= p.n) {
+        return;
+    }
+    let x0 = p.in0 + t * p.stride_in + h * p.cols + p.rope_off;
+    let c0 = p.in1 + t * p.half;
+    let s0 = p.in2 + t * p.half;
+    var out: array<u32, 512>;
+    for (var i = 0u; i < p.half; i++) {
+        var a: u32;
+        var b: u32;
+        if (p.kind == 1u) {
+            a = arena[x0 + 2u * i];
+            b = arena[x0 + 2u * i + 1u];
+        } else {
+            a = arena[x0 + i];
+            b = arena[x0 + i + p.half];
+        }
+        let c = arena[c0 + i];
+        let s = arena[s0 + i];
+        out[i] = sf_sub(sf_mul(a, c), sf_mul(b, s));
+        out[i + p.half] = sf_add(sf_mul(b, c), sf_mul(a, s));
+    }
+    for (var i = 0u; i < 2u * p.half; i++) {
+        arena[x0 + i] = out[i];
+    }
+}
+
+// One lane per (value, row): kv[kv_base + (pos0 + t) * kv_width + kv_off + i] = in0[t * stride_in + i],
+// `cols` values a row.
+@compute @workgroup_size(64)
+fn to_kv(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    let t = gid.y;
+    if (i >= p.cols || t >= p.n) {
+        return;
+    }
+    kv[p.kv_base + (p.pos0 + t) * p.kv_width + p.kv_off + i] = arena[p.in0 + t * p.stride_in + i];
+}
+
+// One lane per (key j, head h, row t) with j <= pos0 + t: the score `dot(q, k_j) * scale` at
+// `out0 + (t * heads + h) * ctx + j`. Queries `[n, heads * head_dim]` at in0; key head `h /
+// (heads / kv_heads)` at `kv_off` of each cache entry.
+@compute @workgroup_size(64)
+fn gqa_scores(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let j = gid.x;
+    let h = gid.y;
+    let t = gid.z;
+    if (t >= p.n || h >= p.heads || j > p.pos0 + t) {
+        return;
+    }
+    let hd = p.head_dim;
+    let kvh = h / (p.heads / p.kv_heads);
+    let q0 = p.in0 + (t * p.heads + h) * hd;
+    let k0 = p.kv_base + j * p.kv_width + p.kv_off + kvh * hd;
+    var acc: array<u32, 8>;
+    let full = hd - hd % 8u;
+    for (var i = 0u; i < full; i++) {
+        acc[i % 8u] = sf_add(acc[i % 8u], sf_mul(arena[q0 + i], kv[k0 + i]));
+    }
+    var tail = 0u;
+    for (var i = full; i < hd; i++) {
+        tail = sf_add(tail, sf_mul(arena[q0 + i], kv[k0 + i]));
+    }
+    arena[p.out0 + (t * p.heads + h) * p.ctx + j] = sf_mul(sf_add(tree8(acc), tail), p.scale);
+}
+
+// One lane per (head, row): softmax over the row's `pos0 + t + 1` scores at
+// `in0 + (t * heads + h) * ctx`, in place.
+@compute @workgroup_size(64)
+fn softmax(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let h = gid.x;
+    let t = gid.y;
+    if (h >= p.heads || t >= p.n) {
+        return;
+    }
+    let s0 = p.in0 + (t * p.heads + h) * p.ctx;
+    let len = p.pos0 + t + 1u;
+    var m = 0xff800000u;
+    for (var j = 0u; j < len; j++) {
+        m = sf_max(m, arena[s0 + j]);
+    }
+    var s = 0u;
+    for (var j = 0u; j < len; j++) {
+        let e = sf_exp(sf_sub(arena[s0 + j], m));
+        arena[s0 + j] = e;
+        s = sf_add(s, e);
+    }
+    for (var j = 0u; j < len; j++) {
+        arena[s0 + j] = sf_div(arena[s0 + j], s);
+    }
+}
+
+// One lane per (value c, head h, row t): `out0[t, h, c] = sum over keys j in order of
+// p[t, h, j] * v_j[kvh, c]`, the probabilities at `in0` (as `softmax` left them), each key's
+// values at `v_off` of its cache entry.
+@compute @workgroup_size(64)
+fn gqa_values(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let c = gid.x;
+    let h = gid.y;
+    let t = gid.z;
+    if (c >= p.head_dim || h >= p.heads || t >= p.n) {
+        return;
+    }
+    let hd = p.head_dim;
+    let kvh = h / (p.heads / p.kv_heads);
+    let s0 = p.in0 + (t * p.heads + h) * p.ctx;
+    var o = 0u;
+    for (var j = 0u; j <= p.pos0 + t; j++) {
+        o = sf_add(o, sf_mul(arena[s0 + j], kv[p.kv_base + j * p.kv_width + p.v_off + kvh * hd + c]));
+    }
+    arena[p.out0 + (t * p.heads + h) * hd + c] = o;
+}
+
+// One lane per element of `[n]` at in0: any NaN or infinity sets the word at out0 to 1.
+@compute @workgroup_size(64)
+fn finite(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let i = flat(gid, nw);
+    if (i >= p.n) {
+        return;
+    }
+    if ((arena[p.in0 + i] & 0x7f800000u) == 0x7f800000u) {
+        arena[p.out0] = 1u;
+    }
+}

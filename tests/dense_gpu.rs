@@ -1,0 +1,236 @@
+//! The dense skeleton on the GPU (`--dense-device gpu`) against the CPU, bit for bit: logits of
+//! prefill, cached decode and batched sequences at different depths on the GQA oracle fixture,
+//! with f32 weights and activations and with a container on the integer path (int8
+//! activations), with routed experts on the CPU and in VRAM; a KV cache written by one device
+//! resumed on the other; the CLI's tokens; models the GPU path does not take yet refused by
+//! `gpu` and left on the CPU by `auto`. On a machine without a Vulkan or Metal adapter these tests
+//! say so and pass, unless `CHARM_REQUIRE_GPU=1` (CI, on Mesa's lavapipe) makes that a failure.
+
+mod common;
+
+use std::sync::Arc;
+
+use charm_coordinator::model::cache::KvCache;
+use charm_coordinator::model::engine::DenseDevice;
+use charm_coordinator::model::forward::Step;
+use charm_coordinator::{Engine, EngineOptions, ForwardOptions, Model};
+use charm_shared::quant::Activations;
+use charm_worker::gpu::Gpu;
+use common::{fixture, oracle_ids, scratch};
+
+const GQA: &str = "qwen3moe-tiny";
+
+fn device() -> Option<Arc<Gpu>> {
+    match Gpu::open(None) {
+        Ok(g) => Some(Arc::new(g)),
+        Err(e) => {
+            assert!(
+                std::env::var("CHARM_REQUIRE_GPU").as_deref() != Ok("1"),
+                "CHARM_REQUIRE_GPU=1 but no GPU opened: {e}"
+            );
+            eprintln!("no GPU here ({e}): skipped");
+            None
+        }
+    }
+}
+
+/// Panics naming the first value whose bits differ.
+fn same(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+        panic!(
+            "{what}: value {i} differs: {} (GPU) against {} (CPU)",
+            a[i], b[i]
+        );
+    }
+}
+
+/// Logits of `tokens` after what `cache` holds.
+fn step(m: &Model, tokens: &[u32], cache: &mut KvCache) -> Vec<f32> {
+    let h = m
+        .forward(tokens, cache, ForwardOptions::default(), None)
+        .unwrap();
+    m.logits(&h, tokens.len()).unwrap()
+}
+
+/// Prefill, then cached decode one token at a time, then two sequences at different depths in
+/// one batch: the GPU model `g` against the CPU model `c`, every logit's bits.
+fn compare(c: &Model, g: &Model, ids: &[u32], what: &str) {
+    let (mut cc, mut gc) = (KvCache::new(&c.spec), KvCache::new(&g.spec));
+    let split = ids.len() / 2;
+    same(
+        &step(g, &ids[..split], &mut gc),
+        &step(c, &ids[..split], &mut cc),
+        &format!("{what}: prefill of {split}"),
+    );
+    for (i, t) in ids[split..].iter().enumerate() {
+        same(
+            &step(g, &[*t], &mut gc),
+            &step(c, &[*t], &mut cc),
+            &format!("{what}: cached decode at {}", split + i),
+        );
+    }
+    // the caches themselves (the GPU's entries come back to the CPU's copy)
+    for (l, (a, b)) in gc.layers.iter().zip(&cc.layers).enumerate() {
+        same(&a.kv, &b.kv, &format!("{what}: KV of layer {l}"));
+    }
+    // a batch: one sequence deep in its cache, one fresh prompt of three tokens
+    let run = |m: &Model| {
+        let mut deep = KvCache::new(&m.spec);
+        step(m, &ids[..ids.len() - 1], &mut deep);
+        let mut fresh = KvCache::new(&m.spec);
+        let last = [ids[ids.len() - 1]];
+        let mut steps = [
+            Step {
+                tokens: &last,
+                cache: &mut deep,
+            },
+            Step {
+                tokens: &ids[..3],
+                cache: &mut fresh,
+            },
+        ];
+        let h = m
+            .forward_batch(&mut steps, ForwardOptions::default(), None)
+            .unwrap();
+        m.logits(&h, 4).unwrap()
+    };
+    same(
+        &run(g),
+        &run(c),
+        &format!("{what}: a batch of two sequences"),
+    );
+}
+
+#[test]
+fn the_gqa_fixture_gives_the_cpu_bits_with_the_dense_skeleton_on_the_gpu() {
+    let Some(gpu) = device() else { return };
+    let dir = fixture(GQA);
+    let cpu = Model::load(&dir).unwrap();
+    let mut on_gpu = Model::load(&dir).unwrap();
+    let bytes = on_gpu.attach_dense_gpu(gpu).unwrap();
+    assert!(bytes > 0);
+    let ids = oracle_ids(GQA, "tf_input_ids");
+    compare(&cpu, &on_gpu, &ids, GQA);
+}
+
+#[test]
+fn a_cache_written_on_one_device_continues_on_the_other() {
+    let Some(gpu) = device() else { return };
+    let dir = fixture(GQA);
+    let cpu = Model::load(&dir).unwrap();
+    let mut g = Model::load(&dir).unwrap();
+    g.attach_dense_gpu(gpu).unwrap();
+    let ids = oracle_ids(GQA, "tf_input_ids");
+    let (head, tail) = ids.split_at(ids.len() - 2);
+    let mut reference = KvCache::new(&cpu.spec);
+    step(&cpu, head, &mut reference);
+    let want = step(&cpu, tail, &mut reference);
+    // written on the GPU, resumed on the CPU
+    let mut c = KvCache::new(&g.spec);
+    step(&g, head, &mut c);
+    same(
+        &step(&cpu, tail, &mut c),
+        &want,
+        "GPU cache resumed on the CPU",
+    );
+    // written on the CPU (a clone carries no VRAM copy), resumed on the GPU
+    let mut c = KvCache::new(&cpu.spec);
+    step(&cpu, head, &mut c);
+    same(
+        &step(&g, tail, &mut c.clone()),
+        &want,
+        "CPU cache resumed on the GPU",
+    );
+    // cut back on the GPU (a rejected draft) and continued: the VRAM copy follows the cut
+    let mut c = KvCache::new(&g.spec);
+    step(&g, &ids, &mut c);
+    c.truncate(head.len());
+    same(
+        &step(&g, tail, &mut c),
+        &want,
+        "GPU cache truncated and continued",
+    );
+}
+
+/// A container with int4 experts and int8 dense weights, loaded with int8 activations: the
+/// dense matrices on the integer path.
+fn int8_container() -> std::path::PathBuf {
+    let out = scratch("dense-gpu-int8");
+    let (ok, err) = common::convert(
+        &fixture(GQA),
+        &out,
+        &["--experts", "int4", "--dense", "int8"],
+        None,
+    );
+    assert!(ok, "convert: {err}");
+    out
+}
+
+#[test]
+fn the_integer_path_and_experts_in_vram_keep_the_cpu_bits() {
+    if device().is_none() {
+        return;
+    }
+    let dir = int8_container();
+    let load = |dense, vram| {
+        Engine::load(
+            &dir,
+            &EngineOptions {
+                activations: Activations::Int8,
+                dense_device: dense,
+                vram,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    };
+    let cpu = load(DenseDevice::Cpu, None);
+    let ids = oracle_ids(GQA, "tf_input_ids");
+    for vram in [
+        None,
+        Some(charm_coordinator::model::engine::VramBudget::Bytes(1 << 30)),
+    ] {
+        let g = load(DenseDevice::Gpu, vram);
+        assert!(g.model.dense_gpu.is_some());
+        compare(
+            &cpu.model,
+            &g.model,
+            &ids,
+            &format!("int8 container, vram {vram:?}"),
+        );
+        std::mem::drop(g);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn the_cli_generates_the_cpu_tokens_and_refuses_what_the_gpu_does_not_take() {
+    if device().is_none() {
+        return;
+    }
+    let gqa = fixture(GQA);
+    let ids = oracle_ids(GQA, "tf_input_ids");
+    let prompt: Vec<String> = ids[..4].iter().map(|i| i.to_string()).collect();
+    let prompt = prompt.join(",");
+    let gen = |dense: &str| {
+        let (ok, v, err) = common::generate_run(&gqa, &prompt, 6, &["--dense-device", dense], &[]);
+        assert!(ok, "generate --dense-device {dense}: {err}");
+        v["ids"].clone()
+    };
+    assert_eq!(gen("gpu"), gen("cpu"));
+    assert_eq!(gen("auto"), gen("cpu"));
+    // MLA is not on the GPU yet: `gpu` says so, `auto` stays on the CPU
+    let mla = fixture("deepseek3-tiny");
+    let (ok, _, err) = common::generate_run(&mla, "1,2,3", 2, &["--dense-device", "gpu"], &[]);
+    assert!(
+        !ok && err.contains("--dense-device gpu") && err.contains("MLA"),
+        "{err}"
+    );
+    let (ok, _, err) = common::generate_run(&mla, "1,2,3", 2, &["--dense-device", "auto"], &[]);
+    assert!(ok, "auto on an MLA model: {err}");
+    assert!(
+        err.contains("--dense-device auto"),
+        "no note of where it ran: {err}"
+    );
+}
