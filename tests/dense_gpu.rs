@@ -13,7 +13,7 @@ use std::sync::Arc;
 use charm_coordinator::model::cache::KvCache;
 use charm_coordinator::model::engine::DenseDevice;
 use charm_coordinator::model::forward::Step;
-use charm_coordinator::{Engine, EngineOptions, ForwardOptions, Model};
+use charm_coordinator::{Engine, EngineOptions, ForwardOptions, MlaMode, Model, Trace};
 use charm_shared::quant::Activations;
 use charm_worker::gpu::Gpu;
 use common::{fixture, oracle_ids, scratch};
@@ -47,37 +47,48 @@ fn same(a: &[f32], b: &[f32], what: &str) {
 
 /// Logits of `tokens` after what `cache` holds.
 fn step(m: &Model, tokens: &[u32], cache: &mut KvCache) -> Vec<f32> {
-    let h = m
-        .forward(tokens, cache, ForwardOptions::default(), None)
-        .unwrap();
+    step_with(m, tokens, cache, ForwardOptions::default())
+}
+
+fn step_with(m: &Model, tokens: &[u32], cache: &mut KvCache, opts: ForwardOptions) -> Vec<f32> {
+    let h = m.forward(tokens, cache, opts, None).unwrap();
     m.logits(&h, tokens.len()).unwrap()
 }
 
 /// Prefill, then cached decode one token at a time, then two sequences at different depths in
 /// one batch: the GPU model `g` against the CPU model `c`, every logit's bits.
 fn compare(c: &Model, g: &Model, ids: &[u32], what: &str) {
+    compare_with(c, g, ids, ForwardOptions::default(), what)
+}
+
+fn compare_with(c: &Model, g: &Model, ids: &[u32], opts: ForwardOptions, what: &str) {
     let (mut cc, mut gc) = (KvCache::new(&c.spec), KvCache::new(&g.spec));
     let split = ids.len() / 2;
     same(
-        &step(g, &ids[..split], &mut gc),
-        &step(c, &ids[..split], &mut cc),
+        &step_with(g, &ids[..split], &mut gc, opts),
+        &step_with(c, &ids[..split], &mut cc, opts),
         &format!("{what}: prefill of {split}"),
     );
     for (i, t) in ids[split..].iter().enumerate() {
         same(
-            &step(g, &[*t], &mut gc),
-            &step(c, &[*t], &mut cc),
+            &step_with(g, &[*t], &mut gc, opts),
+            &step_with(c, &[*t], &mut cc, opts),
             &format!("{what}: cached decode at {}", split + i),
         );
     }
     // the caches themselves (the GPU's entries come back to the CPU's copy)
     for (l, (a, b)) in gc.layers.iter().zip(&cc.layers).enumerate() {
         same(&a.kv, &b.kv, &format!("{what}: KV of layer {l}"));
+        same(
+            &a.index_keys,
+            &b.index_keys,
+            &format!("{what}: indexer keys of layer {l}"),
+        );
     }
     // a batch: one sequence deep in its cache, one fresh prompt of three tokens
     let run = |m: &Model| {
         let mut deep = KvCache::new(&m.spec);
-        step(m, &ids[..ids.len() - 1], &mut deep);
+        step_with(m, &ids[..ids.len() - 1], &mut deep, opts);
         let mut fresh = KvCache::new(&m.spec);
         let last = [ids[ids.len() - 1]];
         let mut steps = [
@@ -90,9 +101,7 @@ fn compare(c: &Model, g: &Model, ids: &[u32], what: &str) {
                 cache: &mut fresh,
             },
         ];
-        let h = m
-            .forward_batch(&mut steps, ForwardOptions::default(), None)
-            .unwrap();
+        let h = m.forward_batch(&mut steps, opts, None).unwrap();
         m.logits(&h, 4).unwrap()
     };
     same(
@@ -112,6 +121,39 @@ fn the_gqa_fixture_gives_the_cpu_bits_with_the_dense_skeleton_on_the_gpu() {
     assert!(bytes > 0);
     let ids = oracle_ids(GQA, "tf_input_ids");
     compare(&cpu, &on_gpu, &ids, GQA);
+}
+
+#[test]
+fn every_oracle_fixture_in_every_attention_mode_gives_the_cpu_bits() {
+    let Some(gpu) = device() else { return };
+    for name in common::FIXTURES {
+        let dir = fixture(name);
+        let cpu = Model::load(&dir).unwrap();
+        let mut g = Model::load(&dir).unwrap();
+        g.attach_dense_gpu(gpu.clone()).unwrap();
+        let ids = oracle_ids(name, "tf_input_ids");
+        for mla in [MlaMode::Naive, MlaMode::Absorbed, MlaMode::AbsorbedSplit] {
+            let opts = ForwardOptions { mla };
+            compare_with(&cpu, &g, &ids, opts, &format!("{name} {mla:?}"));
+            // the traced picks: routers and DSA selections
+            let (mut tc, mut tg) = (Trace::default(), Trace::default());
+            cpu.forward(&ids, &mut KvCache::new(&cpu.spec), opts, Some(&mut tc))
+                .unwrap();
+            g.forward(&ids, &mut KvCache::new(&g.spec), opts, Some(&mut tg))
+                .unwrap();
+            assert_eq!(tg.dsa, tc.dsa, "{name} {mla:?}: DSA selections");
+            assert_eq!(tg.router.len(), tc.router.len());
+            for (a, b) in tg.router.iter().zip(&tc.router) {
+                for ((ia, wa), (ib, wb)) in a.iter().zip(b) {
+                    assert_eq!(ia, ib, "{name}: routed experts");
+                    same(wa, wb, &format!("{name}: gate weights"));
+                }
+            }
+            for (l, (a, b)) in tg.layer_out.iter().zip(&tc.layer_out).enumerate() {
+                same(a, b, &format!("{name} {mla:?}: layer {l} output"));
+            }
+        }
+    }
 }
 
 #[test]
@@ -205,7 +247,7 @@ fn the_integer_path_and_experts_in_vram_keep_the_cpu_bits() {
 }
 
 #[test]
-fn the_cli_generates_the_cpu_tokens_and_refuses_what_the_gpu_does_not_take() {
+fn the_cli_generates_the_cpu_tokens_and_refuses_a_device_that_fails_its_self_check() {
     if device().is_none() {
         return;
     }
@@ -220,17 +262,19 @@ fn the_cli_generates_the_cpu_tokens_and_refuses_what_the_gpu_does_not_take() {
     };
     assert_eq!(gen("gpu"), gen("cpu"));
     assert_eq!(gen("auto"), gen("cpu"));
-    // MLA is not on the GPU yet: `gpu` says so, `auto` stays on the CPU
-    let mla = fixture("deepseek3-tiny");
-    let (ok, _, err) = common::generate_run(&mla, "1,2,3", 2, &["--dense-device", "gpu"], &[]);
+    // a device that fails its self-check: `gpu` refuses to start, `auto` runs on the CPU
+    let perturb = [("CHARM_GPU_TEST_PERTURB", "1".to_string())];
+    let (ok, _, err) = common::generate_run(&gqa, &prompt, 2, &["--dense-device", "gpu"], &perturb);
     assert!(
-        !ok && err.contains("--dense-device gpu") && err.contains("MLA"),
+        !ok && err.contains("--dense-device gpu") && err.contains("refused"),
         "{err}"
     );
-    let (ok, _, err) = common::generate_run(&mla, "1,2,3", 2, &["--dense-device", "auto"], &[]);
-    assert!(ok, "auto on an MLA model: {err}");
+    let (ok, v, err) =
+        common::generate_run(&gqa, &prompt, 6, &["--dense-device", "auto"], &perturb);
+    assert!(ok, "auto with a refused device: {err}");
     assert!(
         err.contains("--dense-device auto"),
         "no note of where it ran: {err}"
     );
+    assert_eq!(v["ids"], gen("cpu"));
 }

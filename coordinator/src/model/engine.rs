@@ -545,7 +545,14 @@ fn attach_dense(
     }
     let gpu = match Gpu::open(opts.gpu.first().copied()) {
         Ok(g) => Arc::new(g),
-        Err(e) => return refuse(e.to_string()),
+        Err(e) => {
+            if !insist {
+                warnings.push(format!(
+                    "--dense-device auto: {e}; the dense skeleton runs on the CPU"
+                ));
+            }
+            return refuse(e.to_string());
+        }
     };
     if !insist {
         let kv = opts.context as u64 * 4 * KvCache::floats_per_token(&model.spec) as u64;

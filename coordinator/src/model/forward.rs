@@ -156,7 +156,7 @@ impl Model {
             }
         }
         if let Some(dg) = &self.dense_gpu {
-            return self.forward_batch_gpu(dg, steps, trace);
+            return self.forward_batch_gpu(dg, steps, opts, trace);
         }
         let rows = Rows::new(&lens, &cached);
         let n = rows.n();

@@ -60,11 +60,18 @@ struct Params {
     rope_off: u32,
     half: u32,
     kv_base: u32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
-    _pad3: u32,
-    _pad4: u32,
+    // MLA: latent rank, rotary dims, no-rope dims of a query head, value dims of a head
+    lat: u32,
+    rd: u32,
+    nope: u32,
+    vd: u32,
+    // the step's key lists (`[count, positions...]`, `ctx + 1` words a row) when `sel` is 1
+    keys: u32,
+    sel: u32,
+    // what a sum of f32 starts from (`Iterator::sum`'s initial value) and the DSA head scale
+    start: u32,
+    hs: u32,
+    _pad: array<vec4<u32>, 7>,
 }
 
 @group(0) @binding(0) var<storage, read> w: array<u32>;
@@ -193,7 +200,11 @@ fn rmsnorm(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroup
     if (t >= p.n) {
         return;
     }
-    let x0 = p.in0 + t * p.cols;
+    var stride = p.stride_in;
+    if (stride == 0u) {
+        stride = p.cols;
+    }
+    let x0 = p.in0 + t * stride;
     var acc: array<u32, 8>;
     let full = p.cols - p.cols % 8u;
     for (var j = 0u; j < full; j++) {
@@ -207,7 +218,7 @@ fn rmsnorm(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroup
     }
     let ss = sf_div(sf_add(tree8(acc), tail), sf_from_i32(i32(p.cols)));
     let r = sf_div(0x3f800000u, sf_sqrt(sf_add(ss, p.eps)));
-    let o0 = p.out0 + t * p.cols;
+    let o0 = p.out0 + t * stride;
     for (var j = 0u; j < p.cols; j++) {
         arena[o0 + j] = sf_mul(w[p.w_data + j], sf_mul(arena[x0 + j], r));
     }
@@ -372,4 +383,308 @@ fn finite(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups
     if ((arena[p.in0 + i] & 0x7f800000u) == 0x7f800000u) {
         arena[p.out0] = 1u;
     }
+}
+
+// Element (r, c) of the weight bound as `w`, as `Linear::row_into` gives it: f32 as stored, bf16
+// as its value, int8/int4 `scale * code`, int2 `scale * code + min`.
+fn wval(r: u32, c: u32) -> u32 {
+    if (p.kind == 0u) {
+        return w[p.w_data + r * p.cols + c];
+    }
+    var bits = 16u;
+    if (p.kind == 2u) {
+        bits = 8u;
+    } else if (p.kind == 3u) {
+        bits = 4u;
+    } else if (p.kind == 4u) {
+        bits = 2u;
+    }
+    let v = code(p.w_data * 4u + r * (p.cols * bits / 8u), c);
+    if (p.kind == 1u) {
+        return v;
+    }
+    let ng = p.cols / p.group;
+    let g = r * ng + c / p.group;
+    let d = sf_mul(w[p.w_scales + g], v);
+    if (p.kind == 4u) {
+        return sf_add(d, w[p.w_mins + g]);
+    }
+    return d;
+}
+
+// The keys query row t sees: its list when the step has one, else every causal key.
+fn key_count(t: u32) -> u32 {
+    if (p.sel == 1u) {
+        return arena[p.keys + t * (p.ctx + 1u)];
+    }
+    return p.pos0 + t + 1u;
+}
+
+fn key_at(t: u32, i: u32) -> u32 {
+    if (p.sel == 1u) {
+        return arena[p.keys + t * (p.ctx + 1u) + 1u + i];
+    }
+    return i;
+}
+
+// One lane per row of `cols` (`n` rows), in place: `layer_norm` (`w` holds the weight, then the
+// bias from word `w_scales`): the mean and variance summed in order from `start`.
+@compute @workgroup_size(64)
+fn layernorm(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let t = flat(gid, nw);
+    if (t >= p.n) {
+        return;
+    }
+    let x0 = p.in0 + t * p.cols;
+    let d = sf_from_i32(i32(p.cols));
+    var s = p.start;
+    for (var j = 0u; j < p.cols; j++) {
+        s = sf_add(s, arena[x0 + j]);
+    }
+    let mean = sf_div(s, d);
+    var v = p.start;
+    for (var j = 0u; j < p.cols; j++) {
+        let c = sf_sub(arena[x0 + j], mean);
+        v = sf_add(v, sf_mul(c, c));
+    }
+    let r = sf_div(0x3f800000u, sf_sqrt(sf_add(sf_div(v, d), p.eps)));
+    for (var j = 0u; j < p.cols; j++) {
+        let c = sf_mul(sf_mul(sf_sub(arena[x0 + j], mean), r), w[p.w_data + j]);
+        arena[x0 + j] = sf_add(c, w[p.w_scales + j]);
+    }
+}
+
+// One lane per (latent c, head h, row t): the absorbed query `q_abs[t, h, c] = sum over d <
+// nope, in order, of q[t, h, d] * kv_b[h * (nope + vd) + d, c]` from +0 (`absorb_queries`).
+// Queries `[n, heads * head_dim]` at in0, out `[n, heads, lat]`.
+@compute @workgroup_size(64)
+fn mla_absorb(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let c = gid.x;
+    let h = gid.y;
+    let t = gid.z;
+    if (c >= p.lat || h >= p.heads || t >= p.n) {
+        return;
+    }
+    let q0 = p.in0 + t * p.heads * p.head_dim + h * p.head_dim;
+    let r0 = h * (p.nope + p.vd);
+    var acc = 0u;
+    for (var d = 0u; d < p.nope; d++) {
+        acc = sf_add(acc, sf_mul(arena[q0 + d], wval(r0 + d, c)));
+    }
+    arena[p.out0 + (t * p.heads + h) * p.lat + c] = acc;
+}
+
+// One lane per (key i, head h, row t): `(dot(latent_j, q_abs) + dot(rope_j, q_rope)) * scale`
+// (`attend_latent`), at `out0 + (t * heads + h) * ctx + i`. Absorbed queries at in0, the roped
+// queries `[n, heads * head_dim]` at in1 (their rotary part after `nope`).
+@compute @workgroup_size(64)
+fn mla_scores(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    let h = gid.y;
+    let t = gid.z;
+    if (t >= p.n || h >= p.heads || i >= key_count(t)) {
+        return;
+    }
+    let e0 = p.kv_base + key_at(t, i) * p.kv_width;
+    let a0 = p.in0 + (t * p.heads + h) * p.lat;
+    let r0 = p.in1 + t * p.heads * p.head_dim + h * p.head_dim + p.nope;
+    var acc: array<u32, 8>;
+    var full = p.lat - p.lat % 8u;
+    for (var k = 0u; k < full; k++) {
+        acc[k % 8u] = sf_add(acc[k % 8u], sf_mul(kv[e0 + k], arena[a0 + k]));
+    }
+    var tail = 0u;
+    for (var k = full; k < p.lat; k++) {
+        tail = sf_add(tail, sf_mul(kv[e0 + k], arena[a0 + k]));
+    }
+    let lat = sf_add(tree8(acc), tail);
+    var acc2: array<u32, 8>;
+    full = p.rd - p.rd % 8u;
+    for (var k = 0u; k < full; k++) {
+        acc2[k % 8u] = sf_add(acc2[k % 8u], sf_mul(kv[e0 + p.lat + k], arena[r0 + k]));
+    }
+    var tail2 = 0u;
+    for (var k = full; k < p.rd; k++) {
+        tail2 = sf_add(tail2, sf_mul(kv[e0 + p.lat + k], arena[r0 + k]));
+    }
+    let rot = sf_add(tree8(acc2), tail2);
+    arena[p.out0 + (t * p.heads + h) * p.ctx + i] = sf_mul(sf_add(lat, rot), p.scale);
+}
+
+// One lane per (head, row): softmax over the row's keys' scores at `in0 + (t * heads + h) * ctx`,
+// in place (`kernels::softmax`).
+@compute @workgroup_size(64)
+fn softmax_keys(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let h = gid.x;
+    let t = gid.y;
+    if (h >= p.heads || t >= p.n) {
+        return;
+    }
+    let s0 = p.in0 + (t * p.heads + h) * p.ctx;
+    let len = key_count(t);
+    var m = 0xff800000u;
+    for (var j = 0u; j < len; j++) {
+        m = sf_max(m, arena[s0 + j]);
+    }
+    var s = 0u;
+    for (var j = 0u; j < len; j++) {
+        let e = sf_exp(sf_sub(arena[s0 + j], m));
+        arena[s0 + j] = e;
+        s = sf_add(s, e);
+    }
+    for (var j = 0u; j < len; j++) {
+        arena[s0 + j] = sf_div(arena[s0 + j], s);
+    }
+}
+
+// One lane per (latent c, head h, row t): `ctx[t, h, c] = sum over keys in order of p * latent[c]`
+// from +0 (`attend_latent`'s `weighted_rows`), probabilities at in0, out `[n, heads, lat]`.
+@compute @workgroup_size(64)
+fn mla_context(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let c = gid.x;
+    let h = gid.y;
+    let t = gid.z;
+    if (c >= p.lat || h >= p.heads || t >= p.n) {
+        return;
+    }
+    let s0 = p.in0 + (t * p.heads + h) * p.ctx;
+    var o = 0u;
+    for (var i = 0u; i < key_count(t); i++) {
+        o = sf_add(o, sf_mul(arena[s0 + i], kv[p.kv_base + key_at(t, i) * p.kv_width + c]));
+    }
+    arena[p.out0 + (t * p.heads + h) * p.lat + c] = o;
+}
+
+// One lane per (value i, head h, row t): `out[t, h * vd + i] = dot(kv_b[h * (nope + vd) + nope + i],
+// ctx[t, h])` (`project_values`), contexts at in0.
+@compute @workgroup_size(64)
+fn mla_values(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    let h = gid.y;
+    let t = gid.z;
+    if (i >= p.vd || h >= p.heads || t >= p.n) {
+        return;
+    }
+    let r = h * (p.nope + p.vd) + p.nope + i;
+    let c0 = p.in0 + (t * p.heads + h) * p.lat;
+    var acc: array<u32, 8>;
+    let full = p.lat - p.lat % 8u;
+    for (var c = 0u; c < full; c++) {
+        acc[c % 8u] = sf_add(acc[c % 8u], sf_mul(wval(r, c), arena[c0 + c]));
+    }
+    var tail = 0u;
+    for (var c = full; c < p.lat; c++) {
+        tail = sf_add(tail, sf_mul(wval(r, c), arena[c0 + c]));
+    }
+    arena[p.out0 + t * p.heads * p.vd + h * p.vd + i] = sf_add(tree8(acc), tail);
+}
+
+// One lane per (row r of kv_b, cached key j < n): the naive formulation's expanded keys and
+// values `out0[j, r] = dot(kv_b[r], latent_j)` (`Matrix::matmul` of the dequantized kv_b), `rows`
+// rows.
+@compute @workgroup_size(64)
+fn mla_expand(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let r = gid.x;
+    let j = gid.y;
+    if (r >= p.rows || j >= p.n) {
+        return;
+    }
+    let e0 = p.kv_base + j * p.kv_width;
+    var acc: array<u32, 8>;
+    let full = p.lat - p.lat % 8u;
+    for (var c = 0u; c < full; c++) {
+        acc[c % 8u] = sf_add(acc[c % 8u], sf_mul(wval(r, c), kv[e0 + c]));
+    }
+    var tail = 0u;
+    for (var c = full; c < p.lat; c++) {
+        tail = sf_add(tail, sf_mul(wval(r, c), kv[e0 + c]));
+    }
+    arena[p.out0 + j * p.rows + r] = sf_add(tree8(acc), tail);
+}
+
+// One lane per (key i, head h, row t), naive MLA: `(dot(q_nope, k_nope_j) + dot(q_rope, rope_j)) *
+// scale`; queries at in0, the expanded keys `[keys, rows]` at in1.
+@compute @workgroup_size(64)
+fn mla_naive_scores(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    let h = gid.y;
+    let t = gid.z;
+    if (t >= p.n || h >= p.heads || i >= key_count(t)) {
+        return;
+    }
+    let j = key_at(t, i);
+    let q0 = p.in0 + t * p.heads * p.head_dim + h * p.head_dim;
+    let k0 = p.in1 + j * p.rows + h * (p.nope + p.vd);
+    var acc: array<u32, 8>;
+    var full = p.nope - p.nope % 8u;
+    for (var k = 0u; k < full; k++) {
+        acc[k % 8u] = sf_add(acc[k % 8u], sf_mul(arena[q0 + k], arena[k0 + k]));
+    }
+    var tail = 0u;
+    for (var k = full; k < p.nope; k++) {
+        tail = sf_add(tail, sf_mul(arena[q0 + k], arena[k0 + k]));
+    }
+    let a = sf_add(tree8(acc), tail);
+    let e0 = p.kv_base + j * p.kv_width + p.lat;
+    var acc2: array<u32, 8>;
+    full = p.rd - p.rd % 8u;
+    for (var k = 0u; k < full; k++) {
+        acc2[k % 8u] = sf_add(acc2[k % 8u], sf_mul(arena[q0 + p.nope + k], kv[e0 + k]));
+    }
+    var tail2 = 0u;
+    for (var k = full; k < p.rd; k++) {
+        tail2 = sf_add(tail2, sf_mul(arena[q0 + p.nope + k], kv[e0 + k]));
+    }
+    let b = sf_add(tree8(acc2), tail2);
+    arena[p.out0 + (t * p.heads + h) * p.ctx + i] = sf_mul(sf_add(a, b), p.scale);
+}
+
+// One lane per (value c, head h, row t), naive MLA: the value rows added in key order, `o += p * v`
+// from +0; probabilities at in0, the expanded values at in1.
+@compute @workgroup_size(64)
+fn mla_naive_values(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let c = gid.x;
+    let h = gid.y;
+    let t = gid.z;
+    if (c >= p.vd || h >= p.heads || t >= p.n) {
+        return;
+    }
+    let s0 = p.in0 + (t * p.heads + h) * p.ctx;
+    var o = 0u;
+    for (var i = 0u; i < key_count(t); i++) {
+        let v = arena[p.in1 + key_at(t, i) * p.rows + h * (p.nope + p.vd) + p.nope + c];
+        o = sf_add(o, sf_mul(arena[s0 + i], v));
+    }
+    arena[p.out0 + t * p.heads * p.vd + h * p.vd + c] = o;
+}
+
+// One lane per (causal key j, row t): the DSA indexer's score, the heads' terms
+// `hw[t, h] * hs * max(dot(key_j, q_h) * scale, 0)` summed in head order from `start`
+// (`indexer_select`), at `out0 + t * ctx + j`. Queries `[n, heads * head_dim]` at in0, head
+// weights `[n, heads]` at in1, keys of `head_dim` at `kv_base + j * kv_width`.
+@compute @workgroup_size(64)
+fn dsa_scores(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let j = gid.x;
+    let t = gid.y;
+    if (t >= p.n || j > p.pos0 + t) {
+        return;
+    }
+    let k0 = p.kv_base + j * p.kv_width;
+    let full = p.head_dim - p.head_dim % 8u;
+    var s = p.start;
+    for (var h = 0u; h < p.heads; h++) {
+        let q0 = p.in0 + (t * p.heads + h) * p.head_dim;
+        var acc: array<u32, 8>;
+        for (var k = 0u; k < full; k++) {
+            acc[k % 8u] = sf_add(acc[k % 8u], sf_mul(kv[k0 + k], arena[q0 + k]));
+        }
+        var tail = 0u;
+        for (var k = full; k < p.head_dim; k++) {
+            tail = sf_add(tail, sf_mul(kv[k0 + k], arena[q0 + k]));
+        }
+        let d = sf_mul(sf_add(tree8(acc), tail), p.scale);
+        let term = sf_mul(sf_mul(arena[p.in1 + t * p.heads + h], p.hs), sf_max(d, 0u));
+        s = sf_add(s, term);
+    }
+    arena[p.out0 + t * p.ctx + j] = s;
 }

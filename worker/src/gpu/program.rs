@@ -8,9 +8,9 @@ use charm_shared::quant::gpu::{DENSE_SHADER, EXPERT_SHADER, WORKGROUP};
 
 use super::{Gpu, GpuError};
 
-/// Bytes of one dispatch's parameter block as the shaders read it (the dense `Params` is 32 words;
+/// Bytes of one dispatch's parameter block as the shaders read it (the dense `Params` is 64 words;
 /// the expert kernels' 16 words fit in it).
-pub const BLOCK_BYTES: usize = 128;
+pub const BLOCK_BYTES: usize = 256;
 
 /// The dense kernels and the expert kernels' integer path, built for this device.
 pub struct Kernels {
@@ -32,7 +32,7 @@ impl std::fmt::Debug for Kernels {
 }
 
 /// The entry points of the dense shader.
-const DENSE_ENTRIES: [&str; 10] = [
+const DENSE_ENTRIES: [&str; 20] = [
     "linear",
     "rmsnorm",
     "add",
@@ -43,6 +43,16 @@ const DENSE_ENTRIES: [&str; 10] = [
     "softmax",
     "gqa_values",
     "finite",
+    "layernorm",
+    "mla_absorb",
+    "mla_scores",
+    "softmax_keys",
+    "mla_context",
+    "mla_values",
+    "mla_expand",
+    "mla_naive_scores",
+    "mla_naive_values",
+    "dsa_scores",
 ];
 
 /// One dispatch: a kernel, the buffers it binds, its parameter block and its workgroups.

@@ -10,10 +10,12 @@ use charm_shared::routing::route;
 use charm_worker::gpu::program::{flat_groups, grid, Dispatch, BLOCK_BYTES};
 use charm_worker::gpu::GpuError;
 
-use super::{DenseGpu, GFfn, GLinear, GSwiGlu, SeqKv};
-use crate::model::forward::{ForwardError, Step, Trace};
-use crate::model::rows::Rows;
-use crate::model::{FfnWeights, Model};
+use super::{DenseGpu, GAttn, GFfn, GGqa, GLinear, GMla, GSwiGlu, SeqKv};
+use crate::model::forward::{ForwardError, ForwardOptions, MlaMode, Step, Trace};
+use crate::model::rows::{Rows, Selection};
+use crate::model::{FfnWeights, LayerWeights, Model};
+use charm_shared::config::{AttentionSpec, IndexerKind};
+use charm_shared::routing::top_k_set;
 
 impl From<GpuError> for ForwardError {
     fn from(e: GpuError) -> Self {
@@ -54,6 +56,14 @@ struct P {
     rope_off: usize,
     half: usize,
     kv_base: usize,
+    lat: usize,
+    rd: usize,
+    nope: usize,
+    vd: usize,
+    keys: u32,
+    sel: bool,
+    start: f32,
+    hs: f32,
 }
 
 impl P {
@@ -87,6 +97,14 @@ impl P {
             self.rope_off as u32,
             self.half as u32,
             self.kv_base as u32,
+            self.lat as u32,
+            self.rd as u32,
+            self.nope as u32,
+            self.vd as u32,
+            self.keys,
+            self.sel as u32,
+            self.start.to_bits(),
+            self.hs.to_bits(),
         ];
         w[..v.len()].copy_from_slice(&v);
         w
@@ -190,15 +208,87 @@ impl Rec {
 
     /// RMSNorm of `rows` rows of `cols` at `x` into `out` (may be `x`).
     fn rmsnorm(&mut self, w: &wgpu::Buffer, x: u32, rows: usize, cols: usize, out: u32, eps: f32) {
+        self.rmsnorm_strided(w, x, rows, cols, 0, out, eps);
+    }
+
+    /// [`Self::rmsnorm`] of rows `stride` words apart (0: `cols`).
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_strided(
+        &mut self,
+        w: &wgpu::Buffer,
+        x: u32,
+        rows: usize,
+        cols: usize,
+        stride: usize,
+        out: u32,
+        eps: f32,
+    ) {
         let p = P {
             n: rows,
             cols,
+            stride_in: stride,
             in0: x,
             out0: out,
             eps,
             ..Default::default()
         };
         self.push("rmsnorm", Some(w), None, p, flat_groups(rows));
+    }
+
+    /// RoPE on `heads` heads of each of `n` rows: head `h` of row `t` at `x + t * row + h *
+    /// head`, its rotary part from `off`, with row `t`'s tables.
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &mut self,
+        r: &Regions,
+        x: u32,
+        n: usize,
+        heads: usize,
+        head: usize,
+        row: usize,
+        off: usize,
+        interleaved: bool,
+    ) {
+        let p = P {
+            n,
+            heads,
+            cols: head,
+            stride_in: row,
+            rope_off: off,
+            kind: interleaved as u32,
+            in0: x,
+            in1: r.cos,
+            in2: r.sin,
+            half: r.half,
+            ..Default::default()
+        };
+        self.push("rope", None, None, p, grid(heads, n, 1));
+    }
+
+    /// Copies `n` rows of `cols` (`stride` apart) at `x` into a cache at tokens `pos0..`.
+    #[allow(clippy::too_many_arguments)]
+    fn append_kv(
+        &mut self,
+        kv: &wgpu::Buffer,
+        base: usize,
+        width: usize,
+        x: u32,
+        n: usize,
+        cols: usize,
+        stride: usize,
+        pos0: usize,
+    ) {
+        let p = P {
+            n,
+            cols,
+            stride_in: stride,
+            in0: x,
+            pos0,
+            kv_width: width,
+            kv_base: base,
+            ..Default::default()
+        };
+        self.push("to_kv", None, Some(kv), p, grid(cols, n, 1));
     }
 
     /// `out = a + b`, `len` values.
@@ -251,6 +341,10 @@ struct Regions {
     q: u32,
     k: u32,
     v: u32,
+    qr: u32,
+    ckv: u32,
+    qabs: u32,
+    lctx: u32,
     att: u32,
     o: u32,
     f: u32,
@@ -261,20 +355,80 @@ struct Regions {
     shared: u32,
     y: u32,
     scores: u32,
+    expanded: u32,
+    keys: u32,
+    ik: u32,
+    iq: u32,
+    hw: u32,
+    dsa: u32,
     cos: u32,
     sin: u32,
+    half: usize,
     qx: [u32; 3],
     /// One word a layer: set when the layer's output is not finite.
     flags: u32,
     end: usize,
 }
 
+/// The attention shapes a step needs.
+#[derive(Clone, Copy, Default)]
+struct Shape {
+    /// Query heads and the words of one query head.
+    heads: usize,
+    qhead: usize,
+    /// GQA: KV heads and head size.
+    kv_heads: usize,
+    hd: usize,
+    /// MLA: latent rank, rotary dims, no-rope dims, value dims, q LoRA rank.
+    lat: usize,
+    rd: usize,
+    nope: usize,
+    vd: usize,
+    q_lora: usize,
+    /// Words of one layer's cache entry, and of one indexer key (0 without DSA).
+    width: usize,
+    iw: usize,
+    /// DSA indexer heads.
+    ih: usize,
+}
+
+impl Shape {
+    fn of(m: &Model) -> Self {
+        let iw = m.spec.dsa.as_ref().map_or(0, |d| d.head_dim);
+        let ih = m.spec.dsa.as_ref().map_or(0, |d| d.n_heads);
+        match &m.spec.attention {
+            AttentionSpec::Gqa(g) => Shape {
+                heads: g.n_heads,
+                qhead: g.head_dim,
+                kv_heads: g.n_kv_heads,
+                hd: g.head_dim,
+                width: 2 * g.n_kv_heads * g.head_dim,
+                iw,
+                ih,
+                ..Default::default()
+            },
+            AttentionSpec::Mla(a) => Shape {
+                heads: a.n_heads,
+                qhead: a.qk_head_dim(),
+                lat: a.kv_lora_rank,
+                rd: a.qk_rope_head_dim,
+                nope: a.qk_nope_head_dim,
+                vd: a.v_head_dim,
+                q_lora: a.q_lora_rank.unwrap_or(0),
+                width: a.cache_width(),
+                iw,
+                ih,
+                ..Default::default()
+            },
+        }
+    }
+}
+
 impl DenseGpu {
     /// The step's regions for `n` rows whose queries see at most `ctx` keys.
-    fn regions(&self, m: &Model, n: usize, ctx: usize) -> Regions {
+    fn regions(&self, m: &Model, s: &Shape, n: usize, ctx: usize, naive: bool) -> Regions {
         let spec = &m.spec;
         let h = spec.hidden_size;
-        let (nh, nkv, hd) = gqa_shape(m);
         let experts = spec.router.as_ref().map_or(0, |r| r.n_experts);
         let inter = self
             .layers
@@ -285,9 +439,11 @@ impl DenseGpu {
             })
             .max()
             .unwrap_or(0);
-        let widest = [h, nh * hd, inter].into_iter().max().unwrap_or(0);
+        let widest = self.widest;
         let half = spec.rope.dim / 2;
-        let chunk = (SCORE_WORDS / (nh * ctx).max(1)).clamp(1, n.max(1));
+        let heads = s.heads.max(1);
+        let chunk = (SCORE_WORDS / (heads * ctx).max(1)).clamp(1, n.max(1));
+        let kv_b_rows = s.heads * (s.nope + s.vd);
         let mut at = 0usize;
         let mut take = |words: usize| {
             let o = at as u32;
@@ -297,10 +453,14 @@ impl DenseGpu {
         Regions {
             x: take(n * h),
             a: take(n * h),
-            q: take(n * nh * hd),
-            k: take(n * nkv * hd),
-            v: take(n * nkv * hd),
-            att: take(n * nh * hd),
+            q: take(n * s.heads * s.qhead),
+            k: take(n * s.kv_heads * s.hd),
+            v: take(n * s.kv_heads * s.hd),
+            qr: take(n * s.q_lora),
+            ckv: take(n * (s.lat + s.rd)),
+            qabs: take(n * s.heads * s.lat),
+            lctx: take(n * s.heads * s.lat),
+            att: take(n * s.heads * s.hd.max(s.vd)),
             o: take(n * h),
             f: take(n * h),
             logits: take(n * experts),
@@ -309,9 +469,16 @@ impl DenseGpu {
             h: take(n * inter),
             shared: take(n * h),
             y: take(n * h),
-            scores: take(chunk * nh * ctx),
+            scores: take(chunk * s.heads * ctx),
+            expanded: take(if naive { ctx * kv_b_rows } else { 0 }),
+            keys: take(n * (ctx + 1)),
+            ik: take(n * s.iw),
+            iq: take(n * s.ih * s.iw),
+            hw: take(n * s.ih),
+            dsa: take(if s.iw > 0 { n * ctx } else { 0 }),
             cos: take(n * half),
             sin: take(n * half),
+            half,
             qx: [
                 take(n * widest / 4),
                 take(n * widest / 8),
@@ -364,11 +531,433 @@ impl DenseGpu {
     }
 }
 
-/// GQA's heads, KV heads and head size (zeros for MLA, which does not come here).
-fn gqa_shape(m: &Model) -> (usize, usize, usize) {
-    match &m.spec.attention {
-        charm_shared::config::AttentionSpec::Gqa(g) => (g.n_heads, g.n_kv_heads, g.head_dim),
-        charm_shared::config::AttentionSpec::Mla(_) => (0, 0, 0),
+/// What a step's layers share: the device, the arena and its regions, the rows, the caches'
+/// VRAM copies, and the dispatches recorded since the last submission.
+struct Run<'a> {
+    dg: &'a DenseGpu,
+    arena: wgpu::Buffer,
+    r: Regions,
+    s: Shape,
+    rows: Rows,
+    /// Per sequence: its tokens cached before the step, its cache's VRAM copy.
+    cached: Vec<usize>,
+    kv: Vec<(wgpu::Buffer, usize, usize)>,
+    ctx: usize,
+    rec: Rec,
+}
+
+/// What `Iterator::sum` of f32 starts from (the DSA terms and the indexer's LayerNorm sum in
+/// order from it).
+fn sum_start() -> f32 {
+    std::hint::black_box(std::iter::empty::<f32>()).sum()
+}
+
+impl Run<'_> {
+    /// Submits what is recorded; reads back `(word, len)` of the arena.
+    fn flush(&mut self, reads: &[(u32, usize)]) -> Result<Vec<Vec<f32>>, GpuError> {
+        let ops = std::mem::take(&mut self.rec.ops);
+        let reads: Vec<(&wgpu::Buffer, u64, usize)> = reads
+            .iter()
+            .map(|&(w, l)| (&self.arena, w as u64, l))
+            .collect();
+        self.dg
+            .gpu
+            .run_program(&self.dg.kernels, &self.arena, &ops, &reads)
+    }
+
+    /// Sequence `si`'s cache: its buffer, the word of layer `l`'s entries and of its indexer keys.
+    fn kv(&self, si: usize, l: usize) -> (&wgpu::Buffer, usize, usize) {
+        let (b, cap, layers) = (&self.kv[si].0, self.kv[si].1, self.kv[si].2);
+        let s = SeqKv::bases(cap, layers, self.s.width, self.s.iw, l);
+        (b, s.0, s.1)
+    }
+
+    /// GQA attention of layer `li` on the normed rows at `a` into `o` (`gqa`).
+    fn gqa(&mut self, li: usize, at: &GGqa, m: &Model) {
+        let (r, s, n) = (&self.r, self.s, self.rows.n());
+        let (nh, nkv, hd) = (s.heads, s.kv_heads, s.hd);
+        let eps = m.spec.rms_norm_eps;
+        for (lin, out, bias) in [
+            (&at.q, r.q, &at.q_bias),
+            (&at.k, r.k, &at.k_bias),
+            (&at.v, r.v, &at.v_bias),
+        ] {
+            self.rec.linear(lin, r.a, n, out, r.qx);
+            if let Some(b) = bias {
+                self.rec.add_bias(out, b, lin.rows, n * lin.rows);
+            }
+        }
+        if let Some(qn) = &at.q_norm {
+            self.rec.rmsnorm(qn, r.q, n * nh, hd, r.q, eps);
+        }
+        if let Some(kn) = &at.k_norm {
+            self.rec.rmsnorm(kn, r.k, n * nkv, hd, r.k, eps);
+        }
+        self.rec.rope(r, r.q, n, nh, hd, nh * hd, 0, false);
+        self.rec.rope(r, r.k, n, nkv, hd, nkv * hd, 0, false);
+        for si in 0..self.rows.spans.len() {
+            let span = self.rows.spans[si].clone();
+            let len = span.len();
+            if len == 0 {
+                continue;
+            }
+            let (buf, base, _) = self.kv(si, li);
+            let buf = buf.clone();
+            for (reg, off) in [(r.k, 0), (r.v, nkv * hd)] {
+                self.rec.append_kv(
+                    &buf,
+                    base + off,
+                    s.width,
+                    reg + (span.start * nkv * hd) as u32,
+                    len,
+                    nkv * hd,
+                    nkv * hd,
+                    self.cached[si],
+                );
+            }
+            let chunk = (SCORE_WORDS / (nh * self.ctx).max(1)).clamp(1, len);
+            for c0 in (0..len).step_by(chunk) {
+                let mm = chunk.min(len - c0);
+                let row0 = span.start + c0;
+                let base = P {
+                    n: mm,
+                    heads: nh,
+                    kv_heads: nkv,
+                    head_dim: hd,
+                    ctx: self.ctx,
+                    kv_width: s.width,
+                    v_off: nkv * hd,
+                    pos0: self.cached[si] + c0,
+                    kv_base: base,
+                    scale: m.spec.softmax_scale,
+                    ..Default::default()
+                };
+                let keys = self.cached[si] + c0 + mm;
+                let q = P {
+                    in0: r.q + (row0 * nh * hd) as u32,
+                    out0: r.scores,
+                    ..base
+                };
+                self.rec
+                    .push("gqa_scores", None, Some(&buf), q, grid(keys, nh, mm));
+                let sm = P {
+                    in0: r.scores,
+                    ..base
+                };
+                self.rec.push("softmax", None, None, sm, grid(nh, mm, 1));
+                let v = P {
+                    in0: r.scores,
+                    out0: r.att + (row0 * nh * hd) as u32,
+                    ..base
+                };
+                self.rec
+                    .push("gqa_values", None, Some(&buf), v, grid(hd, nh, mm));
+            }
+        }
+        self.rec.linear(&at.o, r.att, n, r.o, r.qx);
+    }
+
+    /// MLA attention of layer `li` (with its DSA selection) on the normed rows at `a` into `o`
+    /// (`Model::mla`).
+    #[allow(clippy::too_many_arguments)]
+    fn mla(
+        &mut self,
+        li: usize,
+        layer: &LayerWeights,
+        at: &GMla,
+        m: &Model,
+        sel: &mut Option<Selection>,
+        opts: ForwardOptions,
+        trace: Option<&mut Trace>,
+    ) -> Result<(), ForwardError> {
+        const LATENT_EPS: f32 = 1e-6;
+        let (s, n) = (self.s, self.rows.n());
+        let r = &self.r;
+        let (nh, qkd, kvr, rd) = (s.heads, s.qhead, s.lat, s.rd);
+        let interleaved = m.spec.rope.interleaved;
+        // queries
+        let q_resid = match (&at.q_a, &at.q_a_norm) {
+            (Some(qa), Some(qn)) => {
+                self.rec.linear(qa, r.a, n, r.qr, r.qx);
+                self.rec.rmsnorm(qn, r.qr, n, s.q_lora, r.qr, LATENT_EPS);
+                self.rec.linear(&at.q_b, r.qr, n, r.q, r.qx);
+                true
+            }
+            _ => {
+                self.rec.linear(&at.q_b, r.a, n, r.q, r.qx);
+                false
+            }
+        };
+        self.rec
+            .rope(r, r.q, n, nh, qkd, nh * qkd, s.nope, interleaved);
+        // latent and rope key, into the cache
+        self.rec.linear(&at.kv_a, r.a, n, r.ckv, r.qx);
+        self.rec
+            .rmsnorm_strided(&at.kv_a_norm, r.ckv, n, kvr, kvr + rd, r.ckv, LATENT_EPS);
+        self.rec.rope(r, r.ckv, n, 1, 0, kvr + rd, kvr, interleaved);
+        for si in 0..self.rows.spans.len() {
+            let span = self.rows.spans[si].clone();
+            if span.is_empty() {
+                continue;
+            }
+            let (buf, base, _) = self.kv(si, li);
+            let buf = buf.clone();
+            let x = r.ckv + (span.start * (kvr + rd)) as u32;
+            self.rec.append_kv(
+                &buf,
+                base,
+                s.width,
+                x,
+                span.len(),
+                kvr + rd,
+                kvr + rd,
+                self.cached[si],
+            );
+        }
+        // DSA: this layer's own selection, or the previous full layer's
+        if let (Some(kind), Some(dsa)) = (layer.indexer_kind, &m.spec.dsa) {
+            if let (IndexerKind::Full, Some(iw), true) = (kind, &at.indexer, q_resid) {
+                let chosen = self.indexer(li, iw, dsa, m)?;
+                if let Some(tr) = trace {
+                    tr.dsa.push(chosen.clone());
+                }
+                *sel = Some(chosen);
+            }
+        }
+        // key lists
+        let with_keys = sel.is_some();
+        if let Some(chosen) = sel.as_ref() {
+            let mut lists = vec![0.0f32; n * (self.ctx + 1)];
+            for (t, keys) in chosen.iter().enumerate() {
+                let row = &mut lists[t * (self.ctx + 1)..(t + 1) * (self.ctx + 1)];
+                row[0] = f32::from_bits(keys.len() as u32);
+                for (o, &k) in row[1..].iter_mut().zip(keys) {
+                    *o = f32::from_bits(k);
+                }
+            }
+            // lands before the next submission, after what is recorded so far runs: flush first
+            self.flush(&[])?;
+            self.dg.gpu.write(&self.arena, self.r.keys as u64, &lists);
+        }
+        let naive = opts.mla == MlaMode::Naive;
+        for si in 0..self.rows.spans.len() {
+            let span = self.rows.spans[si].clone();
+            let len = span.len();
+            if len == 0 {
+                continue;
+            }
+            let (buf, base, _) = self.kv(si, li);
+            let buf = buf.clone();
+            let r = &self.r;
+            let kvb = &at.kv_b;
+            let total = self.cached[si] + len;
+            let wb = P {
+                kind: kvb.kind,
+                group: kvb.group,
+                w_scales: kvb.scales,
+                w_mins: kvb.mins,
+                cols: kvb.cols,
+                rows: kvb.rows,
+                ..Default::default()
+            };
+            if naive {
+                let p = P {
+                    n: total,
+                    lat: kvr,
+                    kv_width: s.width,
+                    kv_base: base,
+                    out0: r.expanded,
+                    ..wb
+                };
+                self.rec.push(
+                    "mla_expand",
+                    Some(&kvb.buf),
+                    Some(&buf),
+                    p,
+                    grid(kvb.rows, total, 1),
+                );
+            }
+            let chunk = (SCORE_WORDS / (nh * self.ctx).max(1)).clamp(1, len);
+            for c0 in (0..len).step_by(chunk) {
+                let mm = chunk.min(len - c0);
+                let row0 = span.start + c0;
+                let b = P {
+                    n: mm,
+                    heads: nh,
+                    head_dim: qkd,
+                    ctx: self.ctx,
+                    kv_width: s.width,
+                    kv_base: base,
+                    pos0: self.cached[si] + c0,
+                    lat: kvr,
+                    rd,
+                    nope: s.nope,
+                    vd: s.vd,
+                    keys: r.keys + (row0 * (self.ctx + 1)) as u32,
+                    sel: with_keys,
+                    scale: m.spec.softmax_scale,
+                    ..wb
+                };
+                let q = r.q + (row0 * nh * qkd) as u32;
+                let att = r.att + (row0 * nh * s.vd) as u32;
+                let keys = self.ctx;
+                if naive {
+                    let sc = P {
+                        in0: q,
+                        in1: r.expanded,
+                        out0: r.scores,
+                        ..b
+                    };
+                    self.rec
+                        .push("mla_naive_scores", None, Some(&buf), sc, grid(keys, nh, mm));
+                    let sm = P { in0: r.scores, ..b };
+                    self.rec
+                        .push("softmax_keys", None, None, sm, grid(nh, mm, 1));
+                    let v = P {
+                        in0: r.scores,
+                        in1: r.expanded,
+                        out0: att,
+                        ..b
+                    };
+                    self.rec
+                        .push("mla_naive_values", None, None, v, grid(s.vd, nh, mm));
+                    continue;
+                }
+                let ab = P {
+                    in0: q,
+                    out0: r.qabs,
+                    ..b
+                };
+                self.rec
+                    .push("mla_absorb", Some(&kvb.buf), None, ab, grid(kvr, nh, mm));
+                let sc = P {
+                    in0: r.qabs,
+                    in1: q,
+                    out0: r.scores,
+                    ..b
+                };
+                self.rec
+                    .push("mla_scores", None, Some(&buf), sc, grid(keys, nh, mm));
+                let sm = P { in0: r.scores, ..b };
+                self.rec
+                    .push("softmax_keys", None, None, sm, grid(nh, mm, 1));
+                let cx = P {
+                    in0: r.scores,
+                    out0: r.lctx,
+                    ..b
+                };
+                self.rec
+                    .push("mla_context", None, Some(&buf), cx, grid(kvr, nh, mm));
+                let v = P {
+                    in0: r.lctx,
+                    out0: att,
+                    ..b
+                };
+                self.rec
+                    .push("mla_values", Some(&kvb.buf), None, v, grid(s.vd, nh, mm));
+            }
+        }
+        let r = &self.r;
+        self.rec.linear(&at.o, r.att, n, r.o, r.qx);
+        Ok(())
+    }
+
+    /// The DSA lightning indexer of layer `li` (`indexer_select`): its keys into the cache, the
+    /// scores on the GPU, each query's top keys chosen on the CPU from them.
+    fn indexer(
+        &mut self,
+        li: usize,
+        iw: &super::GIndexer,
+        d: &charm_shared::config::DsaSpec,
+        m: &Model,
+    ) -> Result<Selection, ForwardError> {
+        const KEY_EPS: f32 = 1e-6;
+        let (s, n) = (self.s, self.rows.n());
+        let r = &self.r;
+        let (ih, ihd) = (d.n_heads, d.head_dim);
+        let interleaved = m.spec.rope.interleaved;
+        self.rec.linear(&iw.wk, r.a, n, r.ik, r.qx);
+        let ln = P {
+            n,
+            cols: ihd,
+            in0: r.ik,
+            w_scales: ihd as u32,
+            eps: KEY_EPS,
+            start: sum_start(),
+            ..Default::default()
+        };
+        self.rec
+            .push("layernorm", Some(&iw.k_norm), None, ln, flat_groups(n));
+        self.rec.rope(r, r.ik, n, 1, 0, ihd, 0, interleaved);
+        for si in 0..self.rows.spans.len() {
+            let span = self.rows.spans[si].clone();
+            if span.is_empty() {
+                continue;
+            }
+            let (buf, _, ibase) = self.kv(si, li);
+            let buf = buf.clone();
+            let x = self.r.ik + (span.start * ihd) as u32;
+            self.rec
+                .append_kv(&buf, ibase, s.iw, x, span.len(), ihd, ihd, self.cached[si]);
+        }
+        let all = |p: usize| (0..=p as u32).collect::<Vec<u32>>();
+        if self.rows.pos.iter().all(|&p| p < d.topk) {
+            return Ok(self.rows.pos.iter().map(|&p| all(p)).collect());
+        }
+        let r = &self.r;
+        self.rec.linear(&iw.wq_b, r.qr, n, r.iq, r.qx);
+        self.rec.rope(r, r.iq, n, ih, ihd, ih * ihd, 0, interleaved);
+        self.rec.linear(&iw.weights_proj, r.a, n, r.hw, r.qx);
+        for si in 0..self.rows.spans.len() {
+            let span = self.rows.spans[si].clone();
+            if span.is_empty() {
+                continue;
+            }
+            let (buf, _, ibase) = self.kv(si, li);
+            let buf = buf.clone();
+            let r = &self.r;
+            let p = P {
+                n: span.len(),
+                heads: ih,
+                head_dim: ihd,
+                ctx: self.ctx,
+                kv_width: s.iw,
+                kv_base: ibase,
+                pos0: self.cached[si],
+                in0: r.iq + (span.start * ih * ihd) as u32,
+                in1: r.hw + (span.start * ih) as u32,
+                out0: r.dsa + (span.start * self.ctx) as u32,
+                scale: (ihd as f32).powf(-0.5),
+                hs: (ih as f32).powf(-0.5),
+                start: sum_start(),
+                ..Default::default()
+            };
+            self.rec.push(
+                "dsa_scores",
+                None,
+                Some(&buf),
+                p,
+                grid(self.ctx, span.len(), 1),
+            );
+        }
+        let dsa = self.r.dsa;
+        let scores = self.flush(&[(dsa, n * self.ctx)])?.remove(0);
+        Ok(self
+            .rows
+            .pos
+            .iter()
+            .enumerate()
+            .map(|(t, &p)| {
+                if p < d.topk {
+                    all(p)
+                } else {
+                    top_k_set(&scores[t * self.ctx..t * self.ctx + p + 1], d.topk)
+                        .into_iter()
+                        .map(|j| j as u32)
+                        .collect()
+                }
+            })
+            .collect())
     }
 }
 
@@ -379,19 +968,12 @@ impl Model {
         &self,
         dg: &DenseGpu,
         steps: &mut [Step<'_>],
+        opts: ForwardOptions,
         mut trace: Option<&mut Trace>,
     ) -> Result<Vec<f32>, ForwardError> {
         let spec = &self.spec;
         let h = spec.hidden_size;
-        let (nh, nkv, hd) = gqa_shape(self);
-        let width = 2 * nkv * hd;
-        let half = spec.rope.dim / 2;
-        if 2 * half != hd {
-            return Err(ForwardError::Gpu(format!(
-                "rotary dimension {} differs from the head size {hd}: partial rotary GQA does not run on the GPU",
-                spec.rope.dim
-            )));
-        }
+        let s = Shape::of(self);
         let lens: Vec<usize> = steps.iter().map(|s| s.tokens.len()).collect();
         let cached: Vec<usize> = steps.iter().map(|s| s.cache.len()).collect();
         let rows = Rows::new(&lens, &cached);
@@ -402,39 +984,62 @@ impl Model {
             .map(|(a, b)| a + b)
             .max()
             .unwrap_or(0);
-        let r = dg.regions(self, n, ctx);
+        let naive = opts.mla == MlaMode::Naive && matches!(spec.attention, AttentionSpec::Mla(_));
+        let r = dg.regions(self, &s, n, ctx, naive);
         let arena = dg.arena(r.end)?;
         let gpu = &dg.gpu;
 
         // the caches' copies in VRAM, with room for this step
         let n_layers = self.layers.len();
-        for s in steps.iter_mut() {
-            let need = s.cache.len() + s.tokens.len();
-            let dev = &mut s.cache.device.0;
+        let (width, iw) = (s.width, s.iw);
+        let mut kv = Vec::with_capacity(steps.len());
+        for st in steps.iter_mut() {
+            let need = st.cache.len() + st.tokens.len();
+            let dev = &mut st.cache.device.0;
             if dev.as_ref().is_none_or(|d| d.cap < need) {
+                let per_token = n_layers * (width + iw);
                 let cap = need.next_power_of_two().max(64);
-                let words = n_layers * cap * width;
                 let buf = gpu
-                    .storage(words as u64 * 4, "KV cache")
-                    .or_else(|_| gpu.storage((n_layers * need * width) as u64 * 4, "KV cache"))?;
-                let cap = (buf.size() as usize / 4) / (n_layers * width).max(1);
-                *dev = Some(SeqKv { buf, cap, valid: 0 });
+                    .storage((cap * per_token) as u64 * 4, "KV cache")
+                    .or_else(|_| gpu.storage((need * per_token) as u64 * 4, "KV cache"))?;
+                let cap = (buf.size() as usize / 4) / per_token.max(1);
+                *dev = Some(SeqKv {
+                    buf,
+                    cap,
+                    valid: 0,
+                    layers: n_layers,
+                    width,
+                    iw,
+                });
             }
             let d = dev.as_mut().expect("made above");
-            let have = s.cache.layers.first().map_or(0, |l| l.len());
+            let have = st.cache.layers.first().map_or(0, |l| l.len());
             if d.valid < have {
-                for (l, lc) in s.cache.layers.iter().enumerate() {
-                    let at = (l * d.cap + d.valid) * width;
-                    gpu.write(&d.buf, at as u64, &lc.kv[d.valid * width..have * width]);
+                for (l, lc) in st.cache.layers.iter().enumerate() {
+                    let (kb, ib) = (d.kv_base(l), d.index_base(l));
+                    let from = d.valid;
+                    gpu.write(
+                        &d.buf,
+                        (kb + from * width) as u64,
+                        &lc.kv[from * width..have * width],
+                    );
+                    if iw > 0 && lc.index_keys.len() >= have * iw {
+                        gpu.write(
+                            &d.buf,
+                            (ib + from * iw) as u64,
+                            &lc.index_keys[from * iw..have * iw],
+                        );
+                    }
                 }
                 d.valid = have;
             }
+            kv.push((d.buf.clone(), d.cap, n_layers));
         }
 
         // embeddings and rotary tables
         let mut x = Vec::with_capacity(n * h);
-        for (s, p0) in steps.iter().zip(&cached) {
-            x.extend(self.embed_tokens(&self.embed, s.tokens, *p0)?);
+        for (st, p0) in steps.iter().zip(&cached) {
+            x.extend(self.embed_tokens(&self.embed, st.tokens, *p0)?);
         }
         gpu.write(&arena, r.x as u64, &x);
         let rope = self.rope_tables(&rows.pos);
@@ -445,7 +1050,17 @@ impl Model {
         gpu.write(&arena, r.flags as u64, &vec![0.0; n_layers]);
 
         let eps = spec.rms_norm_eps;
-        let mut rec = Rec::default();
+        let mut run = Run {
+            dg,
+            arena: arena.clone(),
+            r,
+            s,
+            rows,
+            cached: cached.clone(),
+            kv,
+            ctx,
+            rec: Rec::default(),
+        };
         let flags_of = |v: &[f32]| -> Result<(), ForwardError> {
             match v.iter().position(|f| f.to_bits() != 0) {
                 Some(li) => Err(ForwardError::NonFinite {
@@ -454,121 +1069,26 @@ impl Model {
                 None => Ok(()),
             }
         };
+        let mut sel: Option<Selection> = None;
         for (li, (layer, gl)) in self.layers.iter().zip(&dg.layers).enumerate() {
             // --- attention ---
-            rec.rmsnorm(&gl.input_norm, r.x, n, h, r.a, eps);
-            let at = &gl.attn;
-            for (lin, out, bias) in [
-                (&at.q, r.q, &at.q_bias),
-                (&at.k, r.k, &at.k_bias),
-                (&at.v, r.v, &at.v_bias),
-            ] {
-                rec.linear(lin, r.a, n, out, r.qx);
-                if let Some(b) = bias {
-                    rec.add_bias(out, b, lin.rows, n * lin.rows);
+            let (rx, ra) = (run.r.x, run.r.a);
+            run.rec.rmsnorm(&gl.input_norm, rx, n, h, ra, eps);
+            match &gl.attn {
+                GAttn::Gqa(at) => run.gqa(li, at, self),
+                GAttn::Mla(at) => {
+                    run.mla(li, layer, at, self, &mut sel, opts, trace.as_deref_mut())?
                 }
             }
-            if let Some(qn) = &at.q_norm {
-                rec.rmsnorm(qn, r.q, n * nh, hd, r.q, eps);
-            }
-            if let Some(kn) = &at.k_norm {
-                rec.rmsnorm(kn, r.k, n * nkv, hd, r.k, eps);
-            }
-            for (reg, heads) in [(r.q, nh), (r.k, nkv)] {
-                let p = P {
-                    n,
-                    heads,
-                    cols: hd,
-                    stride_in: heads * hd,
-                    in0: reg,
-                    in1: r.cos,
-                    in2: r.sin,
-                    half,
-                    ..Default::default()
-                };
-                rec.push("rope", None, None, p, grid(heads, n, 1));
-            }
-            for (si, span) in rows.spans.iter().enumerate() {
-                let len = span.len();
-                if len == 0 {
-                    continue;
-                }
-                let d = steps[si].cache.device.0.as_ref().expect("made above");
-                let kv_base = li * d.cap * width;
-                for (reg, off) in [(r.k, 0), (r.v, nkv * hd)] {
-                    let p = P {
-                        n: len,
-                        cols: nkv * hd,
-                        stride_in: nkv * hd,
-                        in0: reg + (span.start * nkv * hd) as u32,
-                        pos0: cached[si],
-                        kv_width: width,
-                        kv_off: off,
-                        kv_base,
-                        ..Default::default()
-                    };
-                    rec.push("to_kv", None, Some(&d.buf), p, grid(nkv * hd, len, 1));
-                }
-                let chunk = (SCORE_WORDS / (nh * ctx).max(1)).clamp(1, len);
-                for c0 in (0..len).step_by(chunk) {
-                    let m = chunk.min(len - c0);
-                    let row0 = span.start + c0;
-                    let base = P {
-                        n: m,
-                        heads: nh,
-                        kv_heads: nkv,
-                        head_dim: hd,
-                        ctx,
-                        kv_width: width,
-                        v_off: nkv * hd,
-                        pos0: cached[si] + c0,
-                        kv_base,
-                        scale: spec.softmax_scale,
-                        ..Default::default()
-                    };
-                    let keys = cached[si] + c0 + m;
-                    rec.push(
-                        "gqa_scores",
-                        None,
-                        Some(&d.buf),
-                        P {
-                            in0: r.q + (row0 * nh * hd) as u32,
-                            out0: r.scores,
-                            ..base
-                        },
-                        grid(keys, nh, m),
-                    );
-                    rec.push(
-                        "softmax",
-                        None,
-                        None,
-                        P {
-                            in0: r.scores,
-                            ..base
-                        },
-                        grid(nh, m, 1),
-                    );
-                    rec.push(
-                        "gqa_values",
-                        None,
-                        Some(&d.buf),
-                        P {
-                            in0: r.scores,
-                            out0: r.att + (row0 * nh * hd) as u32,
-                            ..base
-                        },
-                        grid(hd, nh, m),
-                    );
-                }
-            }
-            rec.linear(&at.o, r.att, n, r.o, r.qx);
-            rec.add(r.x, r.o, n * h, r.x);
+            let r = &run.r;
+            run.rec.add(r.x, r.o, n * h, r.x);
             // --- feed-forward ---
-            rec.rmsnorm(&gl.post_norm, r.x, n, h, r.f, eps);
+            run.rec.rmsnorm(&gl.post_norm, r.x, n, h, r.f, eps);
             match (&gl.ffn, &layer.ffn) {
-                (GFfn::Dense(s), _) => {
-                    rec.swiglu(s, r.f, n, r.y, &r);
-                    rec.add(r.x, r.y, n * h, r.x);
+                (GFfn::Dense(sw), _) => {
+                    let r = &run.r;
+                    run.rec.swiglu(sw, r.f, n, r.y, r);
+                    run.rec.add(r.x, r.y, n * h, r.x);
                 }
                 (
                     GFfn::Moe { router, shared },
@@ -578,21 +1098,13 @@ impl Model {
                 ) => {
                     let rs = spec.router.as_ref().expect("MoE model has a router spec");
                     let e = rs.n_experts;
-                    rec.linear(router, r.f, n, r.logits, r.qx);
-                    if let Some(s) = shared {
-                        rec.swiglu(s, r.f, n, r.shared, &r);
+                    let r = &run.r;
+                    run.rec.linear(router, r.f, n, r.logits, r.qx);
+                    if let Some(sw) = shared {
+                        run.rec.swiglu(sw, r.f, n, r.shared, r);
                     }
-                    let ops = std::mem::take(&mut rec.ops);
-                    let back = gpu.run_program(
-                        &dg.kernels,
-                        &arena,
-                        &ops,
-                        &[
-                            (&arena, r.f as u64, n * h),
-                            (&arena, r.logits as u64, n * e),
-                            (&arena, r.flags as u64, li),
-                        ],
-                    )?;
+                    let (f, lg, fl) = (r.f, r.logits, r.flags);
+                    let back = run.flush(&[(f, n * h), (lg, n * e), (fl, li)])?;
                     flags_of(&back[2])?;
                     let (f, logits) = (&back[0], &back[1]);
                     let k = rs.top_k;
@@ -621,56 +1133,66 @@ impl Model {
                             top_k: k,
                         })
                         .wait()?;
+                    let r = &run.r;
                     gpu.write(&arena, r.y as u64, &y);
                     if shared.is_some() {
-                        rec.add(r.y, r.shared, n * h, r.y);
+                        run.rec.add(r.y, r.shared, n * h, r.y);
                     }
-                    rec.add(r.x, r.y, n * h, r.x);
+                    run.rec.add(r.x, r.y, n * h, r.x);
                 }
                 _ => unreachable!("GPU layers are built from the model's"),
             }
+            let r = &run.r;
             let p = P {
                 n: n * h,
                 in0: r.x,
                 out0: r.flags + li as u32,
                 ..Default::default()
             };
-            rec.push("finite", None, None, p, flat_groups(n * h));
+            run.rec.push("finite", None, None, p, flat_groups(n * h));
             if let Some(tr) = trace.as_deref_mut() {
-                let ops = std::mem::take(&mut rec.ops);
-                let back =
-                    gpu.run_program(&dg.kernels, &arena, &ops, &[(&arena, r.x as u64, n * h)])?;
-                tr.layer_out.extend(back);
+                let x = run.r.x;
+                tr.layer_out.extend(run.flush(&[(x, n * h)])?);
             }
         }
-        rec.rmsnorm(&dg.norm, r.x, n, h, r.x, eps);
+        let r = &run.r;
+        run.rec.rmsnorm(&dg.norm, r.x, n, h, r.x, eps);
 
         // the normed rows, the flags and every layer's new cache entries come back
         let mut reads: Vec<(&wgpu::Buffer, u64, usize)> = vec![
             (&arena, r.x as u64, n * h),
             (&arena, r.flags as u64, n_layers),
         ];
-        for (s, span) in steps.iter().zip(&rows.spans) {
-            let d = s.cache.device.0.as_ref().expect("made above");
-            let p0 = s.cache.len();
-            for l in 0..n_layers {
+        let with_index: Vec<bool> = self
+            .layers
+            .iter()
+            .map(|l| l.indexer_kind == Some(IndexerKind::Full) && iw > 0)
+            .collect();
+        for (si, span) in run.rows.spans.iter().enumerate() {
+            let (buf, cap, _) = &run.kv[si];
+            let p0 = cached[si];
+            for (l, &idx) in with_index.iter().enumerate() {
+                let (kb, ib) = SeqKv::bases(*cap, n_layers, width, iw, l);
+                reads.push((buf, (kb + p0 * width) as u64, span.len() * width));
                 reads.push((
-                    &d.buf,
-                    ((l * d.cap + p0) * width) as u64,
-                    span.len() * width,
+                    buf,
+                    (ib + p0 * iw) as u64,
+                    if idx { span.len() * iw } else { 0 },
                 ));
             }
         }
-        let ops = std::mem::take(&mut rec.ops);
+        let ops = std::mem::take(&mut run.rec.ops);
         let back = gpu.run_program(&dg.kernels, &arena, &ops, &reads)?;
         flags_of(&back[1])?;
         let mut entries = back[2..].iter();
-        for (s, len) in steps.iter_mut().zip(&lens) {
-            for lc in s.cache.layers.iter_mut() {
+        for (st, len) in steps.iter_mut().zip(&lens) {
+            for lc in st.cache.layers.iter_mut() {
                 lc.kv
                     .extend_from_slice(entries.next().expect("one read a layer"));
+                lc.index_keys
+                    .extend_from_slice(entries.next().expect("one read a layer"));
             }
-            if let Some(d) = s.cache.device.0.as_mut() {
+            if let Some(d) = st.cache.device.0.as_mut() {
                 d.valid += len;
             }
         }

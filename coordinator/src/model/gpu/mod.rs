@@ -58,6 +58,34 @@ struct GGqa {
     k_norm: Option<wgpu::Buffer>,
 }
 
+/// The DSA indexer of a `full` layer in VRAM.
+#[derive(Debug)]
+struct GIndexer {
+    wq_b: GLinear,
+    wk: GLinear,
+    /// The key norm's weight, then its bias.
+    k_norm: wgpu::Buffer,
+    weights_proj: GLinear,
+}
+
+#[derive(Debug)]
+struct GMla {
+    q_a: Option<GLinear>,
+    q_a_norm: Option<wgpu::Buffer>,
+    q_b: GLinear,
+    kv_a: GLinear,
+    kv_a_norm: wgpu::Buffer,
+    kv_b: GLinear,
+    o: GLinear,
+    indexer: Option<GIndexer>,
+}
+
+#[derive(Debug)]
+enum GAttn {
+    Gqa(Box<GGqa>),
+    Mla(Box<GMla>),
+}
+
 #[derive(Debug)]
 enum GFfn {
     Dense(GSwiGlu),
@@ -71,7 +99,7 @@ enum GFfn {
 struct GLayer {
     input_norm: wgpu::Buffer,
     post_norm: wgpu::Buffer,
-    attn: GGqa,
+    attn: GAttn,
     ffn: GFfn,
 }
 
@@ -82,6 +110,8 @@ pub struct DenseGpu {
     layers: Vec<GLayer>,
     norm: wgpu::Buffer,
     head: GLinear,
+    /// The most columns of any matrix (the widest input a step quantizes).
+    widest: usize,
     /// Bytes of VRAM the weights hold.
     bytes: u64,
     /// The step's working memory, grown as steps need.
@@ -96,10 +126,13 @@ impl std::fmt::Debug for DenseGpu {
 
 /// Why a model's dense skeleton does not run on the GPU, or `None` when it does.
 pub fn unsupported(m: &Model) -> Option<String> {
-    if let AttentionSpec::Mla(_) = m.spec.attention {
-        return Some(
-            "MLA attention (DeepSeek-V3, Kimi-K2, GLM-5) does not run on the GPU yet: only GQA models (Qwen3-MoE) do".into(),
-        );
+    if let AttentionSpec::Gqa(g) = &m.spec.attention {
+        if m.spec.rope.dim != g.head_dim {
+            return Some(format!(
+                "partial rotary GQA (rotary dimension {} of heads of {}) does not run on the GPU",
+                m.spec.rope.dim, g.head_dim
+            ));
+        }
     }
     None
 }
@@ -167,7 +200,34 @@ impl DenseGpu {
             layers.push(GLayer {
                 input_norm: vector(&l.input_norm, "input norm")?,
                 post_norm: vector(&l.post_norm, "post norm")?,
-                attn: Self::gqa(&gpu, l, &mut vector)?,
+                attn: match &l.attn {
+                    AttnWeights::Gqa(_) => GAttn::Gqa(Box::new(Self::gqa(&gpu, l, &mut vector)?)),
+                    AttnWeights::Mla(w) => GAttn::Mla(Box::new(GMla {
+                        q_a: w.q_a.as_ref().map(|q| linear(&gpu, q)).transpose()?,
+                        q_a_norm: w
+                            .q_a_norm
+                            .as_deref()
+                            .map(|v| vector(v, "q_a norm"))
+                            .transpose()?,
+                        q_b: linear(&gpu, &w.q_b)?,
+                        kv_a: linear(&gpu, &w.kv_a)?,
+                        kv_a_norm: vector(&w.kv_a_norm, "kv_a norm")?,
+                        kv_b: linear(&gpu, &w.kv_b)?,
+                        o: linear(&gpu, &w.o)?,
+                        indexer: match &l.indexer {
+                            Some(i) => Some(GIndexer {
+                                wq_b: linear(&gpu, &i.wq_b)?,
+                                wk: linear(&gpu, &i.wk)?,
+                                k_norm: vector(
+                                    &[&i.k_norm_w[..], &i.k_norm_b[..]].concat(),
+                                    "indexer key norm",
+                                )?,
+                                weights_proj: matrix(&gpu, &i.weights_proj)?,
+                            }),
+                            None => None,
+                        },
+                    })),
+                },
                 ffn: match &l.ffn {
                     FfnWeights::Dense(s) => GFfn::Dense(swiglu(&gpu, s)?),
                     FfnWeights::Moe { router, shared, .. } => GFfn::Moe {
@@ -181,19 +241,19 @@ impl DenseGpu {
         let head = linear(&gpu, m.lm_head.as_ref().unwrap_or(&m.embed))?;
         let weights: u64 = layers
             .iter()
-            .map(|l| {
-                let a = &l.attn;
-                let ffn = match &l.ffn {
-                    GFfn::Dense(s) => s.bytes(),
-                    GFfn::Moe { router, shared } => {
-                        router.bytes() + shared.as_ref().map_or(0, |s| s.bytes())
-                    }
-                };
-                a.q.bytes() + a.k.bytes() + a.v.bytes() + a.o.bytes() + ffn
-            })
+            .flat_map(|l| l.linears())
+            .map(GLinear::bytes)
             .sum();
+        let widest = layers
+            .iter()
+            .flat_map(|l| l.linears())
+            .chain([&head])
+            .map(|l| l.cols)
+            .max()
+            .unwrap_or(0);
         Ok(Self {
             kernels,
+            widest,
             layers,
             norm,
             bytes: bytes + weights + head.bytes(),
@@ -254,9 +314,30 @@ impl GLinear {
     }
 }
 
-impl GSwiGlu {
-    fn bytes(&self) -> u64 {
-        self.gate.bytes() + self.up.bytes() + self.down.bytes()
+impl GLayer {
+    /// Every matrix of the layer.
+    fn linears(&self) -> Vec<&GLinear> {
+        let mut v = match &self.attn {
+            GAttn::Gqa(a) => vec![&a.q, &a.k, &a.v, &a.o],
+            GAttn::Mla(a) => {
+                let mut v: Vec<&GLinear> = a.q_a.iter().collect();
+                v.extend([&a.q_b, &a.kv_a, &a.kv_b, &a.o]);
+                if let Some(i) = &a.indexer {
+                    v.extend([&i.wq_b, &i.wk, &i.weights_proj]);
+                }
+                v
+            }
+        };
+        match &self.ffn {
+            GFfn::Dense(s) => v.extend([&s.gate, &s.up, &s.down]),
+            GFfn::Moe { router, shared } => {
+                v.push(router);
+                if let Some(s) = shared {
+                    v.extend([&s.gate, &s.up, &s.down]);
+                }
+            }
+        }
+        v
     }
 }
 
@@ -311,13 +392,33 @@ fn linear(gpu: &Gpu, l: &Linear) -> Result<GLinear, GpuError> {
     })
 }
 
-/// One sequence's KV cache in VRAM: every layer's entries, `cap` tokens a layer, of which the
-/// first `valid` equal the cache's own.
+/// One sequence's KV cache in VRAM: every layer's entries (`width` words a token, `cap` tokens
+/// a layer), then every layer's DSA indexer keys (`iw` words a token, zeros on layers without
+/// them), of which the first `valid` tokens equal the cache's own.
 #[derive(Debug)]
 pub struct SeqKv {
     buf: wgpu::Buffer,
     cap: usize,
     valid: usize,
+    layers: usize,
+    width: usize,
+    iw: usize,
+}
+
+impl SeqKv {
+    /// Words of layer `l`'s entries and of its indexer keys in a copy of `cap` tokens.
+    fn bases(cap: usize, layers: usize, width: usize, iw: usize, l: usize) -> (usize, usize) {
+        (l * cap * width, layers * cap * width + l * cap * iw)
+    }
+
+    /// Word of token 0 of layer `l`'s entries.
+    fn kv_base(&self, l: usize) -> usize {
+        Self::bases(self.cap, self.layers, self.width, self.iw, l).0
+    }
+    /// Word of token 0 of layer `l`'s indexer keys.
+    fn index_base(&self, l: usize) -> usize {
+        Self::bases(self.cap, self.layers, self.width, self.iw, l).1
+    }
 }
 
 /// A cache's copy in VRAM, if it has one ([`crate::model::cache::KvCache::device`]). A clone
