@@ -258,6 +258,10 @@ fn the_cli_generates_the_cpu_tokens_and_refuses_a_device_that_fails_its_self_che
     let gen = |dense: &str| {
         let (ok, v, err) = common::generate_run(&gqa, &prompt, 6, &["--dense-device", dense], &[]);
         assert!(ok, "generate --dense-device {dense}: {err}");
+        let want = if dense == "cpu" { "cpu" } else { "gpu" };
+        if dense != "auto" {
+            assert_eq!(v["stats"]["dense"]["device"], want, "{v}");
+        }
         v["ids"].clone()
     };
     assert_eq!(gen("gpu"), gen("cpu"));
@@ -272,9 +276,126 @@ fn the_cli_generates_the_cpu_tokens_and_refuses_a_device_that_fails_its_self_che
     let (ok, v, err) =
         common::generate_run(&gqa, &prompt, 6, &["--dense-device", "auto"], &perturb);
     assert!(ok, "auto with a refused device: {err}");
+    assert_eq!(v["stats"]["dense"]["device"], "cpu", "{v}");
     assert!(
         err.contains("--dense-device auto"),
         "no note of where it ran: {err}"
     );
     assert_eq!(v["ids"], gen("cpu"));
+}
+
+/// `charm generate` of `tokens` tokens with `extra` flags: the ids.
+fn ids(model: &std::path::Path, prompt: &str, tokens: usize, extra: &[&str]) -> serde_json::Value {
+    let (ok, v, err) = common::generate_run(model, prompt, tokens, extra, &[]);
+    assert!(ok, "generate {extra:?}: {err}");
+    v["ids"].clone()
+}
+
+#[test]
+fn the_demo_model_samples_and_drafts_the_same_tokens_with_the_dense_skeleton_on_the_gpu() {
+    if device().is_none() {
+        return;
+    }
+    let demo = common::server::demo();
+    let prompt = "1,2,3,4,5,6,7,8";
+    for extra in [
+        &[][..],
+        &["--temperature", "0.8", "--seed", "7"][..],
+        &["--draft", "3"][..],
+    ] {
+        let cpu = ids(&demo, prompt, 48, extra);
+        let gpu = ids(
+            &demo,
+            prompt,
+            48,
+            &[extra, &["--dense-device", "gpu"]].concat(),
+        );
+        assert_eq!(gpu, cpu, "demo {extra:?}");
+    }
+}
+
+#[test]
+fn the_gateway_batches_the_same_answers_with_the_dense_skeleton_on_the_gpu() {
+    if device().is_none() {
+        return;
+    }
+    let demo = common::server::demo();
+    let ask = |addr: &str| -> Vec<String> {
+        let prompts = [
+            "Once upon a time",
+            "The king said",
+            "In the forest",
+            "A ghost",
+        ];
+        std::thread::scope(|s| {
+            let hs: Vec<_> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let body = serde_json::json!({
+                        "prompt": p,
+                        "max_tokens": 24,
+                        "temperature": if i % 2 == 0 { 0.0 } else { 0.9 },
+                        "seed": 11 + i,
+                    });
+                    s.spawn(move || common::http::post(addr, "/v1/completions", &body))
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    let r = h.join().unwrap();
+                    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                    r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+                })
+                .collect()
+        })
+    };
+    let base = ["--history", "none"];
+    let cpu = {
+        let s = common::server::Server::start_model(&demo, &base);
+        ask(&s.addr)
+    };
+    let s = common::server::Server::start_model(
+        &demo,
+        &[&base[..], &["--dense-device", "gpu"]].concat(),
+    );
+    assert_eq!(ask(&s.addr), cpu);
+}
+
+#[test]
+fn a_coordinator_with_the_dense_skeleton_on_the_gpu_and_two_workers_gives_the_single_box_bits() {
+    use common::cluster::{certs, workers_arg, Worker};
+    if device().is_none() {
+        return;
+    }
+    let c = scratch("dense-gpu-cluster-model");
+    let (ok, err) = common::convert(&fixture("deepseek3-tiny"), &c, &["--experts", "int4"], None);
+    assert!(ok, "convert: {err}");
+    let dir = certs("dense-gpu-certs");
+    let act = ["--activations", "int8"];
+    let w1 = Worker::start(&c, &dir, "w1", 0, &act);
+    let w2 = Worker::start(&c, &dir, "w2", 0, &act);
+    let prompt = "5,17,29,3,11,42,7,8";
+    let single = ids(&c, prompt, 16, &act);
+    let workers = workers_arg(&[(&w1, "w1"), (&w2, "w2")]);
+    let cluster = [
+        &act[..],
+        &[
+            "--cluster",
+            dir.to_str().unwrap(),
+            "--workers",
+            &workers,
+            "--dense-device",
+            "gpu",
+        ],
+    ]
+    .concat();
+    assert_eq!(
+        ids(&c, prompt, 16, &cluster),
+        single,
+        "GPU coordinator + two workers"
+    );
+    drop((w1, w2));
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&c);
 }

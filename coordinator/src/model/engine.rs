@@ -317,7 +317,7 @@ impl Engine {
     /// Per-run statistics as JSON: the executor's counters for the run `run`, peak RSS and the
     /// plan's budget.
     pub fn run_stats(&self, run: Option<&ExpertStats>) -> serde_json::Value {
-        let mut v = serde_json::json!({});
+        let mut v = serde_json::json!({ "dense": self.model.dense_status() });
         if let Some((peak, now)) = rss() {
             v["peak_rss_bytes"] = peak.into();
             v["rss_bytes"] = now.into();

@@ -625,16 +625,82 @@ impl Model {
         })
     }
 
+    /// Where the dense skeleton runs, for status documents: `{"device": "cpu"}`, or `"gpu"` with
+    /// the adapter's name and the bytes of weights it holds.
+    pub fn dense_status(&self) -> serde_json::Value {
+        match &self.dense_gpu {
+            Some(d) => serde_json::json!({
+                "device": "gpu",
+                "gpu": d.device_name(),
+                "vram_bytes": d.bytes(),
+            }),
+            None => serde_json::json!({ "device": "cpu" }),
+        }
+    }
+
     /// Moves the dense forward to `gpu` (`--dense-device gpu`): the dense weights are copied to
     /// its memory, and every later step runs there with the same bits. Refused, with the reason,
     /// for models the GPU path does not take yet ([`gpu::unsupported`]).
+    ///
+    /// Before it is used, the device must reproduce the CPU: a short prompt (prefill, then a
+    /// cached step) through the whole dense skeleton, with the routed experts left out, must
+    /// give the CPU's logits bit for bit; a device that differs is refused, naming it and the
+    /// first logit that differs.
     pub fn attach_dense_gpu(
         &mut self,
         gpu: Arc<charm_worker::gpu::Gpu>,
     ) -> Result<u64, charm_worker::gpu::GpuError> {
-        let d = gpu::DenseGpu::new(self, gpu)?;
+        let d = gpu::DenseGpu::new(self, gpu.clone())?;
         let bytes = d.bytes();
+        // the check runs without the routed experts and leaves no trace in the counters
+        let experts = std::mem::replace(
+            &mut self.experts,
+            Arc::new(gpu::NoExperts(self.spec.hidden_size)),
+        );
+        let usage = std::mem::replace(&mut self.expert_use, Arc::new(usage::ExpertUse::new(1, 0)));
+        let steps = self.steps.load(std::sync::atomic::Ordering::Relaxed);
+        let run = |m: &Self| -> Result<Vec<f32>, String> {
+            let vocab = m.spec.vocab_size;
+            let prompt: Vec<u32> = (0..5).map(|i| ((i * 7919 + 3) % vocab) as u32).collect();
+            let mut cache = cache::KvCache::new(&m.spec);
+            let mut out = Vec::new();
+            for part in [&prompt[..4], &prompt[4..]] {
+                let h = m
+                    .forward(part, &mut cache, forward::ForwardOptions::default(), None)
+                    .map_err(|e| e.to_string())?;
+                out.extend(m.logits(&h, part.len()).map_err(|e| e.to_string())?);
+            }
+            Ok(out)
+        };
+        let cpu = run(self);
         self.dense_gpu = Some(d);
+        let on_gpu = run(self);
+        self.experts = experts;
+        self.expert_use = usage;
+        self.steps
+            .store(steps, std::sync::atomic::Ordering::Relaxed);
+        let mut refuse = |e: charm_worker::gpu::GpuError| {
+            self.dense_gpu = None;
+            Err(e)
+        };
+        let device = |e: String| charm_worker::gpu::GpuError::Device(e);
+        let (cpu, on_gpu) = match (cpu, on_gpu) {
+            (Ok(c), Ok(g)) => (c, g),
+            (Err(e), _) => {
+                return refuse(device(format!("the dense check failed on the CPU: {e}")))
+            }
+            (_, Err(e)) => return refuse(device(format!("the dense check failed: {e}"))),
+        };
+        if let Some(i) = (0..cpu.len()).find(|&i| !charm_worker::gpu::same_bits(on_gpu[i], cpu[i]))
+        {
+            return refuse(charm_worker::gpu::GpuError::DenseCheck {
+                adapter: gpu.name.clone(),
+                driver: gpu.driver.clone(),
+                index: i,
+                gpu: on_gpu[i],
+                cpu: cpu[i],
+            });
+        }
         Ok(bytes)
     }
 }

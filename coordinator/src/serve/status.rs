@@ -37,6 +37,8 @@ const SAMPLES: usize = 60;
 /// where they live, and a minute of throughput samples.
 pub(super) struct Sources {
     pub(super) arch: String,
+    /// Where the dense skeleton runs: `{"device": "cpu"}` or the GPU and the VRAM it holds.
+    pub(super) dense: serde_json::Value,
     pub(super) layers: usize,
     /// MoE layer indices (the MTP layer's included), and experts per layer and per token.
     pub(super) moe_layers: Vec<usize>,
@@ -86,6 +88,7 @@ impl Sources {
         let router = m.spec.router.as_ref();
         Self {
             arch: format!("{:?}", m.spec.arch),
+            dense: m.dense_status(),
             layers: m.spec.layers.len(),
             moe_layers,
             n_experts: router.map_or(0, |r| r.n_experts),
@@ -275,6 +278,7 @@ pub(super) fn document(s: &Shared, heat: bool) -> Json {
             "experts_per_layer": src.n_experts,
             "experts_per_token": src.top_k,
             "context": s.opts.context,
+            "dense": src.dense,
         },
         "uptime_seconds": super::now().saturating_sub(s.started),
         "server": {

@@ -33,6 +33,18 @@ pub fn perturbed_shader() -> String {
     EXPERT_SHADER.replace(COMBINE, NATIVE_COMBINE)
 }
 
+/// The dense kernels' fixed tree of 8 lane sums as the shader writes it, and a wrong order (the
+/// lanes summed one after another).
+const TREE: &str = "return sf_add(sf_add(sf_add(a[0], a[4]), sf_add(a[1], a[5])), sf_add(sf_add(a[2], a[6]), sf_add(a[3], a[7])));";
+const WRONG_TREE: &str = "return sf_add(sf_add(sf_add(sf_add(sf_add(sf_add(sf_add(a[0], a[1]), a[2]), a[3]), a[4]), a[5]), a[6]), a[7]);";
+
+/// [`DENSE_SHADER`] with its lane sums in another order: for tests that a model's dense check
+/// notices kernels that round differently.
+pub fn perturbed_dense_shader() -> String {
+    assert!(DENSE_SHADER.contains(TREE), "the dense shader's tree moved");
+    DENSE_SHADER.replace(TREE, WRONG_TREE)
+}
+
 /// A dispatch's uniform block (`Params` in `expert.wgsl`): 16 words.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KernelParams {

@@ -48,6 +48,15 @@ pub enum GpuError {
         gpu_bits: u32,
         cpu_bits: u32,
     },
+    /// The dense kernels gave other bits than the CPU on the model's own check.
+    #[error("GPU {adapter} ({driver}) refused: its dense kernels differ from the CPU at logit {index} of the check ({gpu:?} against the CPU's {cpu:?})")]
+    DenseCheck {
+        adapter: String,
+        driver: String,
+        index: usize,
+        gpu: f32,
+        cpu: f32,
+    },
     /// An expert whose formats the kernels do not take.
     #[error("expert not supported on the GPU: {0}")]
     Format(String),

@@ -4,7 +4,7 @@
 //! list of dispatches run in one submission with what it reads back. What the dispatches compute
 //! is the caller's (the coordinator's GPU forward); this file only moves bytes and records.
 
-use charm_shared::quant::gpu::{DENSE_SHADER, EXPERT_SHADER, WORKGROUP};
+use charm_shared::quant::gpu::{perturbed_dense_shader, DENSE_SHADER, EXPERT_SHADER, WORKGROUP};
 
 use super::{Gpu, GpuError};
 
@@ -123,15 +123,22 @@ impl Gpu {
             bind_group_layouts: &[Some(&layout)],
             immediate_size: 0,
         });
-        let module = |label, src: &'static str| {
+        // (tests of the dense check only: `CHARM_GPU_TEST_PERTURB=dense` builds kernels that
+        // sum in another order)
+        let dense_src = if std::env::var("CHARM_GPU_TEST_PERTURB").as_deref() == Ok("dense") {
+            perturbed_dense_shader().into()
+        } else {
+            std::borrow::Cow::Borrowed(DENSE_SHADER)
+        };
+        let module = |label, src: std::borrow::Cow<'static, str>| {
             device.create_shader_module(wgpu::ShaderModuleDescriptor {
                 label: Some(label),
-                source: wgpu::ShaderSource::Wgsl(src.into()),
+                source: wgpu::ShaderSource::Wgsl(src),
             })
         };
         let (dense, expert) = (
-            module("charm dense", DENSE_SHADER),
-            module("charm experts", EXPERT_SHADER),
+            module("charm dense", dense_src),
+            module("charm experts", EXPERT_SHADER.into()),
         );
         let pipeline = |m: &wgpu::ShaderModule, entry: &str| {
             device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {

@@ -392,6 +392,20 @@ fn linear(gpu: &Gpu, l: &Linear) -> Result<GLinear, GpuError> {
     })
 }
 
+/// Routed experts that add nothing: [`Model::attach_dense_gpu`]'s check compares the dense
+/// skeleton alone.
+#[derive(Debug)]
+pub(crate) struct NoExperts(pub usize);
+
+impl charm_shared::expert::ExpertExecutor for NoExperts {
+    fn run(
+        &self,
+        b: charm_shared::expert::ExpertBatch<'_>,
+    ) -> Result<Vec<f32>, charm_shared::expert::ExpertError> {
+        Ok(vec![0.0; b.n_tokens * self.0])
+    }
+}
+
 /// One sequence's KV cache in VRAM: every layer's entries (`width` words a token, `cap` tokens
 /// a layer), then every layer's DSA indexer keys (`iw` words a token, zeros on layers without
 /// them), of which the first `valid` tokens equal the cache's own.
