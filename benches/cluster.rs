@@ -648,6 +648,7 @@ fn main() {
                 acceptance: 0.0,
                 position: prompt.len() + a.tokens / 2,
                 worker_disk_bytes_s: probe::WORKER_DISK_BYTES_S,
+                dense_gpu: false,
             };
             probe::predict_live(&a.model, &r, &spec, plan, o).unwrap()
         });

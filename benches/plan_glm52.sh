@@ -8,10 +8,17 @@
 #     128 GiB machines, int4 dense weights, each row without a GPU and with a 24 GiB one at
 #     900 GB/s on every machine ("gpu": {"vram_gib": 24, "mem_gb_s": 900}; the GPU's
 #     efficiency is assumed).
+#   benches/plan_glm52.sh --dense-gpu [path/to/charm]
+#     64 or 128 GiB machines, int4 dense weights, the coordinator's machine with one 24 GiB GPU
+#     at 936 GB/s (an RTX 3090) running the dense pass (`--dense-device gpu`), each row against
+#     the same machines with the dense pass on the CPU.
 set -euo pipefail
-vram=0
+vram=0 dense_gpu=0
 if [ "${1:-}" = --gpu ]; then
   vram=24
+  shift
+elif [ "${1:-}" = --dense-gpu ]; then
+  dense_gpu=1
   shift
 fi
 charm=${1:-target/release/charm}
@@ -19,8 +26,9 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 cp tests/data/glm-5.2-config.json "$dir/config.json"
 
-# plan OUT N RAM LINK DENSE VRAM: `charm plan --json` of N machines of RAM GiB on LINK GbE with
-# DENSE dense weights, a VRAM GiB GPU on each (0: none), into OUT
+# plan OUT N RAM LINK DENSE VRAM [DEVICE]: `charm plan --json` of N machines of RAM GiB on LINK
+# GbE with DENSE dense weights, a VRAM GiB GPU on each (0: none; -1: a 24 GiB one at 936 GB/s on
+# the first only) and the dense pass on DEVICE (default cpu), into OUT
 plan() {
   python3 - "$2" "$3" "$4" "$6" > "$dir/m.json" <<'PY'
 import json, sys
@@ -29,14 +37,45 @@ ms = []
 for i in range(n):
     m = {"name": f"m{i}", "ram_gib": ram, "mem_gb_s": 60, "disk_gb_s": 3,
          "link_gbit_s": link, "rtt_ms": 0.1}
-    if vram:
+    if vram > 0:
         m["gpu"] = {"vram_gib": vram, "mem_gb_s": 900}
+    if vram < 0 and i == 0:
+        m["gpu"] = {"vram_gib": 24, "mem_gb_s": 936}
     ms.append(m)
 print(json.dumps({"machines": ms}))
 PY
   "$charm" plan --model "$dir" --cluster "$dir/m.json" --activations int8 --dense "$5" \
-    --ctx 4096 --json > "$1" || true
+    --ctx 4096 --draft 3 --dense-device "${7:-cpu}" --json > "$1" || true
 }
+
+if [ "$dense_gpu" = 1 ]; then
+  echo "| machines | RAM each | link | tok/s, dense on the CPU | tok/s, dense on the GPU | with --draft 3 (70%) | per token, dense on the GPU: dense / round trips / transfer / experts RAM (GPU's part) / experts disk | bottleneck, dense on the GPU |"
+  echo "|---|---|---|---|---|---|---|---|"
+  for n in 1 2 3 4; do
+    for ram in 64 128; do
+      for link in 1 2.5 10; do
+        [ "$n" = 1 ] && [ "$link" != 10 ] && continue   # one machine: no link
+        plan "$dir/cpu.json" "$n" "$ram" "$link" int4 -1 cpu
+        plan "$dir/gpu.json" "$n" "$ram" "$link" int4 -1 gpu
+        python3 - "$n" "$ram" "$link" "$dir/cpu.json" "$dir/gpu.json" <<'PY'
+import json, sys
+n, ram, link, cpu, gpu = sys.argv[1:]
+c = json.load(open(cpu)).get("prediction")
+p = json.load(open(gpu)).get("prediction")
+net = "-" if n == "1" else f"{link} GbE"
+if p is None:
+    print(f"| {n} | {ram} GiB | {net} | - | does not fit | | | |")
+    sys.exit()
+t = p["token"]
+print(f"| {n} | {ram} GiB | {net} | {c['tok_s']:.2f} | {p['tok_s']:.2f} | {p['speculative']['tok_s']:.2f} | "
+      f"{t['dense_ms']:.0f} / {t['round_trips_ms']:.0f} / {t['transfer_ms']:.0f} / "
+      f"{t['expert_compute_ms']:.0f} ({t['expert_vram_ms']:.0f}) / {t['expert_disk_ms']:.0f} ms | {p['bottleneck']} |")
+PY
+      done
+    done
+  done
+  exit 0
+fi
 
 if [ "$vram" = 0 ]; then
   echo "| dense | machines | RAM each | link | tok/s | with --draft 3 (70%) | per token: dense / round trips / transfer / experts RAM / experts disk | bottleneck |"

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use charm_coordinator::cluster::predict::{self, ModelCost as ClusterCost};
 use charm_coordinator::cluster::probe;
+use charm_coordinator::model::engine::DenseDevice;
 use charm_coordinator::ops;
 use charm_coordinator::ops::info::ModelInfo;
 use charm_coordinator::ops::plan::{human, PlanInput};
@@ -112,8 +113,20 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
             // tier (`--vram`) runs; otherwise neither
             let int_path = act == Activations::Int8 && quantized;
             let group = if int_path { p.formats.group } else { 0 };
-            let m = ClusterCost::from_plan(&p, spec.hidden_size, group);
-            let mut d = d.clone();
+            let full_dsa = spec
+                .layers
+                .iter()
+                .filter(|l| l.indexer == Some(charm_shared::config::IndexerKind::Full))
+                .count();
+            // a full DSA layer's choice waits for the CPU once its queries see more than
+            // `index_topk` keys
+            let full_dsa = match &spec.dsa {
+                Some(d) if p.context_tokens > d.topk => full_dsa,
+                _ => 0,
+            };
+            let m = ClusterCost::from_plan(&p, spec.hidden_size, group)
+                .with_dsa(full_dsa, p.context_tokens / 2);
+            let d = d.clone();
             let gpus: Vec<&str> = d
                 .machines
                 .iter()
@@ -122,16 +135,23 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
                 .collect();
             if !gpus.is_empty() && !int_path {
                 eprintln!(
-                    "warning: the GPUs are left out of the prediction ({}): routed experts run in VRAM with int8 or int4 experts and --activations int8 only (here {} experts, {} activations)",
+                    "warning: the GPUs hold no routed experts in the prediction ({}): routed experts run in VRAM with int8 or int4 experts and --activations int8 only (here {} experts, {} activations)",
                     gpus.join(", "),
                     p.formats.experts.name(),
                     common::act_name(act)
                 );
-                d.machines.iter_mut().for_each(|x| x.gpu = None);
             }
+            let dense = match args.dense_device {
+                common::DenseAt::Cpu => DenseDevice::Cpu,
+                common::DenseAt::Gpu => DenseDevice::Gpu,
+                common::DenseAt::Auto => DenseDevice::Auto,
+            };
+            let setup = d
+                .setup_with(&m, dense, int_path)
+                .map_err(anyhow::Error::msg)?;
             (
                 None,
-                Some(predict::predict(d.setup(&m), &m, a.draft, a.acceptance)),
+                Some(predict::predict(setup, &m, a.draft, a.acceptance)),
             )
         }
         (None, Some(c)) => {
@@ -147,6 +167,7 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
                         acceptance: a.acceptance,
                         position: args_ctx(a),
                         worker_disk_bytes_s: a.worker_disk_gb_s * 1e9,
+                        dense_gpu: args.dense_device == common::DenseAt::Gpu,
                     };
                     Some(probe::predict_live(dir, &r, &spec, &p, o).map_err(|e| {
                         anyhow::anyhow!("{e} (--no-probe shows the placement alone)")

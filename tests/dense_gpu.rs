@@ -153,6 +153,35 @@ fn every_oracle_fixture_in_every_attention_mode_gives_the_cpu_bits() {
                 same(a, b, &format!("{name} {mla:?}: layer {l} output"));
             }
         }
+        // the MTP head: draft logits and states of a chain of drafts after a prompt
+        if cpu.mtp.is_some() {
+            let run = |m: &Model| {
+                let mut main = KvCache::new(&m.spec);
+                let normed = m
+                    .forward(&ids, &mut main, ForwardOptions::default(), None)
+                    .unwrap();
+                let h = m.spec.hidden_size;
+                let mut cache = KvCache::with_layers(&m.spec, 1);
+                let (mut out, mut state) = (Vec::new(), Vec::new());
+                // the prompt's states with the next tokens, then two chained drafts
+                let (l, hid) = m
+                    .mtp_forward_hidden(&ids[1..], &normed[..(ids.len() - 1) * h], &mut cache)
+                    .unwrap();
+                out.extend(l);
+                state.extend(hid);
+                for t in [5u32, 9] {
+                    let last = state[state.len() - h..].to_vec();
+                    let (l, hid) = m.mtp_forward_hidden(&[t], &last, &mut cache).unwrap();
+                    out.extend(l);
+                    state.extend(hid);
+                }
+                (out, state)
+            };
+            let (gl, gs) = run(&g);
+            let (cl, cs) = run(&cpu);
+            same(&gl, &cl, &format!("{name}: MTP draft logits"));
+            same(&gs, &cs, &format!("{name}: MTP states"));
+        }
     }
 }
 

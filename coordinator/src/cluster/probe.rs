@@ -96,6 +96,7 @@ pub fn dense_speed(
     position: usize,
     shared_share: f64,
     spin: Duration,
+    gpu: bool,
 ) -> Result<(f64, f64), String> {
     let err = |e: LoadError| e.to_string();
     let (model, zero) = if Container::is_container(dir) {
@@ -113,6 +114,13 @@ pub fn dense_speed(
             zero,
         )
     };
+    let mut model = model;
+    if gpu {
+        let device = charm_worker::gpu::Gpu::open(None).map_err(|e| e.to_string())?;
+        model
+            .attach_dense_gpu(std::sync::Arc::new(device))
+            .map_err(|e| e.to_string())?;
+    }
     let spec = &model.spec;
     let moe = moe_layers(spec)
         .iter()
@@ -404,12 +412,18 @@ fn busy(s: f64) {
 
 /// The predictor's input for a probed cluster: the dense pass as measured (`dense`: per token,
 /// per further token of a step), the shared expert and an MTP draft in proportion to their bytes.
-fn live_setup(dense: (f64, f64), m: &ModelCost, nodes: Vec<Node>) -> Setup {
+fn live_setup(dense: (f64, f64), m: &ModelCost, nodes: Vec<Node>, gpu: bool) -> Setup {
     Setup {
         source: "probed".into(),
+        dense_device: if gpu { "gpu" } else { "cpu" }.into(),
         dense_s: dense.0,
         dense_extra_s: dense.1,
-        shared_s: dense.0 * m.dense_share(m.shared_read_bytes),
+        // on a GPU the shared expert runs before the rows come back: nothing hides behind it
+        shared_s: if gpu {
+            0.0
+        } else {
+            dense.0 * m.dense_share(m.shared_read_bytes)
+        },
         mtp_s: dense.0 * m.dense_share(m.mtp_read_bytes),
         coordinator_bytes_s: f64::INFINITY,
         nodes,
@@ -430,6 +444,8 @@ pub struct LiveOptions {
     pub position: usize,
     /// The workers' disk read speed for experts their RAM does not hold, bytes/s.
     pub worker_disk_bytes_s: f64,
+    /// The dense pass on this machine's GPU (`--dense-device gpu`): it is measured there.
+    pub dense_gpu: bool,
 }
 
 /// `charm plan --cluster`'s prediction for the live cluster `r` serving the model in `dir`
@@ -464,6 +480,7 @@ pub fn predict_live(
         o.position,
         m.dense_share(m.shared_read_bytes),
         r.inner.shared.opts.spin,
+        o.dense_gpu,
     )
     .map_err(|e| format!("measuring the dense pass needs the model's dense weights here: {e}"))?;
     let gap = dense.0 / m.moe_layers.max(1) as f64;
@@ -476,7 +493,7 @@ pub fn predict_live(
         );
     }
     Ok(predict(
-        live_setup(dense, &m, nodes),
+        live_setup(dense, &m, nodes, o.dense_gpu),
         &m,
         o.draft,
         o.acceptance,

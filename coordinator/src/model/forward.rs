@@ -257,6 +257,11 @@ impl Model {
         cache: &mut KvCache,
     ) -> Result<(Vec<f32>, Vec<f32>), ForwardError> {
         let mtp = self.mtp.as_ref().ok_or(ForwardError::NoMtp)?;
+        if let Some(dg) = &self.dense_gpu {
+            if let Some(r) = self.mtp_forward_gpu(dg, next_tokens, main_normed, cache) {
+                return r;
+            }
+        }
         let spec = &self.spec;
         let (h, n) = (spec.hidden_size, next_tokens.len());
         if main_normed.len() != n * h {

@@ -5,7 +5,9 @@ use serde::{Deserialize, Serialize};
 
 use super::model::{
     ModelCost, Node, NodeGpu, Setup, GIB, GPU_EFFICIENCY, GPU_HEADROOM_GIB, GPU_SUBMIT_S,
+    PCIE_BYTES_S,
 };
+use crate::model::engine::DenseDevice;
 
 /// A machine of a described cluster (all speeds the user's own figures or guesses).
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -41,6 +43,10 @@ pub struct MachineGpu {
     pub vram_gib: f64,
     /// Its memory read bandwidth, GB/s (the kernels are taken to read at `gpu_efficiency` of it).
     pub mem_gb_s: f64,
+    /// Its link to the host, GB/s (default [`PCIE_BYTES_S`]): the coordinator's rows cross it
+    /// when the dense pass runs on the GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pcie_gb_s: Option<f64>,
 }
 
 fn default_disk() -> f64 {
@@ -144,12 +150,11 @@ impl Described {
                     m.name
                 ));
             }
-            if m.gpu
-                .as_ref()
-                .is_some_and(|g| !(pos(g.vram_gib) && pos(g.mem_gb_s)))
-            {
+            if m.gpu.as_ref().is_some_and(|g| {
+                !(pos(g.vram_gib) && pos(g.mem_gb_s) && g.pcie_gb_s.is_none_or(pos))
+            }) {
                 return Err(format!(
-                    "machine `{}`: gpu.vram_gib and gpu.mem_gb_s must be positive",
+                    "machine `{}`: gpu.vram_gib, gpu.mem_gb_s and gpu.pcie_gb_s must be positive",
                     m.name
                 ));
             }
@@ -175,8 +180,48 @@ impl Described {
     /// measures the rate its hello reports through its VRAM tier, so a live placement may give
     /// a GPU machine more than this (not modelled).
     pub fn setup(&self, m: &ModelCost) -> Setup {
+        self.setup_with(m, DenseDevice::Cpu, true)
+            .expect("a dense pass on the CPU always has a setup")
+    }
+
+    /// [`Self::setup`] with the dense pass where `dense` says: on the coordinator's GPU
+    /// (`gpu`; `auto` where the skeleton and the KV cache fit its VRAM), at its bandwidth times
+    /// `gpu_efficiency`, plus per token the submissions that wait for the rows
+    /// ([`ModelCost::gpu_round_trips`] x [`GPU_SUBMIT_S`]) and the rows over PCIe; the card's
+    /// VRAM beyond them holds experts; the MTP drafts run there too. An
+    /// error when `gpu` is asked for and the coordinator has no GPU or it cannot hold them.
+    /// `experts_in_vram`: whether the GPUs hold routed experts (the VRAM tier takes int8/int4
+    /// experts with int8 activations only).
+    pub fn setup_with(
+        &self,
+        m: &ModelCost,
+        dense: DenseDevice,
+        experts_in_vram: bool,
+    ) -> Result<Setup, String> {
         let c = &self.machines[0];
-        let dense_bps = c.mem_gb_s * 1e9 * self.dense_efficiency;
+        let cpu_bps = c.mem_gb_s * 1e9 * self.dense_efficiency;
+        let dense_bps = cpu_bps;
+        let need = m.dense_bytes + m.kv_bytes + (GPU_HEADROOM_GIB * GIB) as u64;
+        let on_gpu = match (dense, &c.gpu) {
+            (DenseDevice::Cpu, _) => None,
+            (DenseDevice::Gpu, None) => {
+                return Err(format!(
+                    "--dense-device gpu: the coordinator's machine `{}` has no `gpu`",
+                    c.name
+                ))
+            }
+            (DenseDevice::Gpu, Some(g)) if ((g.vram_gib * GIB) as u64) < need => {
+                return Err(format!(
+                    "--dense-device gpu: the dense skeleton and the KV cache ({:.2} GiB with {} GiB of headroom) do not fit the {} GiB of `{}`'s GPU",
+                    need as f64 / GIB,
+                    GPU_HEADROOM_GIB,
+                    g.vram_gib,
+                    c.name
+                ))
+            }
+            (_, Some(g)) if ((g.vram_gib * GIB) as u64) >= need => Some(g),
+            _ => None,
+        };
         let reserve = (self.reserve_gib * GIB) as u64;
         let ram = |x: &Machine| (x.ram_gib * GIB) as u64;
         let expert_s = |x: &Machine| match x.expert_rows_s {
@@ -186,8 +231,18 @@ impl Described {
         let disk_s = |x: &Machine| m.expert_bytes as f64 / (x.disk_gb_s * 1e9);
         // (the dense skeleton stays on the CPU: the whole card less headroom holds experts)
         let gpu = |x: &Machine| {
+            if !experts_in_vram {
+                return None;
+            }
+            // the coordinator's card holds the dense skeleton and the KV cache first
+            let taken = if std::ptr::eq(x, c) && on_gpu.is_some() {
+                (m.dense_bytes + m.kv_bytes) as f64
+            } else {
+                0.0
+            };
             x.gpu.as_ref().map(|g| NodeGpu {
-                vram_bytes: ((g.vram_gib - GPU_HEADROOM_GIB).max(0.0) * GIB) as u64,
+                vram_bytes: ((g.vram_gib - GPU_HEADROOM_GIB).max(0.0) * GIB - taken).max(0.0)
+                    as u64,
                 expert_s: m.expert_bytes as f64 / (g.mem_gb_s * 1e9 * self.gpu_efficiency),
                 submit_s: GPU_SUBMIT_S,
             })
@@ -246,15 +301,37 @@ impl Described {
                 x.share = c / total;
             }
         }
-        Setup {
+        let (dense_s, shared_s, mtp_s) = match on_gpu {
+            Some(g) => {
+                let bps = g.mem_gb_s * 1e9 * self.gpu_efficiency;
+                let pcie = g.pcie_gb_s.map_or(PCIE_BYTES_S, |p| p * 1e9);
+                let per_layer = m.pcie_bytes / m.gpu_round_trips.max(1) as f64 / pcie;
+                (
+                    m.dense_read_bytes as f64 / bps
+                        + m.gpu_round_trips as f64 * GPU_SUBMIT_S
+                        + m.pcie_bytes / pcie,
+                    // the shared expert runs before the rows come back: nothing hides behind it
+                    0.0,
+                    // a draft: the MTP layer and its head, one MoE layer's round trip
+                    m.mtp_read_bytes as f64 / bps + 2.0 * GPU_SUBMIT_S + per_layer,
+                )
+            }
+            None => (
+                m.dense_read_bytes as f64 / dense_bps,
+                m.shared_read_bytes as f64 / dense_bps,
+                m.mtp_read_bytes as f64 / cpu_bps,
+            ),
+        };
+        Ok(Setup {
             source: "described".into(),
-            dense_s: m.dense_read_bytes as f64 / dense_bps,
+            dense_device: if on_gpu.is_some() { "gpu" } else { "cpu" }.into(),
+            dense_s,
             dense_extra_s: 0.0,
-            shared_s: m.shared_read_bytes as f64 / dense_bps,
-            mtp_s: m.mtp_read_bytes as f64 / dense_bps,
+            shared_s,
+            mtp_s,
             coordinator_bytes_s: c.link_gbit_s * 1e9 / 8.0,
             nodes,
-        }
+        })
     }
 }
 
@@ -263,6 +340,64 @@ mod tests {
     use super::super::model::predict;
     use super::super::model::tests::model;
     use super::*;
+
+    #[test]
+    fn the_dense_pass_on_the_coordinators_gpu() {
+        // the test model: 2 GB of dense reads, 2 GB skeleton and 0.1 GB of KV, 10 MoE layers
+        let m = model();
+        let text = |vram: f64| {
+            format!(
+                r#"{{"machines": [
+                    {{"name": "c", "ram_gib": 64, "mem_gb_s": 50, "gpu": {{"vram_gib": {vram}, "mem_gb_s": 1000, "pcie_gb_s": 10}}}},
+                    {{"name": "w", "ram_gib": 64, "mem_gb_s": 50}}]}}"#
+            )
+        };
+        let d = Described::parse(&text(8.0)).unwrap();
+        let cpu = d.setup_with(&m, DenseDevice::Cpu, true).unwrap();
+        let gpu = d.setup_with(&m, DenseDevice::Gpu, true).unwrap();
+        assert_eq!(
+            (cpu.dense_device.as_str(), gpu.dense_device.as_str()),
+            ("cpu", "gpu")
+        );
+        assert!((cpu.dense_s - 2e9 / (50e9 * 0.8)).abs() < 1e-9);
+        // VRAM bandwidth times its efficiency, a submission per round trip, the rows over PCIe
+        let want = 2e9 / (1000e9 * GPU_EFFICIENCY) + 11.0 * GPU_SUBMIT_S + m.pcie_bytes / 10e9;
+        assert!((gpu.dense_s - want).abs() < 1e-9, "{} {want}", gpu.dense_s);
+        assert_eq!(gpu.shared_s, 0.0);
+        assert!(gpu.mtp_s < cpu.mtp_s);
+        // the coordinator's card holds the skeleton and the KV cache before experts
+        let vram = |s: &Setup| s.nodes[0].gpu.as_ref().unwrap().vram_bytes;
+        assert_eq!(vram(&cpu) - vram(&gpu), m.dense_bytes + m.kv_bytes);
+        assert!(predict(gpu.clone(), &m, 0, 0.0).tok_s > predict(cpu, &m, 0, 0.0).tok_s);
+        // too small a card: `gpu` says why, `auto` stays on the CPU; no GPU at all likewise
+        let small = Described::parse(&text(2.5)).unwrap();
+        let e = small.setup_with(&m, DenseDevice::Gpu, true).unwrap_err();
+        assert!(e.contains("do not fit"), "{e}");
+        assert_eq!(
+            small
+                .setup_with(&m, DenseDevice::Auto, true)
+                .unwrap()
+                .dense_device,
+            "cpu"
+        );
+        assert_eq!(
+            d.setup_with(&m, DenseDevice::Auto, true)
+                .unwrap()
+                .dense_device,
+            "gpu"
+        );
+        let none = Described::parse(&text(8.0).replace(
+            r#", "gpu": {"vram_gib": 8, "mem_gb_s": 1000, "pcie_gb_s": 10}"#,
+            "",
+        ))
+        .unwrap();
+        assert!(none.machines[0].gpu.is_none());
+        let e = none.setup_with(&m, DenseDevice::Gpu, true).unwrap_err();
+        assert!(e.contains("has no `gpu`"), "{e}");
+        // f32 activations: the card runs the dense pass but holds no experts
+        let no_experts = d.setup_with(&m, DenseDevice::Gpu, false).unwrap();
+        assert!(no_experts.nodes[0].gpu.is_none() && no_experts.dense_device == "gpu");
+    }
 
     #[test]
     fn described_clusters() {

@@ -22,6 +22,14 @@
 //! [`GPU_SUBMIT_S`]): its kernels are checked bit for bit against the CPU's but have not been
 //! timed on real hardware.
 //!
+//! With the dense pass on the coordinator's GPU (`--dense-device gpu`, or `auto` where the
+//! skeleton and the KV cache fit its VRAM) it reads the skeleton at the GPU's bandwidth times
+//! `gpu_efficiency`, and a token adds one submission per MoE layer and per full DSA layer
+//! ([`GPU_SUBMIT_S`] each) and the rows over PCIe ([`PCIE_BYTES_S`] unless the machine's `gpu`
+//! gives `pcie_gb_s`); the shared expert then hides nothing (it runs before the rows come back),
+//! the MTP drafts run there too, and the coordinator's VRAM beyond the skeleton and the KV cache
+//! holds experts.
+//!
 //! The rooms: `model` is the prediction (what it is made from, the draws, the budget of a
 //! token), `described` reads a described cluster's machines into the model's view of them, and
 //! `render` prints a prediction as text (`--json` prints its fields as they are).
@@ -33,5 +41,5 @@ mod render;
 pub use described::{is_described, Described, Machine, MachineGpu};
 pub use model::{
     predict, tokens_per_step, Budget, LinkUse, ModelCost, Node, NodeGpu, Prediction, Setup,
-    Speculative, GPU_EFFICIENCY, GPU_HEADROOM_GIB, GPU_SUBMIT_S,
+    Speculative, GPU_EFFICIENCY, GPU_HEADROOM_GIB, GPU_SUBMIT_S, PCIE_BYTES_S,
 };

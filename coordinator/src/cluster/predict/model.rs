@@ -27,6 +27,15 @@ pub struct ModelCost {
     /// Bytes of one token's activation row out, and of one expert output row back.
     pub row_out_bytes: f64,
     pub row_back_bytes: f64,
+    /// The dense skeleton and the KV cache of the planned context in memory (what a GPU running
+    /// the dense pass must hold), bytes.
+    pub dense_bytes: u64,
+    pub kv_bytes: u64,
+    /// Bytes a token moves between the coordinator's GPU and its CPU when the dense pass runs
+    /// there (each MoE layer's normed row and router logits up, the experts' sum down; each
+    /// full DSA layer's scores up), and the submissions that wait for them.
+    pub pcie_bytes: f64,
+    pub gpu_round_trips: usize,
 }
 
 impl ModelCost {
@@ -58,9 +67,25 @@ impl ModelCost {
                 4.0 * h
             },
             row_back_bytes: 4.0 * h,
+            dense_bytes: p.dense_bytes,
+            kv_bytes: p.kv_bytes,
+            pcie_bytes: p.moe_layers as f64 * (2.0 * h + p.experts_per_layer as f64) * 4.0,
+            gpu_round_trips: p.moe_layers + 1,
         }
     }
+
+    /// [`Self::pcie_bytes`] and [`Self::gpu_round_trips`] with `full` DSA layers whose
+    /// queries see `context` keys: each sends its scores up and waits for the choice.
+    pub fn with_dsa(mut self, full: usize, context: usize) -> Self {
+        self.pcie_bytes += full as f64 * (4.0 * context as f64 + 4.0 * context.min(2048) as f64);
+        self.gpu_round_trips += full;
+        self
+    }
 }
+
+/// PCIe bytes per second between a described GPU and its host unless the machine says
+/// (`"pcie_gb_s"`): a PCIe 3.0 x16 link's practical rate (assumed).
+pub const PCIE_BYTES_S: f64 = 12e9;
 
 /// VRAM of a described machine's GPU kept from experts (the driver's context, the kernels'
 /// scratch buffers, a display), GiB.
@@ -124,6 +149,8 @@ pub struct Node {
 pub struct Setup {
     /// `"probed"` (live workers) or `"described"` (a machines file).
     pub source: String,
+    /// Where the coordinator's dense pass runs: `"cpu"` or `"gpu"` (`--dense-device`).
+    pub dense_device: String,
     /// The coordinator's dense pass for one token, and what each further token of a
     /// speculative step adds to it.
     pub dense_s: f64,
@@ -508,7 +535,7 @@ pub fn predict(setup: Setup, m: &ModelCost, draft: usize, acceptance: f64) -> Pr
             step,
         }
     });
-    let bottleneck = bottleneck(&token, &links);
+    let bottleneck = bottleneck(&token, &links, setup.dense_device == "gpu");
     let reads: f64 = links.iter().map(|l| l.experts_per_layer).sum();
     let vram_reads: f64 = links
         .iter()
@@ -526,7 +553,7 @@ pub fn predict(setup: Setup, m: &ModelCost, draft: usize, acceptance: f64) -> Pr
 }
 
 /// The largest part of a token's time, named.
-fn bottleneck(t: &Budget, links: &[LinkUse]) -> String {
+fn bottleneck(t: &Budget, links: &[LinkUse], on_gpu: bool) -> String {
     let critical = links
         .iter()
         .max_by(|a, b| a.critical_share.total_cmp(&b.critical_share))
@@ -534,7 +561,12 @@ fn bottleneck(t: &Budget, links: &[LinkUse]) -> String {
     let parts = [
         (
             t.dense_ms,
-            "the coordinator's dense pass (memory bandwidth)".to_string(),
+            if on_gpu {
+                "the coordinator's dense pass on its GPU (VRAM bandwidth, PCIe round trips)"
+                    .to_string()
+            } else {
+                "the coordinator's dense pass (memory bandwidth)".to_string()
+            },
         ),
         (
             t.round_trips_ms,
@@ -581,6 +613,10 @@ pub(super) mod tests {
             mtp_read_bytes: 40_000_000,
             row_out_bytes: 4096.0,
             row_back_bytes: 4096.0,
+            dense_bytes: 2_000_000_000,
+            kv_bytes: 100_000_000,
+            pcie_bytes: 10.0 * 3.0 * 4096.0,
+            gpu_round_trips: 11,
         }
     }
 
@@ -602,6 +638,7 @@ pub(super) mod tests {
     fn setup(nodes: Vec<Node>) -> Setup {
         Setup {
             source: "test".into(),
+            dense_device: "cpu".into(),
             dense_s: 0.01,
             dense_extra_s: 0.0,
             shared_s: 0.0,

@@ -47,8 +47,13 @@ impl Prediction {
             format!("{:.2} ms (RAM)", t.expert_compute_ms)
         };
         s += &format!(
-            "  per token: dense {:.2} ms + round trips {:.2} ms + transfer {:.2} ms + experts {compute} + {:.2} ms (disk) - {:.2} ms hidden behind the shared expert = {:.2} ms\n",
+            "  per token: dense {:.2} ms{} + round trips {:.2} ms + transfer {:.2} ms + experts {compute} + {:.2} ms (disk) - {:.2} ms hidden behind the shared expert = {:.2} ms\n",
             t.dense_ms,
+            if self.setup.dense_device == "gpu" {
+                " (on the coordinator's GPU)"
+            } else {
+                ""
+            },
             t.round_trips_ms,
             t.transfer_ms,
             t.expert_disk_ms,

@@ -338,6 +338,7 @@ impl Rec {
 struct Regions {
     x: u32,
     a: u32,
+    cat: u32,
     q: u32,
     k: u32,
     v: u32,
@@ -453,6 +454,7 @@ impl DenseGpu {
         Regions {
             x: take(n * h),
             a: take(n * h),
+            cat: take(2 * n * h),
             q: take(n * s.heads * s.qhead),
             k: take(n * s.kv_heads * s.hd),
             v: take(n * s.kv_heads * s.hd),
@@ -508,7 +510,12 @@ impl DenseGpu {
 
     /// `[n, vocab]` logits of `n` final-normed rows: the head on the GPU.
     pub fn logits(&self, normed: &[f32], n: usize) -> Result<Vec<f32>, GpuError> {
-        let (h, vocab) = (self.head.cols, self.head.rows);
+        self.logits_with(&self.head, normed, n)
+    }
+
+    /// [`Self::logits`] through `head`.
+    fn logits_with(&self, head: &GLinear, normed: &[f32], n: usize) -> Result<Vec<f32>, GpuError> {
+        let (h, vocab) = (head.cols, head.rows);
         let widest = h.max(vocab);
         let (x, y) = (0u32, (n * h) as u32);
         let qx0 = (n * (h + vocab)) as u32;
@@ -520,7 +527,7 @@ impl DenseGpu {
         let arena = self.arena(qx[2] as usize + n * widest / 8 + 1)?;
         self.gpu.write(&arena, x as u64, normed);
         let mut rec = Rec::default();
-        rec.linear(&self.head, x, n, y, qx);
+        rec.linear(head, x, n, y, qx);
         let mut out = self.gpu.run_program(
             &self.kernels,
             &arena,
@@ -969,8 +976,64 @@ impl Model {
         dg: &DenseGpu,
         steps: &mut [Step<'_>],
         opts: ForwardOptions,
-        mut trace: Option<&mut Trace>,
+        trace: Option<&mut Trace>,
     ) -> Result<Vec<f32>, ForwardError> {
+        let layers = self.layers.iter().zip(&dg.layers).collect();
+        let pass = Pass {
+            layers,
+            input: Input::Embed,
+            norm: &dg.norm,
+        };
+        Ok(self.gpu_pass(dg, steps, &pass, opts, trace)?.0)
+    }
+
+    /// [`Model::mtp_forward_hidden`] on the GPU: `None` when the model has no MTP head there.
+    pub(crate) fn mtp_forward_gpu(
+        &self,
+        dg: &DenseGpu,
+        next_tokens: &[u32],
+        main_normed: &[f32],
+        cache: &mut crate::model::cache::KvCache,
+    ) -> Option<Result<DraftOut, ForwardError>> {
+        let (gm, m) = (dg.mtp.as_ref()?, self.mtp.as_ref()?);
+        let pass = Pass {
+            layers: vec![(&m.layer, &gm.layer)],
+            input: Input::Mtp {
+                main_normed,
+                g: gm,
+                embed: m.embed.as_ref().unwrap_or(&self.embed),
+            },
+            norm: &gm.head_norm,
+        };
+        let n = next_tokens.len();
+        let mut steps = [Step {
+            tokens: next_tokens,
+            cache,
+        }];
+        Some((|| {
+            let (normed, hidden) =
+                self.gpu_pass(dg, &mut steps, &pass, ForwardOptions::default(), None)?;
+            let head = gm.head.as_ref().unwrap_or(&dg.head);
+            let l = dg.logits_with(head, &normed, n)?;
+            if !l.iter().all(|v| v.is_finite()) {
+                return Err(ForwardError::NonFinite {
+                    what: "the MTP logits".into(),
+                });
+            }
+            Ok((l, hidden))
+        })())
+    }
+
+    /// One pass of `steps` through `pass`'s layers on the GPU: the final-normed rows, and the
+    /// rows before that norm.
+    fn gpu_pass(
+        &self,
+        dg: &DenseGpu,
+        steps: &mut [Step<'_>],
+        pass: &Pass<'_>,
+        opts: ForwardOptions,
+        mut trace: Option<&mut Trace>,
+    ) -> Result<(Vec<f32>, Vec<f32>), ForwardError> {
         let spec = &self.spec;
         let h = spec.hidden_size;
         let s = Shape::of(self);
@@ -990,7 +1053,7 @@ impl Model {
         let gpu = &dg.gpu;
 
         // the caches' copies in VRAM, with room for this step
-        let n_layers = self.layers.len();
+        let n_layers = pass.layers.len();
         let (width, iw) = (s.width, s.iw);
         let mut kv = Vec::with_capacity(steps.len());
         for st in steps.iter_mut() {
@@ -1036,12 +1099,46 @@ impl Model {
             kv.push((d.buf.clone(), d.cap, n_layers));
         }
 
-        // embeddings and rotary tables
+        // the input rows, and rotary tables
         let mut x = Vec::with_capacity(n * h);
-        for (st, p0) in steps.iter().zip(&cached) {
-            x.extend(self.embed_tokens(&self.embed, st.tokens, *p0)?);
+        let mut rec = Rec::default();
+        match &pass.input {
+            Input::Embed => {
+                for (st, p0) in steps.iter().zip(&cached) {
+                    x.extend(self.embed_tokens(&self.embed, st.tokens, *p0)?);
+                }
+                gpu.write(&arena, r.x as u64, &x);
+            }
+            Input::Mtp {
+                main_normed,
+                g,
+                embed,
+            } => {
+                // `mtp_forward_hidden`: [enorm(embedding), hnorm(main state)] -> eh_proj
+                if main_normed.len() != n * h {
+                    return Err(ForwardError::Shape(format!(
+                        "mtp: {} hidden values for {n} tokens",
+                        main_normed.len()
+                    )));
+                }
+                let p0 = cached.first().copied().unwrap_or(0);
+                let mut e = self.embed_tokens(embed, steps[0].tokens, p0)?;
+                if p0 == 0 && n > 0 {
+                    e[..h].fill(0.0); // vLLM deepseek_mtp: the embedding at position 0 is masked
+                }
+                let mut cat = Vec::with_capacity(2 * n * h);
+                for t in 0..n {
+                    cat.extend_from_slice(&e[t * h..(t + 1) * h]);
+                    cat.extend_from_slice(&main_normed[t * h..(t + 1) * h]);
+                }
+                gpu.write(&arena, r.cat as u64, &cat);
+                let eps = spec.rms_norm_eps;
+                rec.rmsnorm_strided(&g.enorm, r.cat, n, h, 2 * h, r.cat, eps);
+                let second = r.cat + h as u32;
+                rec.rmsnorm_strided(&g.hnorm, second, n, h, 2 * h, second, eps);
+                rec.linear(&g.eh_proj, r.cat, n, r.x, r.qx);
+            }
         }
-        gpu.write(&arena, r.x as u64, &x);
         let rope = self.rope_tables(&rows.pos);
         let cos: Vec<f32> = rope.iter().flat_map(|t| t.cos.iter().copied()).collect();
         let sin: Vec<f32> = rope.iter().flat_map(|t| t.sin.iter().copied()).collect();
@@ -1059,7 +1156,7 @@ impl Model {
             cached: cached.clone(),
             kv,
             ctx,
-            rec: Rec::default(),
+            rec,
         };
         let flags_of = |v: &[f32]| -> Result<(), ForwardError> {
             match v.iter().position(|f| f.to_bits() != 0) {
@@ -1070,7 +1167,7 @@ impl Model {
             }
         };
         let mut sel: Option<Selection> = None;
-        for (li, (layer, gl)) in self.layers.iter().zip(&dg.layers).enumerate() {
+        for (li, &(layer, gl)) in pass.layers.iter().enumerate() {
             // --- attention ---
             let (rx, ra) = (run.r.x, run.r.a);
             run.rec.rmsnorm(&gl.input_norm, rx, n, h, ra, eps);
@@ -1156,17 +1253,19 @@ impl Model {
             }
         }
         let r = &run.r;
-        run.rec.rmsnorm(&dg.norm, r.x, n, h, r.x, eps);
+        run.rec.rmsnorm(pass.norm, r.x, n, h, r.a, eps);
 
         // the normed rows, the flags and every layer's new cache entries come back
+        let hidden = matches!(pass.input, Input::Mtp { .. });
         let mut reads: Vec<(&wgpu::Buffer, u64, usize)> = vec![
-            (&arena, r.x as u64, n * h),
+            (&arena, r.a as u64, n * h),
             (&arena, r.flags as u64, n_layers),
+            (&arena, r.x as u64, if hidden { n * h } else { 0 }),
         ];
-        let with_index: Vec<bool> = self
+        let with_index: Vec<bool> = pass
             .layers
             .iter()
-            .map(|l| l.indexer_kind == Some(IndexerKind::Full) && iw > 0)
+            .map(|(l, _)| l.indexer_kind == Some(IndexerKind::Full) && iw > 0)
             .collect();
         for (si, span) in run.rows.spans.iter().enumerate() {
             let (buf, cap, _) = &run.kv[si];
@@ -1184,7 +1283,7 @@ impl Model {
         let ops = std::mem::take(&mut run.rec.ops);
         let back = gpu.run_program(&dg.kernels, &arena, &ops, &reads)?;
         flags_of(&back[1])?;
-        let mut entries = back[2..].iter();
+        let mut entries = back[3..].iter();
         for (st, len) in steps.iter_mut().zip(&lens) {
             for lc in st.cache.layers.iter_mut() {
                 lc.kv
@@ -1196,9 +1295,37 @@ impl Model {
                 d.valid += len;
             }
         }
-        self.experts.step_end();
-        self.steps
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(back.into_iter().next().expect("the rows"))
+        if !hidden {
+            // (a draft is no step of the main model: `mtp_forward_hidden` counts none either)
+            self.experts.step_end();
+            self.steps
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        let mut back = back.into_iter();
+        let normed = back.next().expect("the rows");
+        let hidden = back.nth(1).expect("the rows before the norm");
+        Ok((normed, hidden))
     }
+}
+
+/// A draft's logits and the MTP layer's output states.
+type DraftOut = (Vec<f32>, Vec<f32>);
+
+/// What a GPU pass runs: decoder layers (the main model's, or the MTP layer), what its rows
+/// start from, and the norm after the last layer.
+struct Pass<'a> {
+    layers: Vec<(&'a LayerWeights, &'a super::GLayer)>,
+    input: Input<'a>,
+    norm: &'a wgpu::Buffer,
+}
+
+/// Where a pass's rows start: the tokens' embeddings, or the MTP layer's input (the next tokens'
+/// embeddings with the main model's final states).
+enum Input<'a> {
+    Embed,
+    Mtp {
+        main_normed: &'a [f32],
+        g: &'a super::GMtp,
+        embed: &'a charm_shared::linear::Linear,
+    },
 }

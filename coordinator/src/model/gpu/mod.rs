@@ -103,6 +103,18 @@ struct GLayer {
     ffn: GFfn,
 }
 
+/// The MTP head in VRAM (its embedding stays on the CPU, where the lookup runs).
+#[derive(Debug)]
+struct GMtp {
+    layer: GLayer,
+    enorm: wgpu::Buffer,
+    hnorm: wgpu::Buffer,
+    eh_proj: GLinear,
+    head_norm: wgpu::Buffer,
+    /// `None`: the main head.
+    head: Option<GLinear>,
+}
+
 /// The dense skeleton of a model in VRAM, with the kernels that run it.
 pub struct DenseGpu {
     gpu: Arc<Gpu>,
@@ -110,6 +122,8 @@ pub struct DenseGpu {
     layers: Vec<GLayer>,
     norm: wgpu::Buffer,
     head: GLinear,
+    /// The multi-token-prediction head, when the model has one.
+    mtp: Option<GMtp>,
     /// The most columns of any matrix (the widest input a step quantizes).
     widest: usize,
     /// Bytes of VRAM the weights hold.
@@ -146,6 +160,7 @@ pub fn skeleton_bytes(m: &Model) -> u64 {
     let layers: u64 = m
         .layers
         .iter()
+        .chain(m.mtp.as_ref().map(|t| &t.layer))
         .map(|l| {
             let attn = match &l.attn {
                 AttnWeights::Gqa(g) => {
@@ -176,7 +191,10 @@ pub fn skeleton_bytes(m: &Model) -> u64 {
             vec(&l.input_norm) + vec(&l.post_norm) + attn + ffn
         })
         .sum();
-    layers + vec(&m.norm) + lin(m.lm_head.as_ref().unwrap_or(&m.embed))
+    let mtp = m.mtp.as_ref().map_or(0, |t| {
+        lin(&t.eh_proj) + t.head.as_ref().map_or(0, lin) + vec(&t.enorm) + vec(&t.hnorm)
+    });
+    layers + mtp + vec(&m.norm) + lin(m.lm_head.as_ref().unwrap_or(&m.embed))
 }
 
 fn f32_bytes(v: &[f32]) -> &[u8] {
@@ -197,69 +215,91 @@ impl DenseGpu {
         };
         let mut layers = Vec::with_capacity(m.layers.len());
         for l in &m.layers {
-            layers.push(GLayer {
-                input_norm: vector(&l.input_norm, "input norm")?,
-                post_norm: vector(&l.post_norm, "post norm")?,
-                attn: match &l.attn {
-                    AttnWeights::Gqa(_) => GAttn::Gqa(Box::new(Self::gqa(&gpu, l, &mut vector)?)),
-                    AttnWeights::Mla(w) => GAttn::Mla(Box::new(GMla {
-                        q_a: w.q_a.as_ref().map(|q| linear(&gpu, q)).transpose()?,
-                        q_a_norm: w
-                            .q_a_norm
-                            .as_deref()
-                            .map(|v| vector(v, "q_a norm"))
-                            .transpose()?,
-                        q_b: linear(&gpu, &w.q_b)?,
-                        kv_a: linear(&gpu, &w.kv_a)?,
-                        kv_a_norm: vector(&w.kv_a_norm, "kv_a norm")?,
-                        kv_b: linear(&gpu, &w.kv_b)?,
-                        o: linear(&gpu, &w.o)?,
-                        indexer: match &l.indexer {
-                            Some(i) => Some(GIndexer {
-                                wq_b: linear(&gpu, &i.wq_b)?,
-                                wk: linear(&gpu, &i.wk)?,
-                                k_norm: vector(
-                                    &[&i.k_norm_w[..], &i.k_norm_b[..]].concat(),
-                                    "indexer key norm",
-                                )?,
-                                weights_proj: matrix(&gpu, &i.weights_proj)?,
-                            }),
-                            None => None,
-                        },
-                    })),
-                },
-                ffn: match &l.ffn {
-                    FfnWeights::Dense(s) => GFfn::Dense(swiglu(&gpu, s)?),
-                    FfnWeights::Moe { router, shared, .. } => GFfn::Moe {
-                        router: matrix(&gpu, router)?,
-                        shared: shared.as_ref().map(|s| swiglu(&gpu, s)).transpose()?,
-                    },
-                },
-            });
+            layers.push(Self::layer(&gpu, l, &mut vector)?);
         }
+        let mtp = match &m.mtp {
+            Some(t) => Some(GMtp {
+                layer: Self::layer(&gpu, &t.layer, &mut vector)?,
+                enorm: vector(&t.enorm, "MTP embedding norm")?,
+                hnorm: vector(&t.hnorm, "MTP hidden norm")?,
+                eh_proj: linear(&gpu, &t.eh_proj)?,
+                head_norm: vector(&t.head_norm, "MTP head norm")?,
+                head: t.head.as_ref().map(|h| linear(&gpu, h)).transpose()?,
+            }),
+            None => None,
+        };
         let norm = vector(&m.norm, "final norm")?;
         let head = linear(&gpu, m.lm_head.as_ref().unwrap_or(&m.embed))?;
-        let weights: u64 = layers
+        let all: Vec<&GLinear> = layers
             .iter()
-            .flat_map(|l| l.linears())
-            .map(GLinear::bytes)
-            .sum();
-        let widest = layers
-            .iter()
+            .chain(mtp.as_ref().map(|t| &t.layer))
             .flat_map(|l| l.linears())
             .chain([&head])
-            .map(|l| l.cols)
-            .max()
-            .unwrap_or(0);
+            .chain(
+                mtp.iter()
+                    .flat_map(|t| [Some(&t.eh_proj), t.head.as_ref()])
+                    .flatten(),
+            )
+            .collect();
+        let weights: u64 = all.iter().map(|l| l.bytes()).sum();
+        let widest = all.iter().map(|l| l.cols).max().unwrap_or(0);
         Ok(Self {
             kernels,
             widest,
             layers,
             norm,
-            bytes: bytes + weights + head.bytes(),
+            bytes: bytes + weights,
             head,
+            mtp,
             gpu,
             arena: Mutex::new(None),
+        })
+    }
+
+    /// One decoder layer's weights copied to VRAM.
+    fn layer(
+        gpu: &Gpu,
+        l: &LayerWeights,
+        vector: &mut impl FnMut(&[f32], &str) -> Result<wgpu::Buffer, GpuError>,
+    ) -> Result<GLayer, GpuError> {
+        Ok(GLayer {
+            input_norm: vector(&l.input_norm, "input norm")?,
+            post_norm: vector(&l.post_norm, "post norm")?,
+            attn: match &l.attn {
+                AttnWeights::Gqa(_) => GAttn::Gqa(Box::new(Self::gqa(gpu, l, vector)?)),
+                AttnWeights::Mla(w) => GAttn::Mla(Box::new(GMla {
+                    q_a: w.q_a.as_ref().map(|q| linear(gpu, q)).transpose()?,
+                    q_a_norm: w
+                        .q_a_norm
+                        .as_deref()
+                        .map(|v| vector(v, "q_a norm"))
+                        .transpose()?,
+                    q_b: linear(gpu, &w.q_b)?,
+                    kv_a: linear(gpu, &w.kv_a)?,
+                    kv_a_norm: vector(&w.kv_a_norm, "kv_a norm")?,
+                    kv_b: linear(gpu, &w.kv_b)?,
+                    o: linear(gpu, &w.o)?,
+                    indexer: match &l.indexer {
+                        Some(i) => Some(GIndexer {
+                            wq_b: linear(gpu, &i.wq_b)?,
+                            wk: linear(gpu, &i.wk)?,
+                            k_norm: vector(
+                                &[&i.k_norm_w[..], &i.k_norm_b[..]].concat(),
+                                "indexer key norm",
+                            )?,
+                            weights_proj: matrix(gpu, &i.weights_proj)?,
+                        }),
+                        None => None,
+                    },
+                })),
+            },
+            ffn: match &l.ffn {
+                FfnWeights::Dense(s) => GFfn::Dense(swiglu(gpu, s)?),
+                FfnWeights::Moe { router, shared, .. } => GFfn::Moe {
+                    router: matrix(gpu, router)?,
+                    shared: shared.as_ref().map(|s| swiglu(gpu, s)).transpose()?,
+                },
+            },
         })
     }
 
