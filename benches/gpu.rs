@@ -14,6 +14,12 @@
 //!   dispatches repeated in one submission, no read-back), the median of three. Weight bytes are
 //!   the three matrices' codes and f32 scales as they lie in VRAM. Each shape's outputs are first
 //!   compared bit for bit with `SwiGlu::forward` on the CPU.
+//! - Dense pass: the coordinator's dense skeleton of the model (`--model DIR`, the yardstick's
+//!   from `charm synth --preset yardstick`; else the converted demo model) for one decoded token,
+//!   routed experts answered as zeros (`probe::dense_speed`), on the CPU and on the GPU
+//!   (`--dense-device gpu`), int8 activations: milliseconds a token each, and the weight bytes a
+//!   token reads (`charm plan`'s `dense_read_bytes_per_token`) a second beside the copy bandwidth.
+//!   (The GPU's time includes its round trip to the CPU at every MoE layer.)
 //! - End to end: `models/charm-bard-moe` converted with int4 experts, decoding `--tokens` tokens
 //!   (sampled, temperature 1, seed 1) with every routed expert in VRAM and on the CPU alone, both
 //!   with int8 activations: tok/s each, the tokens checked equal.
@@ -201,6 +207,59 @@ fn decode(e: &Engine, tokens: usize) -> (Vec<u32>, f64) {
     (g.ids, tok_s)
 }
 
+/// The dense pass of the demo model (or `--model`) on the CPU and on the GPU.
+fn dense_pass(a: &Args, copy_gb_s: f64) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe");
+    let scratch: PathBuf =
+        std::env::temp_dir().join(format!("charm-bench-gpu-dense-{}", std::process::id()));
+    let dir = match &a.model {
+        Some(m) => m.clone(),
+        None => {
+            let _ = std::fs::remove_dir_all(&scratch);
+            convert(&src, &scratch);
+            scratch.clone()
+        }
+    };
+    let plan = charm_coordinator::ops::plan::plan(&dir, &Default::default()).expect("plans");
+    let bytes = plan.dense_read_bytes_per_token as f64;
+    let speed = |gpu: bool| {
+        charm_coordinator::cluster::probe::dense_speed(
+            &dir,
+            Activations::Int8,
+            0,
+            64,
+            0.0,
+            std::time::Duration::from_micros(50),
+            gpu,
+        )
+    };
+    let isa = format!("{:?}", charm_shared::quant::active_isa());
+    let threads = charm_shared::par::threads();
+    let name = match &a.model {
+        Some(m) => m.display().to_string(),
+        None => "charm-bard-moe".to_string(),
+    };
+    match speed(false) {
+        Ok((s, _)) => println!(
+            "dense pass, {name}, CPU: {:.3} ms a token, {:.2} MB of weights = {:.1} GB/s [{isa}, {threads} threads]",
+            s * 1e3,
+            bytes / 1e6,
+            bytes / s / 1e9
+        ),
+        Err(e) => println!("dense pass on the CPU: {e}"),
+    }
+    match speed(true) {
+        Ok((s, _)) => println!(
+            "dense pass, {name}, GPU: {:.3} ms a token = {:.1} GB/s of weights, {:.1}% of the copy bandwidth",
+            s * 1e3,
+            bytes / s / 1e9,
+            100.0 * bytes / s / 1e9 / copy_gb_s
+        ),
+        Err(e) => println!("dense pass on the GPU: {e}"),
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+}
+
 /// The demo model (or `--model`) with its experts in VRAM and on the CPU; false where the tokens differ or no
 /// expert ran on the GPU.
 fn end_to_end(a: &Args) -> bool {
@@ -303,6 +362,7 @@ fn main() {
     let copy = copy_bandwidth(&gpu, a.quick);
     let mut exact = kernels(&gpu, &a, copy);
     drop(gpu);
+    dense_pass(&a, copy);
     exact &= end_to_end(&a);
     if !exact {
         println!("FAILED: see the lines above");
