@@ -418,12 +418,7 @@ fn live_setup(dense: (f64, f64), m: &ModelCost, nodes: Vec<Node>, gpu: bool) -> 
         dense_device: if gpu { "gpu" } else { "cpu" }.into(),
         dense_s: dense.0,
         dense_extra_s: dense.1,
-        // on a GPU the shared expert runs before the rows come back: nothing hides behind it
-        shared_s: if gpu {
-            0.0
-        } else {
-            dense.0 * m.dense_share(m.shared_read_bytes)
-        },
+        shared_s: dense.0 * m.dense_share(m.shared_read_bytes),
         mtp_s: dense.0 * m.dense_share(m.mtp_read_bytes),
         coordinator_bytes_s: f64::INFINITY,
         nodes,

@@ -22,6 +22,7 @@ pub struct Kernels {
     /// Bytes between two dispatches' parameter blocks.
     stride: u64,
     params: std::sync::Mutex<Option<wgpu::Buffer>>,
+    params_async: std::sync::Mutex<Option<wgpu::Buffer>>,
     staging: std::sync::Mutex<Option<wgpu::Buffer>>,
 }
 
@@ -180,6 +181,7 @@ impl Gpu {
             dummy,
             stride,
             params: Default::default(),
+            params_async: Default::default(),
             staging: Default::default(),
         })
     }
@@ -240,6 +242,33 @@ impl Gpu {
         ops: &[Dispatch],
         reads: &[(&wgpu::Buffer, u64, usize)],
     ) -> Result<Vec<Vec<f32>>, GpuError> {
+        let enc = self.encode_program(k, arena, ops, &k.params)?;
+        self.finish_program(k, enc, reads)
+    }
+
+    /// Submits `ops` and returns without waiting: the device runs them while the caller goes
+    /// on (the next [`Gpu::run_program`] runs after them and waits for both). Its parameter
+    /// blocks have a buffer of their own, so the next submission's do not overwrite them.
+    pub fn submit_program(
+        &self,
+        k: &Kernels,
+        arena: &wgpu::Buffer,
+        ops: &[Dispatch],
+    ) -> Result<(), GpuError> {
+        let enc = self.encode_program(k, arena, ops, &k.params_async)?;
+        self.queue.submit([enc.finish()]);
+        Ok(())
+    }
+
+    /// `ops` recorded into a command encoder, their parameter blocks written into `slot`'s
+    /// buffer (they land before the next submission runs).
+    fn encode_program(
+        &self,
+        k: &Kernels,
+        arena: &wgpu::Buffer,
+        ops: &[Dispatch],
+        slot: &std::sync::Mutex<Option<wgpu::Buffer>>,
+    ) -> Result<wgpu::CommandEncoder, GpuError> {
         let mut enc = self
             .device
             .create_command_encoder(&wgpu::CommandEncoderDescriptor {
@@ -248,7 +277,7 @@ impl Gpu {
         if !ops.is_empty() {
             let bytes = k.stride * ops.len() as u64;
             let params = {
-                let mut slot = k.params.lock().expect("params buffer");
+                let mut slot = slot.lock().expect("params buffer");
                 grown(
                     &self.device,
                     &mut slot,
@@ -311,6 +340,16 @@ impl Gpu {
                 pass.dispatch_workgroups(x, y, z);
             }
         }
+        Ok(enc)
+    }
+
+    /// Copies `reads` out after what `enc` holds, submits it and waits for the device.
+    fn finish_program(
+        &self,
+        k: &Kernels,
+        mut enc: wgpu::CommandEncoder,
+        reads: &[(&wgpu::Buffer, u64, usize)],
+    ) -> Result<Vec<Vec<f32>>, GpuError> {
         let total: usize = reads.iter().map(|r| r.2).sum();
         let staging_bytes = (total as u64 * 4).max(4);
         let staging = {

@@ -310,8 +310,8 @@ impl Described {
                     m.dense_read_bytes as f64 / bps
                         + m.gpu_round_trips as f64 * GPU_SUBMIT_S
                         + m.pcie_bytes / pcie,
-                    // the shared expert runs before the rows come back: nothing hides behind it
-                    0.0,
+                    // the shared expert runs on the GPU while the routed experts compute
+                    m.shared_read_bytes as f64 / bps,
                     // a draft: the MTP layer and its head, one MoE layer's round trip
                     m.mtp_read_bytes as f64 / bps + 2.0 * GPU_SUBMIT_S + per_layer,
                 )
@@ -363,7 +363,7 @@ mod tests {
         // VRAM bandwidth times its efficiency, a submission per round trip, the rows over PCIe
         let want = 2e9 / (1000e9 * GPU_EFFICIENCY) + 11.0 * GPU_SUBMIT_S + m.pcie_bytes / 10e9;
         assert!((gpu.dense_s - want).abs() < 1e-9, "{} {want}", gpu.dense_s);
-        assert_eq!(gpu.shared_s, 0.0);
+        assert!(gpu.shared_s > 0.0 && gpu.shared_s < cpu.shared_s);
         assert!(gpu.mtp_s < cpu.mtp_s);
         // the coordinator's card holds the skeleton and the KV cache before experts
         let vram = |s: &Setup| s.nodes[0].gpu.as_ref().unwrap().vram_bytes;

@@ -26,9 +26,9 @@
 //! skeleton and the KV cache fit its VRAM) it reads the skeleton at the GPU's bandwidth times
 //! `gpu_efficiency`, and a token adds one submission per MoE layer and per full DSA layer
 //! ([`GPU_SUBMIT_S`] each) and the rows over PCIe ([`PCIE_BYTES_S`] unless the machine's `gpu`
-//! gives `pcie_gb_s`); the shared expert then hides nothing (it runs before the rows come back),
-//! the MTP drafts run there too, and the coordinator's VRAM beyond the skeleton and the KV cache
-//! holds experts.
+//! gives `pcie_gb_s`); the shared expert runs there while the routed experts compute, the MTP
+//! drafts run there too, and the coordinator's VRAM beyond the skeleton and the KV cache holds
+//! experts.
 //!
 //! The rooms: `model` is the prediction (what it is made from, the draws, the budget of a
 //! token), `described` reads a described cluster's machines into the model's view of them, and

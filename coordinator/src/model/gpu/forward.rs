@@ -1197,11 +1197,16 @@ impl Model {
                     let e = rs.n_experts;
                     let r = &run.r;
                     run.rec.linear(router, r.f, n, r.logits, r.qx);
-                    if let Some(sw) = shared {
-                        run.rec.swiglu(sw, r.f, n, r.shared, r);
-                    }
                     let (f, lg, fl) = (r.f, r.logits, r.flags);
                     let back = run.flush(&[(f, n * h), (lg, n * e), (fl, li)])?;
+                    // the shared expert runs on the device while the CPU routes and the routed
+                    // experts compute (it is added after their sum, as everywhere)
+                    if let Some(sw) = shared {
+                        let r = &run.r;
+                        run.rec.swiglu(sw, r.f, n, r.shared, r);
+                        let ops = std::mem::take(&mut run.rec.ops);
+                        gpu.submit_program(&dg.kernels, &arena, &ops)?;
+                    }
                     flags_of(&back[2])?;
                     let (f, logits) = (&back[0], &back[1]);
                     let k = rs.top_k;
