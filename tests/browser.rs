@@ -450,6 +450,70 @@ fn the_chat_page_streams_the_apis_answer_and_shows_markup_as_text() {
 }
 
 #[test]
+fn three_turns_with_the_pages_defaults_fit_the_context_and_the_dashboard_is_right_when_idle() {
+    let Some(d) = Driver::start(
+        "three_turns_with_the_pages_defaults_fit_the_context_and_the_dashboard_is_right_when_idle",
+    ) else {
+        return;
+    };
+    let (srv, _) = Server::demo();
+    let s = d.session();
+    s.open(&srv.addr);
+    // the defaults (temperature 0.7, max tokens 512) against the demo's 1,024-token context:
+    // every turn is answered; a turn that would not leave room for an answer leaves the oldest
+    // turns out of the request and says so
+    for (i, prompt) in ["Speak, Romeo.", "What say you, Juliet?", "And then?"]
+        .iter()
+        .enumerate()
+    {
+        ask(&s, prompt);
+        let state =
+            s.js("return [...document.querySelectorAll('.msg.assistant')].pop().dataset.state;");
+        assert_eq!(
+            state,
+            "done",
+            "turn {}: {}",
+            i + 1,
+            s.text("#messages .msg.assistant:last-child .stats")
+        );
+    }
+    let kept = s.js(
+        "const c = JSON.parse(localStorage.getItem('charm.conversations'))[0]; \
+         return c.messages.length;",
+    );
+    assert_eq!(
+        kept, 6,
+        "the page keeps every message, even those left out of a request"
+    );
+    // the sidebar: "New chat" twice leaves one empty conversation beside the one with messages
+    s.click("#new-chat");
+    s.click("#new-chat");
+    assert_eq!(
+        s.js("return document.querySelectorAll('#conversations li').length;"),
+        2
+    );
+    // the dashboard with nothing running: no batch, and each worker's RAM for its experts
+    s.click("#tab-dashboard");
+    s.wait_for(
+        "an idle batch",
+        "const dt = [...document.querySelectorAll('#d-server dt')].find(x => x.textContent === 'batch'); \
+         return dt && dt.nextElementSibling.textContent.startsWith('0 of');",
+        Duration::from_secs(20),
+    );
+    for w in ["w1", "w2"] {
+        let ram = s.wait_for(
+            &format!("{w}'s row"),
+            &format!("const r = document.querySelector('#d-workers tr[data-worker=\"{w}\"]'); return r && r.lastElementChild.textContent;"),
+            Duration::from_secs(20),
+        );
+        let ram = ram.as_str().unwrap_or_default().to_string();
+        assert!(ram.contains("B"), "{w}'s RAM shows {ram:?}");
+    }
+    let errors = s.console_errors();
+    assert!(errors.is_empty(), "console errors: {errors:?}");
+}
+
+#[test]
 fn with_an_api_key_the_page_asks_for_it_and_refuses_without_it() {
     let Some(d) = Driver::start("with_an_api_key_the_page_asks_for_it_and_refuses_without_it")
     else {

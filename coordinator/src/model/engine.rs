@@ -417,7 +417,7 @@ impl Engine {
                 executor: model.experts.clone(),
                 vram: None,
                 store: None,
-                ram_bytes: 0,
+                ram_bytes: model.ram_expert_bytes,
                 act_group: None,
                 warnings,
             });

@@ -143,6 +143,9 @@ pub struct Model {
     pub expert_use: std::sync::Arc<usage::ExpertUse>,
     /// The dense skeleton's copy on a GPU, when the forward runs there ([`Model::attach_dense_gpu`]).
     pub dense_gpu: Option<gpu::DenseGpu>,
+    /// Bytes of routed experts the model holds in RAM itself (a checkpoint's; 0 when another
+    /// executor holds them).
+    pub ram_expert_bytes: u64,
 }
 
 /// A directory made by colibrì's converter (see [`charm_shared::colibri`]).
@@ -598,12 +601,16 @@ impl Model {
                 .any(|l| l.indexer_kind == Some(IndexerKind::Full) && l.indexer.is_none())
                 .then_some(d.topk)
         });
-        let executor: Arc<dyn ExpertExecutor> = match executor {
-            Some(e) => e,
-            None => Arc::new(RamExperts {
-                hidden: h,
-                layers: ram_experts,
-            }),
+        let (executor, ram_expert_bytes): (Arc<dyn ExpertExecutor>, u64) = match executor {
+            Some(e) => (e, 0),
+            None => {
+                let r = RamExperts {
+                    hidden: h,
+                    layers: ram_experts,
+                };
+                let bytes = r.bytes() as u64;
+                (Arc::new(r), bytes)
+            }
         };
         let expert_use = std::sync::Arc::new(usage::ExpertUse::new(
             layers.len() + usize::from(mtp.is_some()),
@@ -622,6 +629,7 @@ impl Model {
             lm_head,
             mtp,
             dense_gpu: None,
+            ram_expert_bytes,
         })
     }
 

@@ -229,6 +229,8 @@ function settings() {
 function current() {
   let c = conversations.find((x) => x.id === currentId);
   if (!c) {
+    // (an empty conversation is not kept beside the new one)
+    conversations = conversations.filter((x) => x.messages.length > 0);
     c = { id: String(Date.now()) + Math.random().toString(36).slice(2, 6), title: 'New chat', messages: [] };
     conversations.unshift(c);
     currentId = c.id;
@@ -254,6 +256,8 @@ function renderConversations() {
     open.textContent = c.title;
     open.addEventListener('click', () => {
       if (controller) return;
+      // (an empty conversation left for another is not kept)
+      conversations = conversations.filter((x) => x.messages.length > 0 || x.id === c.id);
       currentId = c.id;
       persist();
       renderChat();
@@ -331,6 +335,7 @@ function fillMessage(div, m) {
     if (st.tps !== undefined) parts.push(st.tps.toFixed(1) + ' tok/s');
     if (st.ttft !== undefined) parts.push('first token ' + Math.round(st.ttft) + ' ms');
   }
+  if (m.dropped) parts.push(m.dropped + ' earlier messages left out to fit the context');
   if (m.state === 'stopped') parts.push('stopped');
   if (m.state === 'error') parts.push('error: ' + (m.error || 'failed'));
   if (m.state === 'streaming') parts.push('\u2026');
@@ -380,18 +385,6 @@ async function send(text) {
   persist();
   renderChat();
   const el = $('messages').lastElementChild;
-  const body = Object.assign(
-    {
-      model: modelName || undefined,
-      messages: history,
-      stream: true,
-      stream_options: { include_usage: true },
-      temperature: Number(s.temperature),
-      top_p: Number(s.top_p),
-      max_tokens: Number(s.max_tokens),
-    },
-    extra,
-  );
   controller = new AbortController();
   busy(true);
   const t0 = performance.now();
@@ -408,6 +401,20 @@ async function send(text) {
     });
   };
   try {
+    const fitted = await fit(history, Number(s.max_tokens) || defaults().max_tokens);
+    if (fitted.dropped) a.dropped = fitted.dropped;
+    const body = Object.assign(
+      {
+        model: modelName || undefined,
+        messages: history,
+        stream: true,
+        stream_options: { include_usage: true },
+        temperature: Number(s.temperature),
+        top_p: Number(s.top_p),
+        max_tokens: fitted.max_tokens,
+      },
+      extra,
+    );
     const r = await api('/v1/chat/completions', {
       method: 'POST',
       body: JSON.stringify(body),
@@ -453,6 +460,32 @@ async function send(text) {
   busy(false);
   persist();
   fillMessage(el, a);
+}
+
+// The conversation as it fits the model's context (the server counts it, `/tokenize`): while
+// less than a quarter of the context (at least 64 tokens, at most `want`) is left for the answer,
+// the oldest turn is left out of the request (the page keeps it); max tokens is then `want`
+// capped at what is left.
+async function fit(history, want) {
+  let dropped = 0;
+  for (;;) {
+    const r = await api('/tokenize', {
+      method: 'POST',
+      body: JSON.stringify({ model: modelName || undefined, messages: history }),
+    });
+    if (!r.ok) return { max_tokens: want, dropped };
+    const j = await r.json();
+    const room = j.max_model_len - j.count;
+    const floor = Math.min(want, Math.max(64, Math.floor(j.max_model_len / 4)));
+    const first = history.findIndex((m) => m.role !== 'system');
+    const last = history.length - 1;
+    if (room >= floor || first < 0 || first >= last) {
+      return { max_tokens: Math.max(1, Math.min(want, room)), dropped };
+    }
+    const n = history[first + 1].role === 'assistant' && first + 1 < last ? 2 : 1;
+    history.splice(first, n);
+    dropped += n;
+  }
 }
 
 function showSettingsError(text) {

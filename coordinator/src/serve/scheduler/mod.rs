@@ -173,6 +173,9 @@ fn run_jobs(
         while active.len() < max_active {
             let Some(job) = pending.pop_front() else {
                 let request = if active.is_empty() {
+                    // nothing runs while it waits
+                    metrics.active.store(0, Ordering::Relaxed);
+                    metrics.batch_rows.store(0, Ordering::Relaxed);
                     match rx.recv() {
                         Ok(j) => j,
                         Err(_) => return,
