@@ -504,12 +504,18 @@ fn the_official_python_clients_drive_the_server() {
     let key = "client-test-key-0123456789";
     std::fs::write(dir.join("key"), key).unwrap();
     let s = Server::start(&["--api-key-file", dir.join("key").to_str().unwrap()]);
+    // the demo model with GLM-5.2's template, for tool calls
+    let glm = demo_with_real_template("GLM-5.2");
+    let t = Server::start_model(&glm, &["--api-key-file", dir.join("key").to_str().unwrap()]);
     let o = Command::new(python)
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/official.py"))
         .arg(format!("http://{}", s.addr))
         .arg(key)
+        .arg(format!("http://{}", t.addr))
         .output()
         .unwrap();
+    drop(t);
+    std::fs::remove_dir_all(&glm).unwrap();
     let (out, err) = (
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr),
@@ -1656,9 +1662,20 @@ fn a_required_or_named_tool_choice_gets_calls_in_the_templates_own_syntax() {
                 );
                 let v = r.json();
                 let c = &v["choices"][0];
-                assert_eq!(c["finish_reason"], "tool_calls", "{template} {choice}: {v}");
+                // a named tool: one call, then the end of the turn; `required`: calls until the
+                // model ends, or max_tokens cuts the last one (left out, `length`)
+                let finish = c["finish_reason"].as_str().unwrap();
+                if want.is_some() {
+                    assert_eq!(finish, "tool_calls", "{template} {choice}: {v}");
+                } else {
+                    assert!(finish == "tool_calls" || finish == "length", "{v}");
+                }
+                no_template_text(&c["message"]["content"], template);
                 let calls = c["message"]["tool_calls"].as_array().unwrap();
                 assert!(!calls.is_empty());
+                if want.is_some() {
+                    assert_eq!(calls.len(), 1, "{template} {choice}: {v}");
+                }
                 for call in calls {
                     let name = call["function"]["name"].as_str().unwrap();
                     if let Some(w) = want {
@@ -1681,14 +1698,66 @@ fn a_required_or_named_tool_choice_gets_calls_in_the_templates_own_syntax() {
                 }
             }
         }
+        // `required` without parallel calls: exactly one, then the end of the turn
+        let one = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools, "tool_choice": "required",
+            "parallel_tool_calls": false, "max_tokens": 120, "temperature": 1.0, "seed": 5,
+            "chat_template_kwargs": {"enable_thinking": false}});
+        let v = post(a, "/v1/chat/completions", &one).json();
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{template}: {v}");
+        assert_eq!(
+            c["message"]["tool_calls"].as_array().unwrap().len(),
+            1,
+            "{v}"
+        );
+        // max_tokens cuts the call: `length`, and no template syntax in the content, whole or
+        // streamed
+        let mut cut = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 6,
+            "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": false}});
+        let v = post(a, "/v1/chat/completions", &cut).json();
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "length", "{template}: {v}");
+        assert!(c["message"]["tool_calls"].is_null(), "{v}");
+        no_template_text(&c["message"]["content"], template);
+        cut["stream"] = json!(true);
+        let events: Vec<Value> = events(&post(a, "/v1/chat/completions", &cut).body)
+            .iter()
+            .filter(|e| e.as_str() != "[DONE]")
+            .map(|e| serde_json::from_str(e).unwrap())
+            .collect();
+        let finish: Vec<&Value> = events
+            .iter()
+            .map(|e| &e["choices"][0]["finish_reason"])
+            .filter(|f| !f.is_null())
+            .collect();
+        assert_eq!(finish, vec![&json!("length")], "{template}: {events:?}");
+        let streamed: String = events
+            .iter()
+            .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        no_template_text(&json!(streamed), template);
         // Anthropic's any and tool
         let an = json!([{"name": "set_alarm", "description": "An alarm.", "input_schema": tools[1]["function"]["parameters"]}]);
+        let r = post(a, "/v1/messages", &json!({"max_tokens": 4, "messages": [{"role": "user", "content": "Wake me."}], "tools": an, "tool_choice": {"type": "any"}})).json();
+        assert_eq!(r["stop_reason"], "max_tokens", "{template}: {r}");
+        for b in r["content"].as_array().unwrap() {
+            assert_ne!(b["type"], "tool_use", "{r}");
+            no_template_text(&b["text"], template);
+        }
         for choice in [
             json!({"type": "any"}),
             json!({"type": "tool", "name": "set_alarm"}),
         ] {
             let r = post(a, "/v1/messages", &json!({"max_tokens": 200, "messages": [{"role": "user", "content": "Wake me."}], "tools": an, "tool_choice": choice})).json();
-            assert_eq!(r["stop_reason"], "tool_use", "{template}: {r}");
+            // `any`: calls until the model ends or max_tokens cuts the last (left out)
+            if choice["type"] == "any" && r["stop_reason"] == "max_tokens" {
+                for b in r["content"].as_array().unwrap() {
+                    no_template_text(&b["text"], template);
+                }
+            } else {
+                assert_eq!(r["stop_reason"], "tool_use", "{template}: {r}");
+            }
             let used: Vec<&Value> = r["content"]
                 .as_array()
                 .unwrap()
@@ -1706,6 +1775,17 @@ fn a_required_or_named_tool_choice_gets_calls_in_the_templates_own_syntax() {
         assert_eq!(r.status, 400);
         drop(s);
         std::fs::remove_dir_all(&d).unwrap();
+    }
+}
+
+/// Panics where a message's content carries tool-call template syntax.
+fn no_template_text(content: &Value, template: &str) {
+    let text = content.as_str().unwrap_or_default();
+    for mark in ["<tool_call>", "<arg_key>", "<arg_value>", "</tool_call>"] {
+        assert!(
+            !text.contains(mark),
+            "{template}: template text in content: {text:?}"
+        );
     }
 }
 

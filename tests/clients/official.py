@@ -1,7 +1,8 @@
 """The official `openai` and `anthropic` Python clients against a running `charm serve`.
 
-usage: python official.py BASE_URL API_KEY
-(needs the openai, anthropic, pydantic and jsonschema packages)
+usage: python official.py BASE_URL API_KEY [TOOLS_BASE_URL]
+(needs the openai, anthropic, pydantic and jsonschema packages; TOOLS_BASE_URL: a server whose
+chat template defines tool calls, for the tool checks)
 Exits non-zero (with the failing check) when an answer is not what the clients expect.
 """
 
@@ -166,4 +167,41 @@ except openai.NotFoundError as err:
 # Anthropic's count_tokens: the input tokens of the same request
 counted = an.messages.count_tokens(model=name, system="Be brief.", messages=msgs)
 assert counted.input_tokens == m.usage.input_tokens, (counted, m.usage)
+
+# tool calls, on a server whose template defines them
+if len(sys.argv) > 3:
+    ot = openai.OpenAI(base_url=sys.argv[3] + "/v1", api_key=key, max_retries=0)
+    at = anthropic.Anthropic(base_url=sys.argv[3], api_key=key, max_retries=0)
+    tname = ot.models.list().data[0].id
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                             "required": ["city"]}}}]
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    kw = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    # `required` without parallel calls: one call, and the turn ends there
+    r = ot.chat.completions.create(model=tname, messages=ask, tools=tools, tool_choice="required",
+                                   parallel_tool_calls=False, max_tokens=100, temperature=1, seed=3, **kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, r
+    assert json.loads(c.message.tool_calls[0].function.arguments)["city"], r
+    # `required`: calls until the model ends them, or `length` with the cut call left out
+    r = ot.chat.completions.create(model=tname, messages=ask, tools=tools, tool_choice="required",
+                                   max_tokens=100, temperature=1, seed=4, **kw)
+    c = r.choices[0]
+    assert c.finish_reason in ("tool_calls", "length") and c.message.tool_calls, r
+    assert "<tool_call>" not in (c.message.content or ""), r
+    # a call max_tokens cuts: `length`, no call, no template text
+    r = ot.chat.completions.create(model=tname, messages=ask, tools=tools,
+                                   tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                   max_tokens=5, temperature=0, **kw)
+    c = r.choices[0]
+    assert c.finish_reason == "length" and not c.message.tool_calls, r
+    assert "<tool_call>" not in (c.message.content or ""), r
+    # Anthropic: `any` with parallel use off gives one tool_use block and stops for it
+    m2 = at.messages.create(model=tname, max_tokens=100, messages=ask,
+                            tools=[{"name": "get_weather", "description": "Weather of a city.",
+                                    "input_schema": tools[0]["function"]["parameters"]}],
+                            tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    uses = [b for b in m2.content if b.type == "tool_use"]
+    assert m2.stop_reason == "tool_use" and len(uses) == 1, m2
 print("ok")

@@ -21,6 +21,16 @@ pub enum ToolFormat {
     Kimi,
 }
 
+/// An answer's text and calls ([`ToolFormat::extract`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Extracted {
+    /// The text outside tool calls, trimmed.
+    pub content: String,
+    pub calls: Vec<ToolCall>,
+    /// The answer ended inside a call, which is in neither.
+    pub cut: bool,
+}
+
 /// A call taken out of an answer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ToolCall {
@@ -62,9 +72,10 @@ impl ToolFormat {
         }
     }
 
-    /// The answer's text outside tool calls (trimmed), and the calls, in order. A block that
-    /// does not parse stays in the text.
-    pub fn extract(self, text: &str) -> (String, Vec<ToolCall>) {
+    /// The answer's text outside tool calls (trimmed), and the calls, in order. A closed block
+    /// that does not parse stays in the text; a call the answer ends inside (cut by
+    /// `max_tokens`, or ended mid-call) is left out of both, and `cut` says so.
+    pub fn extract(self, text: &str) -> Extracted {
         match self {
             Self::DeepSeek => return sectioned(text, &DS, |id| id.to_string()),
             // `functions.NAME:INDEX`
@@ -81,7 +92,13 @@ impl ToolFormat {
         while let Some(i) = rest.find(OPEN) {
             let after = &rest[i + OPEN.len()..];
             let Some(j) = after.find(CLOSE) else {
-                break;
+                // the answer ends inside a call
+                content.push_str(&rest[..i]);
+                return Extracted {
+                    content: content.trim().to_string(),
+                    calls,
+                    cut: true,
+                };
             };
             let body = &after[..j];
             match self.parse(body) {
@@ -94,7 +111,11 @@ impl ToolFormat {
             rest = &after[j + CLOSE.len()..];
         }
         content.push_str(rest);
-        (content.trim().to_string(), calls)
+        Extracted {
+            content: content.trim().to_string(),
+            calls,
+            cut: false,
+        }
     }
 
     fn parse(self, body: &str) -> Option<ToolCall> {
@@ -140,15 +161,26 @@ impl ToolFormat {
 
 /// Calls written as `[section open] (call open) NAME-OR-ID (separator) ARGS (call close) ...
 /// [section close]` (markers `m`); `name` turns what precedes the separator into the tool name.
-/// A section that does not parse stays text.
-fn sectioned(text: &str, m: &[&str; 5], name: impl Fn(&str) -> String) -> (String, Vec<ToolCall>) {
-    let parse = |section: &str| -> Option<Vec<ToolCall>> {
+/// A closed section that does not parse stays text; an answer that ends inside the section keeps
+/// the calls completed in it and leaves the rest out (`cut`).
+fn sectioned(text: &str, m: &[&str; 5], name: impl Fn(&str) -> String) -> Extracted {
+    let whole = |t: &str| Extracted {
+        content: t.trim().to_string(),
+        calls: vec![],
+        cut: false,
+    };
+    // the calls of a section; `open`: it has no close, so an unfinished last call ends it
+    let parse = |section: &str, open: bool| -> Option<Vec<ToolCall>> {
         let mut calls = Vec::new();
         let mut rest = section;
         while let Some(i) = rest.find(m[1]) {
             let after = &rest[i + m[1].len()..];
-            let (head, tail) = after.split_once(m[2])?;
-            let (args, next) = tail.split_once(m[3])?;
+            let Some((head, tail)) = after.split_once(m[2]) else {
+                return open.then_some(calls);
+            };
+            let Some((args, next)) = tail.split_once(m[3]) else {
+                return open.then_some(calls);
+            };
             let arguments: Value = serde_json::from_str(args.trim()).ok()?;
             if !arguments.is_object() {
                 return None;
@@ -159,20 +191,28 @@ fn sectioned(text: &str, m: &[&str; 5], name: impl Fn(&str) -> String) -> (Strin
             });
             rest = next;
         }
-        (!calls.is_empty()).then_some(calls)
+        (open || !calls.is_empty()).then_some(calls)
     };
     let Some(start) = text.find(m[0]) else {
-        return (text.trim().to_string(), vec![]);
+        return whole(text);
     };
     let body_end = text[start..].find(m[4]).map(|j| start + j);
     let section = &text[start + m[0].len()..body_end.unwrap_or(text.len())];
-    match parse(section) {
-        Some(calls) => {
-            let after = body_end.map_or("", |j| &text[j + m[4].len()..]);
-            let content = format!("{}{}", &text[..start], after);
-            (content.trim().to_string(), calls)
+    match (parse(section, body_end.is_none()), body_end) {
+        (Some(calls), Some(j)) if !calls.is_empty() => {
+            let content = format!("{}{}", &text[..start], &text[j + m[4].len()..]);
+            Extracted {
+                content: content.trim().to_string(),
+                calls,
+                cut: false,
+            }
         }
-        None => (text.trim().to_string(), vec![]),
+        (Some(calls), None) => Extracted {
+            content: text[..start].trim().to_string(),
+            calls,
+            cut: true,
+        },
+        _ => whole(text),
     }
 }
 
@@ -184,7 +224,7 @@ mod tests {
     #[test]
     fn glm_calls_come_out_with_typed_arguments() {
         let t = "Let me look.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call><tool_call>now</tool_call>";
-        let (content, calls) = ToolFormat::Glm.extract(t);
+        let Extracted { content, calls, .. } = ToolFormat::Glm.extract(t);
         assert_eq!(content, "Let me look.");
         assert_eq!(
             calls,
@@ -200,15 +240,22 @@ mod tests {
             ]
         );
         // a broken block stays text
-        let (content, calls) = ToolFormat::Glm.extract("a <tool_call>x<arg_key>k</tool_call> b");
-        assert!(calls.is_empty());
-        assert_eq!(content, "a <tool_call>x<arg_key>k</tool_call> b");
+        let e = ToolFormat::Glm.extract("a <tool_call>x<arg_key>k</tool_call> b");
+        assert!(e.calls.is_empty() && !e.cut);
+        assert_eq!(e.content, "a <tool_call>x<arg_key>k</tool_call> b");
+        // a call the answer ends inside: the complete ones come out, the cut one nowhere
+        let e = ToolFormat::Glm.extract(
+            "Here.<tool_call>now</tool_call>\n<tool_call>summon<arg_key>who</arg_key><arg_value>Gho",
+        );
+        assert_eq!((e.content.as_str(), e.cut), ("Here.", true));
+        assert_eq!(e.calls.len(), 1);
+        assert_eq!(e.calls[0].name, "now");
     }
 
     #[test]
     fn hermes_calls_come_out_and_templates_say_their_format() {
         let t = "<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": \"rust\", \"n\": 2}}\n</tool_call>\nDone.";
-        let (content, calls) = ToolFormat::Hermes.extract(t);
+        let Extracted { content, calls, .. } = ToolFormat::Hermes.extract(t);
         assert_eq!(content, "Done.");
         assert_eq!(calls[0].name, "search");
         assert_eq!(calls[0].arguments, json!({"q": "rust", "n": 2}));
@@ -223,25 +270,38 @@ mod tests {
         );
         assert_eq!(fmt("Kimi-K2-Instruct.jinja"), Some(ToolFormat::Kimi));
         assert_eq!(fmt("moonshotai-Kimi-K2.jinja"), None);
-        // an unfinished block is text
-        assert_eq!(ToolFormat::Hermes.extract("<tool_call>{").0, "<tool_call>{");
+        // an unfinished block is cut, not text
+        let e = ToolFormat::Hermes.extract("Hi <tool_call>{");
+        assert_eq!((e.content.as_str(), e.calls.len(), e.cut), ("Hi", 0, true));
     }
 
     #[test]
     fn deepseek_and_kimi_calls_come_out() {
         let t = "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
-        let (content, calls) = ToolFormat::DeepSeek.extract(t);
+        let Extracted {
+            content,
+            calls,
+            cut,
+        } = ToolFormat::DeepSeek.extract(t);
+        assert!(!cut);
         assert_eq!(content, "Sure.");
         assert_eq!(calls.len(), 2);
         assert_eq!(calls[0].arguments, json!({"city": "Paris"}));
         assert_eq!(calls[1].name, "now");
         let k = "<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>{\"q\": \"x\"}<|tool_call_end|><|tool_calls_section_end|>";
-        let (content, calls) = ToolFormat::Kimi.extract(k);
+        let Extracted { content, calls, .. } = ToolFormat::Kimi.extract(k);
         assert_eq!(content, "");
         assert_eq!(calls[0].name, "search");
         assert_eq!(calls[0].arguments, json!({"q": "x"}));
         // arguments that are not an object: the text stays
         let bad = "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>[1]<|tool_call_end|><|tool_calls_section_end|>";
-        assert!(ToolFormat::Kimi.extract(bad).1.is_empty());
+        assert!(ToolFormat::Kimi.extract(bad).calls.is_empty());
+        // cut inside the section: the complete call comes out, the rest nowhere
+        let cut = &t[..t.find("now").unwrap()];
+        let e = ToolFormat::DeepSeek.extract(cut);
+        assert_eq!(
+            (e.content.as_str(), e.calls.len(), e.cut),
+            ("Sure.", 1, true)
+        );
     }
 }

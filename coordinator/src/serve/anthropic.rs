@@ -23,11 +23,16 @@ use super::Shared;
 use crate::decode::tool_calls::ToolFormat;
 
 /// Anthropic content blocks of a whole answer: its text, then its tool calls as `tool_use`
-/// blocks (when `format` reads them); and whether it called tools.
+/// blocks (when `format` reads them); and whether it called tools and ended after its calls
+/// (not inside one: a call `max_tokens` cut is left out, and the stop reason stays the
+/// generation's).
 fn anthropic_content(text: String, format: Option<ToolFormat>, id: &str) -> (Json, bool) {
-    let (text, calls) = match format {
-        Some(f) => f.extract(&text),
-        None => (text, vec![]),
+    let (text, calls, cut) = match format {
+        Some(f) => {
+            let e = f.extract(&text);
+            (e.content, e.calls, e.cut)
+        }
+        None => (text, vec![], false),
     };
     let mut blocks = Vec::new();
     if !text.is_empty() || calls.is_empty() {
@@ -36,7 +41,7 @@ fn anthropic_content(text: String, format: Option<ToolFormat>, id: &str) -> (Jso
     for (i, c) in calls.iter().enumerate() {
         blocks.push(json!({"type": "tool_use", "id": format!("toolu_{id}_{i}"), "name": c.name, "input": c.arguments}));
     }
-    (Json::Array(blocks), !calls.is_empty())
+    (Json::Array(blocks), !calls.is_empty() && !cut)
 }
 
 /// `POST /v1/messages`: Anthropic's Messages API over the same generator.
@@ -142,7 +147,16 @@ fn request(s: &Shared, body: &Bytes, counting: bool) -> Result<Request, ApiError
         None => (obj.get("tools").is_some_and(|t| !t.is_null()), None),
         Some(Some("auto")) => (true, None),
         Some(Some("none")) => (false, None),
-        Some(Some("any")) => (true, Some(MustCall::Any)),
+        Some(Some("any")) => (
+            true,
+            Some(
+                if choice.is_some_and(|c| c["disable_parallel_tool_use"] == true) {
+                    MustCall::One
+                } else {
+                    MustCall::Any
+                },
+            ),
+        ),
         Some(Some("tool")) => match choice.and_then(|c| c["name"].as_str()) {
             Some(n) => (true, Some(MustCall::Named(n.to_string()))),
             None => return Err(bad("`tool_choice.name` is required with type tool")),

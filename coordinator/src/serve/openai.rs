@@ -109,9 +109,15 @@ pub(super) async fn chat_completions(
     let tools_given = parsed.get("tools").is_some_and(|t| !t.is_null());
     let parsed_tools = parsed.get("tools").cloned().unwrap_or(Json::Null);
     let tool_choice = parsed.get("tool_choice").cloned().unwrap_or(Json::Null);
+    let parallel = match parsed.get("parallel_tool_calls") {
+        None | Some(Json::Null) => true,
+        Some(Json::Bool(b)) => *b,
+        Some(_) => return Err(bad("`parallel_tool_calls` must be true or false")),
+    };
     if let Some(o) = parsed.as_object_mut() {
         o.remove("tools");
         o.remove("tool_choice");
+        o.remove("parallel_tool_calls");
     }
     let set = settings(
         &parsed,
@@ -135,7 +141,14 @@ pub(super) async fn chat_completions(
         (Json::Null, true) => (true, None),
         (Json::String(c), true) if c == "auto" => (true, None),
         (Json::String(c), true) if c == "none" => (false, None),
-        (Json::String(c), true) if c == "required" => (true, Some(MustCall::Any)),
+        (Json::String(c), true) if c == "required" => (
+            true,
+            Some(if parallel {
+                MustCall::Any
+            } else {
+                MustCall::One
+            }),
+        ),
         (Json::Object(_), true) if tool_choice["type"] == "function" => {
             match tool_choice["function"]["name"].as_str() {
                 Some(n) => (true, Some(MustCall::Named(n.to_string()))),
@@ -211,17 +224,22 @@ pub(super) async fn chat_completions(
     .await
 }
 
-/// The message of a whole answer: reasoning apart, tool calls taken out; and whether it
-/// called tools.
+/// The message of a whole answer: reasoning apart, tool calls taken out; and its finish reason
+/// given the generation's: `tool_calls` where it called tools, but the generation's own where
+/// it ended inside a call (`length` when `max_tokens` cut it; the cut call is left out).
 fn chat_message(
     content: String,
     reasoning: String,
     tools: Option<ToolFormat>,
     id: &str,
-) -> (Json, bool) {
-    let (content, calls) = match tools {
-        Some(f) => f.extract(&content),
-        None => (content, vec![]),
+    finish: &'static str,
+) -> (Json, &'static str) {
+    let (content, calls, cut) = match tools {
+        Some(f) => {
+            let e = f.extract(&content);
+            (e.content, e.calls, e.cut)
+        }
+        None => (content, vec![], false),
     };
     let mut msg = json!({"role": "assistant", "content": content});
     if !reasoning.is_empty() {
@@ -237,7 +255,12 @@ fn chat_message(
             })
             .collect();
     }
-    (msg, !calls.is_empty())
+    let finish = if !cut && !calls.is_empty() {
+        "tool_calls"
+    } else {
+        finish
+    };
+    (msg, finish)
 }
 
 /// What one choice of a streamed answer has sent so far.
@@ -305,8 +328,7 @@ async fn answer(
                 let mut split = Reasoning::new(thinking);
                 let (r, c) = split.push(&ans.text);
                 let (r2, c2) = split.end();
-                let (msg, called) = chat_message(c + &c2, r + &r2, tools, &id);
-                let finish = if called { "tool_calls" } else { ans.finish };
+                let (msg, finish) = chat_message(c + &c2, r + &r2, tools, &id, ans.finish);
                 let lp = set
                     .logprobs
                     .map(|_| chat_logprobs(&s.tok, &ans.logprobs))
@@ -443,10 +465,10 @@ async fn answer(
                     let mut calls = Json::Null;
                     if tools.is_some() {
                         let all = std::mem::take(&mut st.held_content) + &content;
-                        let (msg, called) = chat_message(all, String::new(), tools, &stream_id);
+                        let (msg, f) = chat_message(all, String::new(), tools, &stream_id, finish);
                         content = msg["content"].as_str().unwrap_or_default().to_string();
-                        if called {
-                            finish = "tool_calls";
+                        finish = f;
+                        if msg["tool_calls"].is_array() {
                             calls = msg["tool_calls"].clone();
                             if let Some(a) = calls.as_array_mut() {
                                 for (i, c) in a.iter_mut().enumerate() {

@@ -123,10 +123,13 @@ fn closed(mut schema: Json) -> Json {
     schema
 }
 
-/// Which tools an answer must call: any of them (`required`), or the one named.
+/// Which tools an answer must call: one or more of any of them (`required`), exactly one of any
+/// (`required` with `parallel_tool_calls: false`, Anthropic's `disable_parallel_tool_use`), or
+/// the one named (once).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum MustCall {
     Any,
+    One,
     Named(String),
 }
 
@@ -168,7 +171,9 @@ pub(super) fn tool_grammar(
     if calls.is_empty() {
         return Err(bad(match must {
             MustCall::Named(n) => format!("`tool_choice` names `{n}`, which is not in `tools`"),
-            MustCall::Any => "`tool_choice` requires a call but `tools` is empty".into(),
+            MustCall::Any | MustCall::One => {
+                "`tool_choice` requires a call but `tools` is empty".into()
+            }
         }));
     }
     let mut rules = Vec::new();
@@ -245,7 +250,7 @@ pub(super) fn tool_grammar(
         .join(" | ");
     let start = match must {
         MustCall::Any => "start: call (\"\\n\"? call)*",
-        MustCall::Named(_) => "start: call",
+        MustCall::One | MustCall::Named(_) => "start: call",
     };
     Ok(GrammarSpec::Lark(format!(
         "{start}\ncall: {call}\n{}\n",
