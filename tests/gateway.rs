@@ -1778,6 +1778,101 @@ fn a_required_or_named_tool_choice_gets_calls_in_the_templates_own_syntax() {
     }
 }
 
+#[test]
+fn anthropic_messages_put_a_thinking_templates_reasoning_in_thinking_blocks() {
+    let d = demo_with_real_template("GLM-5.2");
+    let s = Server::start_model(&d, &[]);
+    let a = s.addr.as_str();
+    let ask = json!([{"role": "user", "content": "Speak, Romeo."}]);
+    // the same turn through chat completions: its reasoning and its answer
+    let openai = |on: bool| {
+        let v = post(
+            a,
+            "/v1/chat/completions",
+            &json!({"messages": ask, "max_tokens": 60, "temperature": 0,
+            "chat_template_kwargs": {"enable_thinking": on}}),
+        )
+        .json();
+        let m = &v["choices"][0]["message"];
+        (
+            m["reasoning_content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            m["content"].as_str().unwrap().to_string(),
+        )
+    };
+    let (reasoning, answer) = openai(true);
+    assert!(
+        !reasoning.is_empty(),
+        "the template's thinking gave no reasoning"
+    );
+    let on = json!({"max_tokens": 60, "temperature": 0, "messages": ask,
+        "thinking": {"type": "enabled", "budget_tokens": 1024}});
+    let r = post(a, "/v1/messages", &on).json();
+    let blocks = r["content"].as_array().unwrap();
+    assert_eq!(blocks[0]["type"], "thinking", "{r}");
+    assert_eq!(blocks[0]["thinking"], reasoning.as_str(), "{r}");
+    assert!(blocks[0]["signature"].is_string(), "{r}");
+    let text: String = blocks.iter().filter_map(|b| b["text"].as_str()).collect();
+    assert_eq!(text, answer, "{r}");
+    for b in blocks {
+        assert!(
+            !b["text"].as_str().unwrap_or_default().contains("<think>"),
+            "{r}"
+        );
+    }
+    // streamed: a thinking block, then a text block, with the same text
+    let mut st = on.clone();
+    st["stream"] = json!(true);
+    let body = post(a, "/v1/messages", &st).body;
+    let evs: Vec<Value> = String::from_utf8_lossy(&body)
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|e| serde_json::from_str(e).ok())
+        .collect();
+    let starts: Vec<(u64, String)> = evs
+        .iter()
+        .filter(|e| e["type"] == "content_block_start")
+        .map(|e| {
+            (
+                e["index"].as_u64().unwrap(),
+                e["content_block"]["type"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        starts,
+        vec![(0, "thinking".to_string()), (1, "text".to_string())],
+        "{evs:?}"
+    );
+    let delta = |kind: &str, field: &str| -> String {
+        evs.iter()
+            .filter(|e| e["type"] == "content_block_delta" && e["delta"]["type"] == kind)
+            .filter_map(|e| e["delta"][field].as_str())
+            .collect()
+    };
+    assert_eq!(delta("thinking_delta", "thinking"), reasoning);
+    assert_eq!(delta("text_delta", "text"), answer);
+    let stops = evs
+        .iter()
+        .filter(|e| e["type"] == "content_block_stop")
+        .count();
+    assert_eq!(stops, 2, "{evs:?}");
+    // thinking off: the template's own switch, no thinking block
+    let (_, plain) = openai(false);
+    let off = json!({"max_tokens": 60, "temperature": 0, "messages": ask, "thinking": {"type": "disabled"}});
+    let r = post(a, "/v1/messages", &off).json();
+    let blocks = r["content"].as_array().unwrap();
+    assert!(blocks.iter().all(|b| b["type"] == "text"), "{r}");
+    assert_eq!(blocks[0]["text"], plain.as_str(), "{r}");
+    // a bad switch is refused
+    let bad = json!({"max_tokens": 5, "messages": ask, "thinking": {"type": "sometimes"}});
+    assert_eq!(post(a, "/v1/messages", &bad).status, 400);
+    drop(s);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 /// Panics where a message's content carries tool-call template syntax.
 fn no_template_text(content: &Value, template: &str) {
     let text = content.as_str().unwrap_or_default();

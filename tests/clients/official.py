@@ -204,4 +204,17 @@ if len(sys.argv) > 3:
                             tool_choice={"type": "any", "disable_parallel_tool_use": True})
     uses = [b for b in m2.content if b.type == "tool_use"]
     assert m2.stop_reason == "tool_use" and len(uses) == 1, m2
+    # a thinking template's reasoning: a thinking block, whole and streamed alike
+    say = [{"role": "user", "content": "Speak, Romeo."}]
+    think = {"type": "enabled", "budget_tokens": 1024}
+    m3 = at.messages.create(model=tname, max_tokens=60, messages=say, thinking=think,
+                            extra_body={"temperature": 0})
+    assert m3.content[0].type == "thinking" and m3.content[0].thinking, m3
+    with at.messages.stream(model=tname, max_tokens=60, messages=say, thinking=think,
+                            extra_body={"temperature": 0}) as st:
+        m4 = st.get_final_message()
+    assert [b.type for b in m4.content] == [b.type for b in m3.content], (m3, m4)
+    assert m4.content[0].thinking == m3.content[0].thinking, (m3, m4)
+    m5 = at.messages.create(model=tname, max_tokens=20, messages=say, thinking={"type": "disabled"})
+    assert all(b.type == "text" for b in m5.content), m5
 print("ok")

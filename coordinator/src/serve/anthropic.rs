@@ -20,6 +20,7 @@ use super::settings::{parse, settings, COMMON};
 use super::sse::sse;
 use super::structured::{self, MustCall};
 use super::Shared;
+use crate::decode::reasoning::Reasoning;
 use crate::decode::tool_calls::ToolFormat;
 
 /// Anthropic content blocks of a whole answer: its text, then its tool calls as `tool_use`
@@ -42,6 +43,99 @@ fn anthropic_content(text: String, format: Option<ToolFormat>, id: &str) -> (Jso
         blocks.push(json!({"type": "tool_use", "id": format!("toolu_{id}_{i}"), "name": c.name, "input": c.arguments}));
     }
     (Json::Array(blocks), !calls.is_empty() && !cut)
+}
+
+/// A `thinking` block of reasoning (charm signs nothing: the signature is empty).
+fn thinking_block(text: &str) -> Json {
+    json!({"type": "thinking", "thinking": text, "signature": ""})
+}
+
+/// The content blocks of a streamed answer as they open and close: a thinking block while the
+/// reasoning comes, then a text block.
+#[derive(Default)]
+struct Blocks {
+    /// The open block: `Some(true)` thinking, `Some(false)` text.
+    open: Option<bool>,
+    /// The index the next block gets.
+    next: usize,
+}
+
+impl Blocks {
+    fn ev(name: &str, data: Json) -> String {
+        format!("event: {name}\ndata: {data}\n\n")
+    }
+
+    /// Closes the open block, if any.
+    fn close(&mut self) -> String {
+        match self.open.take() {
+            Some(thinking) => {
+                let i = self.next - 1;
+                let mut out = String::new();
+                if thinking {
+                    out += &Self::ev(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": i, "delta": {"type": "signature_delta", "signature": ""}}),
+                    );
+                }
+                out + &Self::ev(
+                    "content_block_stop",
+                    json!({"type": "content_block_stop", "index": i}),
+                )
+            }
+            None => String::new(),
+        }
+    }
+
+    /// Opens a block of the kind asked for unless it is the open one.
+    fn open(&mut self, thinking: bool) -> String {
+        if self.open == Some(thinking) {
+            return String::new();
+        }
+        let mut out = self.close();
+        let block = if thinking {
+            thinking_block("")
+        } else {
+            json!({"type": "text", "text": ""})
+        };
+        out += &Self::ev(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": self.next, "content_block": block}),
+        );
+        self.open = Some(thinking);
+        self.next += 1;
+        out
+    }
+
+    /// A text block, open (for an answer whose text is empty).
+    fn open_text(&mut self) -> String {
+        self.open(false)
+    }
+
+    /// `r` as a thinking delta (nothing when empty).
+    fn thinking(&mut self, r: &str) -> String {
+        if r.is_empty() {
+            return String::new();
+        }
+        let mut out = self.open(true);
+        out += &Self::ev(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": self.next - 1, "delta": {"type": "thinking_delta", "thinking": r}}),
+        );
+        out
+    }
+
+    /// `c` as a text delta (nothing when empty).
+    fn text(&mut self, c: &str) -> String {
+        if c.is_empty() {
+            return String::new();
+        }
+        let mut out = self.open(false);
+        out += &Self::ev(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": self.next - 1, "delta": {"type": "text_delta", "text": c}}),
+        );
+        out
+    }
 }
 
 /// `POST /v1/messages`: Anthropic's Messages API over the same generator.
@@ -92,15 +186,30 @@ fn request(s: &Shared, body: &Bytes, counting: bool) -> Result<Request, ApiError
         "metadata",
         "tools",
         "tool_choice",
+        "thinking",
     ];
     for k in obj.keys() {
-        if k == "thinking" {
-            return Err(bad(format!("`{k}` is not supported yet")));
-        }
         if !KNOWN.contains(&k.as_str()) {
             return Err(bad(format!("unknown field `{k}`")));
         }
     }
+    // `thinking`: the template's own switch (`enable_thinking`), on or off; the budget is taken
+    // as given (the reasoning ends when the model closes it, within max_tokens)
+    let think = match obj.get("thinking") {
+        None | Some(Json::Null) => None,
+        Some(t) => match t["type"].as_str() {
+            Some("enabled") => {
+                if !(t["budget_tokens"].is_null()
+                    || t["budget_tokens"].as_u64().is_some_and(|b| b > 0))
+                {
+                    return Err(bad("`thinking.budget_tokens` must be a positive integer"));
+                }
+                Some(true)
+            }
+            Some("disabled") => Some(false),
+            _ => return Err(bad("`thinking.type` must be enabled or disabled")),
+        },
+    };
     let max_tokens = match counting {
         true => Some(1),
         false => obj.get("max_tokens").and_then(|v| v.as_u64()),
@@ -183,10 +292,11 @@ fn request(s: &Shared, body: &Bytes, counting: bool) -> Result<Request, ApiError
     let conversation = Conversation {
         messages: minijinja::Value::from(msgs),
         tools,
-        kwargs: vec![],
+        kwargs: think
+            .map(|on| vec![("enable_thinking".to_string(), minijinja::Value::from(on))])
+            .unwrap_or_default(),
     };
-    // (the Messages API has its own thinking switch, which charm does not take yet)
-    let (mut prompt, thinking) = conversation.prompt(t, &s.tok)?;
+    let (mut prompt, mut thinking) = conversation.prompt(t, &s.tok)?;
     let tools = if use_tools { t.tool_format } else { None };
     let constraint = match (&must, counting) {
         (Some(m), false) => {
@@ -201,7 +311,9 @@ fn request(s: &Shared, body: &Bytes, counting: bool) -> Result<Request, ApiError
                 .collect();
             let spec = structured::tool_grammar(grammars(s)?, format, &Json::Array(list), m)?;
             if thinking {
+                // a constrained answer has no reasoning part: the turn's `<think>` is closed
                 prompt.extend(s.tok.encode("</think>").map_err(|e| bad(e.to_string()))?);
+                thinking = false;
             }
             Some(constraint(s, &spec)?)
         }
@@ -210,10 +322,7 @@ fn request(s: &Shared, body: &Bytes, counting: bool) -> Result<Request, ApiError
     Ok(Request {
         prompt,
         settings: set,
-        chat: Some(ChatMode {
-            thinking: false,
-            tools,
-        }),
+        chat: Some(ChatMode { thinking, tools }),
         constraint,
     })
 }
@@ -356,6 +465,7 @@ async fn answer(s: Arc<Shared>, req: Request) -> Result<Response, ApiError> {
         constraint,
     } = req;
     let format = chat.and_then(|c| c.tools);
+    let thinking = chat.is_some_and(|c| c.thinking);
     let prompt_tokens = prompt.len();
     let rx = submit(&s, prompt, &set, None, constraint)?.remove(0);
     let id = format!("msg_{}", s.next_id.fetch_add(1, Ordering::Relaxed));
@@ -367,7 +477,17 @@ async fn answer(s: Arc<Shared>, req: Request) -> Result<Response, ApiError> {
     };
     if !set.stream {
         let ans = whole(rx).await?;
-        let (content, called) = anthropic_content(ans.text, format, &id);
+        // the reasoning of a turn the template opened with `<think>`: a thinking block first
+        let mut split = Reasoning::new(thinking);
+        let (r, c) = split.push(&ans.text);
+        let (r2, c2) = split.end();
+        let (mut content, called) = anthropic_content(c + &c2, format, &id);
+        let reasoning = r + &r2;
+        if !reasoning.is_empty() {
+            if let Some(blocks) = content.as_array_mut() {
+                blocks.insert(0, thinking_block(&reasoning));
+            }
+        }
         let stop = if called {
             "tool_use"
         } else {
@@ -389,69 +509,71 @@ async fn answer(s: Arc<Shared>, req: Request) -> Result<Response, ApiError> {
     let prefix = ev(
         "message_start",
         json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}),
-    ) + &ev(
-        "content_block_start",
-        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
     );
+    let mut blocks = Blocks::default();
+    let mut split = Reasoning::new(thinking);
     let mut held = String::new();
     let msg_id = id.clone();
     let stream = sse(rx, prefix, move |e| match e {
         Event::Logprobs(_) | Event::Prompt(_) => (String::new(), false),
-        Event::Text(t) if format.is_some() => {
-            // tool calls are read from the whole answer: it waits for the end
-            held += &t;
-            (String::new(), false)
+        Event::Text(t) => {
+            let (r, c) = split.push(&t);
+            let mut out = blocks.thinking(&r);
+            if format.is_some() {
+                // tool calls are read from the whole answer: its text waits for the end
+                held += &c;
+            } else {
+                out += &blocks.text(&c);
+            }
+            (out, false)
         }
-        Event::Text(t) => (
-            ev(
-                "content_block_delta",
-                json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": t}}),
-            ),
-            false,
-        ),
         Event::Done {
             finish,
             matched,
             completion_tokens,
             ..
         } => {
-            let mut out = String::new();
+            let (r, c) = split.end();
+            let mut out = blocks.thinking(&r);
             let mut stop = reason(finish, &matched);
-            let mut blocks = vec![];
+            let mut uses = vec![];
             if format.is_some() {
                 let (content, called) =
-                    anthropic_content(std::mem::take(&mut held), format, &msg_id);
+                    anthropic_content(std::mem::take(&mut held) + &c, format, &msg_id);
                 if called {
                     stop = "tool_use";
                 }
-                blocks = content.as_array().cloned().unwrap_or_default();
-                // the first block is the open text block, if the answer has text
-                if let Some(t) = blocks.first().and_then(|b| b["text"].as_str()) {
-                    out += &ev(
-                        "content_block_delta",
-                        json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": t}}),
-                    );
+                let all = content.as_array().cloned().unwrap_or_default();
+                // the text block, if the answer has text (or no call)
+                if let Some(t) = all.first().and_then(|b| b["text"].as_str()) {
+                    out += &blocks.text(t);
+                    out += &blocks.open_text();
                 }
+                uses = all
+                    .into_iter()
+                    .filter(|b| b["type"] == "tool_use")
+                    .collect();
+            } else {
+                out += &blocks.text(&c);
+                out += &blocks.open_text();
             }
-            out += &ev(
-                "content_block_stop",
-                json!({"type": "content_block_stop", "index": 0}),
-            );
-            let uses = blocks.iter().filter(|b| b["type"] == "tool_use");
-            for (i, b) in uses.enumerate() {
+            out += &blocks.close();
+            for b in uses {
+                let i = blocks.next;
+                blocks.next += 1;
                 let mut start = b.clone();
                 start["input"] = json!({});
                 out += &ev(
                     "content_block_start",
-                    json!({"type": "content_block_start", "index": i + 1, "content_block": start}),
+                    json!({"type": "content_block_start", "index": i, "content_block": start}),
                 );
                 out += &ev(
                     "content_block_delta",
-                    json!({"type": "content_block_delta", "index": i + 1, "delta": {"type": "input_json_delta", "partial_json": b["input"].to_string()}}),
+                    json!({"type": "content_block_delta", "index": i, "delta": {"type": "input_json_delta", "partial_json": b["input"].to_string()}}),
                 );
                 out += &ev(
                     "content_block_stop",
-                    json!({"type": "content_block_stop", "index": i + 1}),
+                    json!({"type": "content_block_stop", "index": i}),
                 );
             }
             out += &ev(
