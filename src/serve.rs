@@ -29,8 +29,10 @@ pub struct ServeArgs {
     /// the model by either).
     #[arg(long)]
     pub name: Option<String>,
-    /// Requests that may wait beyond the running ones (more get 429).
-    #[arg(long, default_value_t = 16)]
+    /// Requests that may wait beyond the running ones (more get 429 with `Retry-After`). Large
+    /// by default: a waiting request holds only its prompt, and clients such as
+    /// lm-evaluation-harness send dozens at once and retry without reading `Retry-After`.
+    #[arg(long, default_value_t = 256)]
     pub queue: usize,
     /// Generations running at once: one forward step serves them all (continuous batching).
     /// The memory plan reserves a context's KV for each.

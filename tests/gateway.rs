@@ -373,6 +373,26 @@ fn served_when_free(addr: &str) -> Value {
 }
 
 #[test]
+fn dozens_of_concurrent_requests_wait_their_turn_by_default() {
+    // as lm-evaluation-harness sends them (num_concurrent 64 is common), retrying without
+    // reading Retry-After: with the default queue none is refused (with `--queue 16` most were)
+    let s = Server::start(&[]);
+    let codes: Vec<u16> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..48)
+            .map(|i| {
+                let a = s.addr.clone();
+                sc.spawn(move || {
+                    let body = json!({"prompt": format!("ROMEO {i}. "), "max_tokens": 2, "temperature": 0});
+                    post(&a, "/v1/completions", &body).status
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(codes.iter().all(|&c| c == 200), "{codes:?}");
+}
+
+#[test]
 fn a_flood_gets_429_and_a_client_that_leaves_stops_its_generation() {
     let s = Server::start(&["--queue", "1", "--parallel", "1"]);
     // one running, one waiting: the next is refused. Each state is waited for, not assumed:

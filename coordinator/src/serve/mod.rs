@@ -153,7 +153,7 @@ impl Default for GatewayOptions {
             model_aliases: vec![],
             api_key: None,
             max_body_bytes: 4 << 20,
-            queue: 16,
+            queue: 256,
             context: 4096,
             max_active: 4,
             batch_tokens: 512,
