@@ -544,6 +544,193 @@ fn the_official_python_clients_drive_the_server() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// lm-evaluation-harness (`CHARM_TEST_PYTHON` with `lm-eval[api]` 0.4.13, no torch) against a
+/// server of the demo model: a multiple-choice task and a generate_until task on local data
+/// (`tests/clients/lm_eval/`) through `local-completions` with token-id batches (`batch_size`
+/// 8, `num_concurrent` 4) and its default tokenizer backend (the server's vLLM-style
+/// `/tokenize`), and the generate_until task through `local-chat-completions`. Its
+/// loglikelihoods equal log-softmax sums of charm's own logits (the library's forward pass, the
+/// pair tokenized as lm-eval splits it), its greedy texts `charm generate`'s cut at the task's
+/// stop string, and its chat texts the chat API's greedy answers.
+#[test]
+#[ignore = "needs CHARM_TEST_PYTHON with lm-eval[api] 0.4.13 (.ci/run sets it up)"]
+fn lm_evaluation_harness_scores_charm() {
+    let python =
+        std::env::var("CHARM_TEST_PYTHON").expect("CHARM_TEST_PYTHON: a python with lm-eval");
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/lm_eval");
+    let dir = common::scratch("lm-eval");
+    std::fs::create_dir_all(&dir).unwrap();
+    let task = |name: &str, body: &str| {
+        std::fs::write(
+            dir.join(format!("{name}.yaml")),
+            format!("task: {name}\n{body}"),
+        )
+        .unwrap();
+    };
+    let file = |f: &str| data.join(f).display().to_string();
+    task(
+        "charm_mc",
+        &format!(
+            "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\ntest_split: test\n\
+             output_type: multiple_choice\ndoc_to_text: \"{{{{question}}}}\"\ndoc_to_choice: \"{{{{choices}}}}\"\n\
+             doc_to_target: \"{{{{answer}}}}\"\nmetric_list:\n  - metric: acc\n",
+            file("mc.jsonl")
+        ),
+    );
+    task(
+        "charm_gen",
+        &format!(
+            "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\ntest_split: test\n\
+             output_type: generate_until\ndoc_to_text: \"{{{{prompt}}}}\"\ndoc_to_target: \"{{{{target}}}}\"\n\
+             generation_kwargs:\n  until: [\"\\n\\n\"]\n  max_gen_toks: 16\n  do_sample: false\n  temperature: 0\n\
+             metric_list:\n  - metric: exact_match\n",
+            file("gen.jsonl")
+        ),
+    );
+    let s = Server::start(&[]);
+    let run = |model: &str, route: &str, extra: &[&str], tasks: &str, out: &str| {
+        let args = format!(
+            "model=charm-bard-moe,base_url=http://{}/v1/{route},num_concurrent=4,max_retries=3",
+            s.addr
+        );
+        let o = Command::new(&python)
+            .args([
+                "-m",
+                "lm_eval",
+                "--model",
+                model,
+                "--model_args",
+                &args,
+                "--tasks",
+                tasks,
+            ])
+            .args([
+                "--include_path",
+                dir.to_str().unwrap(),
+                "--log_samples",
+                "--output_path",
+            ])
+            .arg(dir.join(out))
+            .args(extra)
+            .env("HF_DATASETS_OFFLINE", "1")
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "lm_eval {model}: {}\n{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    run(
+        "local-completions",
+        "completions",
+        &["--batch_size", "8"],
+        "charm_mc,charm_gen",
+        "completions",
+    );
+    run(
+        "local-chat-completions",
+        "chat/completions",
+        &["--apply_chat_template"],
+        "charm_gen",
+        "chat",
+    );
+    // the samples lm-eval logged, per task
+    let samples = |out: &str, task: &str| -> Vec<Value> {
+        let d = dir.join(out).join("charm-bard-moe");
+        let f = std::fs::read_dir(&d)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with(&format!("samples_{task}_"))
+            })
+            .unwrap_or_else(|| panic!("no samples of {task} in {}", d.display()));
+        std::fs::read_to_string(f)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    // loglikelihoods: lm-eval encodes context + continuation and splits at the context's tokens
+    let e = Engine::load(&demo(), &EngineOptions::default()).unwrap();
+    let tok = TextTokenizer::load(&demo()).unwrap();
+    let mut checked = 0;
+    for doc in samples("completions", "charm_mc") {
+        for (i, resp) in doc["resps"].as_array().unwrap().iter().enumerate() {
+            let arg = &doc["arguments"][format!("gen_args_{i}")];
+            let (ctx, cont) = (
+                arg["arg_0"].as_str().unwrap(),
+                arg["arg_1"].as_str().unwrap(),
+            );
+            let whole = tok.encode(&format!("{ctx}{cont}")).unwrap();
+            let n_ctx = tok.encode(ctx).unwrap().len();
+            let v = e.model.spec.vocab_size;
+            let mut cache = charm_coordinator::model::cache::KvCache::new(&e.model.spec);
+            let h = e
+                .model
+                .forward(&whole, &mut cache, ForwardOptions::default(), None)
+                .unwrap();
+            let logits = e.model.logits(&h, whole.len()).unwrap();
+            let mut ll = 0.0f64;
+            for p in n_ctx..whole.len() {
+                let row = &logits[(p - 1) * v..p * v];
+                let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+                let z: f64 = row.iter().map(|&x| (x as f64 - m).exp()).sum();
+                ll += row[whole[p] as usize] as f64 - m - z.ln();
+            }
+            let theirs: f64 = resp[0][0].as_str().unwrap().parse().unwrap();
+            assert!(
+                (theirs - ll).abs() < 1e-3,
+                "{ctx:?} + {cont:?}: lm-eval {theirs}, charm {ll}"
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 15);
+    // greedy texts: `charm generate`'s, cut at the stop string
+    for doc in samples("completions", "charm_gen") {
+        let prompt = doc["doc"]["prompt"].as_str().unwrap();
+        let (ok, out, err) = common::charm(&[
+            "generate",
+            "--model",
+            demo().to_str().unwrap(),
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "16",
+            "--temperature",
+            "0",
+            "--json",
+        ]);
+        assert!(ok, "{err}");
+        let text = common::json(out.lines().last().unwrap())["text"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let cut = text.split("\n\n").next().unwrap();
+        assert_eq!(doc["resps"][0][0].as_str().unwrap(), cut, "{prompt:?}");
+    }
+    // chat: the chat API's greedy answers
+    for doc in samples("chat", "charm_gen") {
+        let prompt = doc["doc"]["prompt"].as_str().unwrap();
+        let v = post(
+            &s.addr,
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 16, "temperature": 0, "stop": ["\n\n"]}),
+        )
+        .json();
+        let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
+        assert_eq!(doc["resps"][0][0].as_str().unwrap(), answer, "{prompt:?}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn the_demo_serves_and_its_curl_line_works() {
     let (s, said) = Server::demo();
