@@ -546,9 +546,10 @@ struct Run<'a> {
     r: Regions,
     s: Shape,
     rows: Rows,
-    /// Per sequence: its tokens cached before the step, its cache's VRAM copy.
+    /// Per sequence: its tokens cached before the step, its cache's VRAM copy (a buffer per
+    /// layer, and the word of the indexer keys in each).
     cached: Vec<usize>,
-    kv: Vec<(wgpu::Buffer, usize, usize)>,
+    kv: Vec<(Vec<wgpu::Buffer>, usize)>,
     ctx: usize,
     rec: Rec,
 }
@@ -572,11 +573,11 @@ impl Run<'_> {
             .run_program(&self.dg.kernels, &self.arena, &ops, &reads)
     }
 
-    /// Sequence `si`'s cache: its buffer, the word of layer `l`'s entries and of its indexer keys.
+    /// Sequence `si`'s cache of layer `l`: its buffer, the word of its entries and of its
+    /// indexer keys.
     fn kv(&self, si: usize, l: usize) -> (&wgpu::Buffer, usize, usize) {
-        let (b, cap, layers) = (&self.kv[si].0, self.kv[si].1, self.kv[si].2);
-        let s = SeqKv::bases(cap, layers, self.s.width, self.s.iw, l);
-        (b, s.0, s.1)
+        let (bufs, index_base) = &self.kv[si];
+        (&bufs[l], 0, *index_base)
     }
 
     /// GQA attention of layer `li` on the normed rows at `a` into `o` (`gqa`).
@@ -1060,35 +1061,39 @@ impl Model {
             let need = st.cache.len() + st.tokens.len();
             let dev = &mut st.cache.device.0;
             if dev.as_ref().is_none_or(|d| d.cap < need) {
-                let per_token = n_layers * (width + iw);
+                // room for twice as many tokens where the device allows, else exactly these
+                let per_token = width + iw;
+                let layer = |cap: usize| -> Result<Vec<wgpu::Buffer>, GpuError> {
+                    (0..n_layers)
+                        .map(|_| gpu.storage((cap * per_token) as u64 * 4, "KV cache"))
+                        .collect()
+                };
                 let cap = need.next_power_of_two().max(64);
-                let buf = gpu
-                    .storage((cap * per_token) as u64 * 4, "KV cache")
-                    .or_else(|_| gpu.storage((need * per_token) as u64 * 4, "KV cache"))?;
-                let cap = (buf.size() as usize / 4) / per_token.max(1);
+                let (bufs, cap) = match layer(cap) {
+                    Ok(b) => (b, cap),
+                    Err(_) => (layer(need)?, need),
+                };
                 *dev = Some(SeqKv {
-                    buf,
+                    bufs,
                     cap,
                     valid: 0,
-                    layers: n_layers,
                     width,
-                    iw,
                 });
             }
             let d = dev.as_mut().expect("made above");
             let have = st.cache.layers.first().map_or(0, |l| l.len());
             if d.valid < have {
-                for (l, lc) in st.cache.layers.iter().enumerate() {
-                    let (kb, ib) = (d.kv_base(l), d.index_base(l));
+                let ib = d.index_base();
+                for (buf, lc) in d.bufs.iter().zip(&st.cache.layers) {
                     let from = d.valid;
                     gpu.write(
-                        &d.buf,
-                        (kb + from * width) as u64,
+                        buf,
+                        (from * width) as u64,
                         &lc.kv[from * width..have * width],
                     );
                     if iw > 0 && lc.index_keys.len() >= have * iw {
                         gpu.write(
-                            &d.buf,
+                            buf,
                             (ib + from * iw) as u64,
                             &lc.index_keys[from * iw..have * iw],
                         );
@@ -1096,7 +1101,7 @@ impl Model {
                 }
                 d.valid = have;
             }
-            kv.push((d.buf.clone(), d.cap, n_layers));
+            kv.push((d.bufs.clone(), d.index_base()));
         }
 
         // the input rows, and rotary tables
@@ -1273,11 +1278,10 @@ impl Model {
             .map(|(l, _)| l.indexer_kind == Some(IndexerKind::Full) && iw > 0)
             .collect();
         for (si, span) in run.rows.spans.iter().enumerate() {
-            let (buf, cap, _) = &run.kv[si];
+            let (bufs, ib) = &run.kv[si];
             let p0 = cached[si];
-            for (l, &idx) in with_index.iter().enumerate() {
-                let (kb, ib) = SeqKv::bases(*cap, n_layers, width, iw, l);
-                reads.push((buf, (kb + p0 * width) as u64, span.len() * width));
+            for (buf, &idx) in bufs.iter().zip(&with_index) {
+                reads.push((buf, (p0 * width) as u64, span.len() * width));
                 reads.push((
                     buf,
                     (ib + p0 * iw) as u64,

@@ -446,32 +446,22 @@ impl charm_shared::expert::ExpertExecutor for NoExperts {
     }
 }
 
-/// One sequence's KV cache in VRAM: every layer's entries (`width` words a token, `cap` tokens
-/// a layer), then every layer's DSA indexer keys (`iw` words a token, zeros on layers without
-/// them), of which the first `valid` tokens equal the cache's own.
+/// One sequence's KV cache in VRAM: a buffer per layer (so that a long context stays within the
+/// device's largest binding), each holding the layer's entries (`width` words a token, `cap`
+/// tokens) and then its DSA indexer keys (`iw` words a token, zeros on layers without them), of
+/// which the first `valid` tokens equal the cache's own.
 #[derive(Debug)]
 pub struct SeqKv {
-    buf: wgpu::Buffer,
+    bufs: Vec<wgpu::Buffer>,
     cap: usize,
     valid: usize,
-    layers: usize,
     width: usize,
-    iw: usize,
 }
 
 impl SeqKv {
-    /// Words of layer `l`'s entries and of its indexer keys in a copy of `cap` tokens.
-    fn bases(cap: usize, layers: usize, width: usize, iw: usize, l: usize) -> (usize, usize) {
-        (l * cap * width, layers * cap * width + l * cap * iw)
-    }
-
-    /// Word of token 0 of layer `l`'s entries.
-    fn kv_base(&self, l: usize) -> usize {
-        Self::bases(self.cap, self.layers, self.width, self.iw, l).0
-    }
-    /// Word of token 0 of layer `l`'s indexer keys.
-    fn index_base(&self, l: usize) -> usize {
-        Self::bases(self.cap, self.layers, self.width, self.iw, l).1
+    /// Word of token 0 of a layer's indexer keys in its buffer (its entries start at 0).
+    fn index_base(&self) -> usize {
+        self.cap * self.width
     }
 }
 
