@@ -525,7 +525,7 @@ fn the_official_python_clients_drive_the_server() {
     std::fs::write(dir.join("key"), key).unwrap();
     let s = Server::start(&["--api-key-file", dir.join("key").to_str().unwrap()]);
     // the demo model with GLM-5.2's template, for tool calls
-    let glm = demo_with_real_template("GLM-5.2");
+    let glm = demo_with_real_template_as("GLM-5.2", "GLM-5.2-clients");
     let t = Server::start_model(&glm, &["--api-key-file", dir.join("key").to_str().unwrap()]);
     let o = Command::new(python)
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/official.py"))
@@ -1631,11 +1631,17 @@ fn raw_answer(addr: &str, request: &[u8]) -> String {
 
 /// The demo model with one of the real chat templates in tests/data/templates.
 fn demo_with_real_template(name: &str) -> PathBuf {
+    demo_with_real_template_as(name, name)
+}
+
+/// [`demo_with_real_template`] in a directory of its own, `tag` (tests run at once in one
+/// process: each needs its own).
+fn demo_with_real_template_as(name: &str, tag: &str) -> PathBuf {
     let t = std::fs::read_to_string(
         Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/data/templates/{name}.jinja")),
     )
     .unwrap();
-    demo_with_template(&format!("gw-{name}"), |_| t)
+    demo_with_template(&format!("gw-{tag}"), |_| t)
 }
 
 fn completion_text(a: &str, body: &Value) -> (String, String) {
@@ -1842,7 +1848,7 @@ fn a_required_or_named_tool_choice_gets_calls_in_the_templates_own_syntax() {
             "parameters": {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}, "label": {"enum": ["wake", "nap"]}}, "required": ["hour", "label"]}}}
     ]);
     for template in ["GLM-5.2", "Qwen-Qwen3-0.6B"] {
-        let d = demo_with_real_template(template);
+        let d = demo_with_real_template_as(template, &format!("{template}-tools"));
         let s = Server::start_model(&d, &[]);
         let a = s.addr.as_str();
         for (choice, want) in [
@@ -1987,7 +1993,7 @@ fn a_required_or_named_tool_choice_gets_calls_in_the_templates_own_syntax() {
 
 #[test]
 fn anthropic_messages_put_a_thinking_templates_reasoning_in_thinking_blocks() {
-    let d = demo_with_real_template("GLM-5.2");
+    let d = demo_with_real_template_as("GLM-5.2", "GLM-5.2-thinking");
     let s = Server::start_model(&d, &[]);
     let a = s.addr.as_str();
     let ask = json!([{"role": "user", "content": "Speak, Romeo."}]);
