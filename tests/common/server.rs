@@ -16,7 +16,18 @@ pub struct Server {
 }
 
 impl Drop for Server {
+    /// SIGTERM first, as a service manager stops it (`charm demo --serve` then removes its
+    /// cluster keys from the temporary directory); a server still up after 5 s is killed.
     fn drop(&mut self) {
+        // SAFETY: kill(2) with our own child's pid and a signal number.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let t = std::time::Instant::now();
+        while t.elapsed() < std::time::Duration::from_secs(5) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
