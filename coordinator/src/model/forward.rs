@@ -11,6 +11,7 @@ use charm_shared::routing::route;
 
 use crate::model::attention::{gqa, indexer_select};
 use crate::model::cache::{KvCache, LayerCache};
+use crate::model::profile::{timed, Phase};
 use crate::model::rope::RopeAt;
 use crate::model::rows::{Rows, Selection};
 use crate::model::{AttnWeights, FfnWeights, LayerWeights, MlaWeights, Model};
@@ -160,12 +161,15 @@ impl Model {
         }
         let rows = Rows::new(&lens, &cached);
         let n = rows.n();
-        let mut x = Vec::with_capacity(n * h);
-        for (s, p0) in steps.iter().zip(&cached) {
-            x.extend(self.embed_tokens(&self.embed, s.tokens, *p0)?);
-        }
-        // cos/sin of the new positions, shared by every layer
-        let rope = self.rope_tables(&rows.pos);
+        let (x, rope) = timed(Phase::Embed, || -> Result<_, ForwardError> {
+            let mut x = Vec::with_capacity(n * h);
+            for (s, p0) in steps.iter().zip(&cached) {
+                x.extend(self.embed_tokens(&self.embed, s.tokens, *p0)?);
+            }
+            // cos/sin of the new positions, shared by every layer
+            Ok((x, self.rope_tables(&rows.pos)))
+        })?;
+        let mut x = x;
         let mut sel: Option<Selection> = None;
         for (li, layer) in self.layers.iter().enumerate() {
             let mut caches: Vec<&mut LayerCache> =
@@ -185,7 +189,9 @@ impl Model {
                 t.layer_out.push(x.clone());
             }
         }
-        rms_norm(&mut x, &self.norm, spec.rms_norm_eps);
+        timed(Phase::FinalNorm, || {
+            rms_norm(&mut x, &self.norm, spec.rms_norm_eps)
+        });
         debug_assert_eq!(x.len(), n * h);
         self.experts.step_end();
         self.steps
@@ -204,11 +210,12 @@ impl Model {
     pub fn logits(&self, normed: &[f32], n: usize) -> Result<Vec<f32>, ForwardError> {
         let l = match &self.dense_gpu {
             Some(dg) => dg.logits(normed, n)?,
-            None => self
-                .lm_head
-                .as_ref()
-                .unwrap_or(&self.embed)
-                .matmul(normed, n),
+            None => timed(Phase::Head, || {
+                self.lm_head
+                    .as_ref()
+                    .unwrap_or(&self.embed)
+                    .matmul(normed, n)
+            }),
         };
         check_finite(&l, || "the logits".into())?;
         Ok(l)
@@ -328,54 +335,63 @@ impl Model {
         // Router lookahead: this layer's router on its input (normed as its feed-forward input
         // will be) predicts its experts before attention runs, so a streaming store reads them
         // while attention computes.
-        if let Some((ids, policy)) = self.predict_experts(layer, x, n) {
-            let k = ids.len() / n.max(1);
-            self.experts.prefetch(
-                layer.index,
-                &by_rank(&ids, n, usize::MAX),
-                n * policy.sure_ranks(k),
-            );
-        } else {
-            // a dense layer: guess at the next MoE layer already (read while the disk idles)
-            self.guess_next_moe(layer, x, n);
-        }
+        timed(Phase::Lookahead, || {
+            if let Some((ids, policy)) = self.predict_experts(layer, x, n) {
+                let k = ids.len() / n.max(1);
+                self.experts.prefetch(
+                    layer.index,
+                    &by_rank(&ids, n, usize::MAX),
+                    n * policy.sure_ranks(k),
+                );
+            } else {
+                // a dense layer: guess at the next MoE layer already (read while the disk idles)
+                self.guess_next_moe(layer, x, n);
+            }
+        });
         // --- attention ---
-        let mut a = x.to_vec(); // [n, hidden]
-        rms_norm(&mut a, &layer.input_norm, spec.rms_norm_eps);
-        let attn_out = match (&layer.attn, &spec.attention) {
-            (AttnWeights::Mla(w), AttentionSpec::Mla(m)) => self.mla(
-                w,
-                m,
-                layer,
-                &a,
-                rows,
-                rope,
-                caches,
-                sel,
-                opts,
-                trace.as_deref_mut(),
-            ),
-            (AttnWeights::Gqa(w), AttentionSpec::Gqa(g)) => gqa(
-                w,
-                g,
-                spec.rms_norm_eps,
-                spec.softmax_scale,
-                &a,
-                rows,
-                rope,
-                caches,
-            ),
-            _ => unreachable!("weights are loaded from the spec"),
-        };
-        for (xi, ai) in x.iter_mut().zip(&attn_out) {
-            *xi += ai;
-        }
-        self.guess_next_moe(layer, x, n);
+        let attn_out = timed(Phase::Attention, || {
+            let mut a = x.to_vec(); // [n, hidden]
+            rms_norm(&mut a, &layer.input_norm, spec.rms_norm_eps);
+            match (&layer.attn, &spec.attention) {
+                (AttnWeights::Mla(w), AttentionSpec::Mla(m)) => self.mla(
+                    w,
+                    m,
+                    layer,
+                    &a,
+                    rows,
+                    rope,
+                    caches,
+                    sel,
+                    opts,
+                    trace.as_deref_mut(),
+                ),
+                (AttnWeights::Gqa(w), AttentionSpec::Gqa(g)) => gqa(
+                    w,
+                    g,
+                    spec.rms_norm_eps,
+                    spec.softmax_scale,
+                    &a,
+                    rows,
+                    rope,
+                    caches,
+                ),
+                _ => unreachable!("weights are loaded from the spec"),
+            }
+        });
+        timed(Phase::Residual, || {
+            for (xi, ai) in x.iter_mut().zip(&attn_out) {
+                *xi += ai;
+            }
+        });
+        timed(Phase::Lookahead, || self.guess_next_moe(layer, x, n));
         // --- feed-forward ---
-        let mut f = x.to_vec();
-        rms_norm(&mut f, &layer.post_norm, spec.rms_norm_eps);
+        let f = timed(Phase::Route, || {
+            let mut f = x.to_vec();
+            rms_norm(&mut f, &layer.post_norm, spec.rms_norm_eps);
+            f
+        });
         let out = match &layer.ffn {
-            FfnWeights::Dense(mlp) => mlp.forward(&f, n),
+            FfnWeights::Dense(mlp) => timed(Phase::Shared, || mlp.forward(&f, n)),
             FfnWeights::Moe {
                 router,
                 correction_bias,
@@ -383,7 +399,9 @@ impl Model {
             } => {
                 let rs = spec.router.as_ref().expect("MoE model has a router spec");
                 let k = rs.top_k;
-                let routes = route_tokens(router, correction_bias.as_deref(), rs, &f, n);
+                let routes = timed(Phase::Route, || {
+                    route_tokens(router, correction_bias.as_deref(), rs, &f, n)
+                });
                 let (mut ids, mut weights) = (Vec::with_capacity(n * k), Vec::with_capacity(n * k));
                 let mut picks = Vec::with_capacity(n);
                 for r in routes {
@@ -397,29 +415,35 @@ impl Model {
                 self.expert_use.add(layer.index, &ids);
                 // Routed experts start first (they may run elsewhere); the shared expert
                 // computes meanwhile and is added after their sum, in that order everywhere.
-                let routed = self.experts.start(ExpertBatch {
-                    step: self.steps.load(std::sync::atomic::Ordering::Relaxed),
-                    layer: layer.index,
-                    x: &f,
-                    n_tokens: n,
-                    ids: &ids,
-                    weights: &weights,
-                    top_k: k,
+                let routed = timed(Phase::Routed, || {
+                    self.experts.start(ExpertBatch {
+                        step: self.steps.load(std::sync::atomic::Ordering::Relaxed),
+                        layer: layer.index,
+                        x: &f,
+                        n_tokens: n,
+                        ids: &ids,
+                        weights: &weights,
+                        top_k: k,
+                    })
                 });
-                let shared_y = shared.as_ref().map(|s| s.forward(&f, n));
-                let mut y = routed.wait()?;
-                if let Some(sy) = shared_y {
-                    for (a, b) in y.iter_mut().zip(sy) {
-                        *a += b;
+                let shared_y = timed(Phase::Shared, || shared.as_ref().map(|s| s.forward(&f, n)));
+                let mut y = timed(Phase::Routed, || routed.wait())?;
+                timed(Phase::Residual, || {
+                    if let Some(sy) = shared_y {
+                        for (a, b) in y.iter_mut().zip(sy) {
+                            *a += b;
+                        }
                     }
-                }
+                });
                 y
             }
         };
         debug_assert_eq!(out.len(), n * hd);
-        for (xi, oi) in x.iter_mut().zip(&out) {
-            *xi += oi;
-        }
+        timed(Phase::Residual, || {
+            for (xi, oi) in x.iter_mut().zip(&out) {
+                *xi += oi;
+            }
+        });
         Ok(())
     }
 

@@ -7,6 +7,7 @@ pub mod cache;
 pub mod engine;
 pub mod forward;
 pub mod gpu;
+pub mod profile;
 pub mod rope;
 mod rows;
 pub mod usage;

@@ -1,0 +1,139 @@
+//! Where a decode step's time goes: one sequence decoding `--tokens` tokens after a short prompt
+//! (greedy), each phase of the forward pass timed (`model::profile`: attention, router, shared
+//! expert, routed experts, residual, norms, head, lookahead) as milliseconds per token and its
+//! share of the step, beside the step's weight bytes over this machine's memory read bandwidth
+//! (the bound a decode step that only read weights would meet).
+//!
+//! ```sh
+//! cargo bench --bench profile -- [--model DIR] [--tokens 64] [--activations f32|int8]
+//! ```
+//!
+//! `DIR` defaults to the demo model; the yardstick's is `charm synth --preset yardstick --out
+//! DIR`. The weight bytes a token reads are `charm plan`'s (`dense_read_bytes_per_token` plus
+//! `active_expert_bytes_per_token`).
+
+mod common;
+use std::time::Instant;
+
+use charm_coordinator::model::profile;
+use charm_coordinator::{Engine, EngineOptions, ForwardOptions, KvCache};
+use charm_shared::quant::Activations;
+
+fn main() {
+    // on a rayon worker, as `charm generate` runs
+    rayon::scope(|_| run());
+}
+
+/// Read bandwidth of this machine's memory, GB/s: the rayon threads summing a 1 GiB buffer, the
+/// best of 7 after an untimed pass.
+fn memory_gb_s() -> f64 {
+    use rayon::prelude::*;
+    let buf: Vec<u64> = (0..(1usize << 27)).map(|i| i as u64).collect();
+    let mut best = 0.0f64;
+    for i in 0..8 {
+        let t = Instant::now();
+        let s: u64 = buf
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))
+            .reduce(|| 0, |a, b| a.wrapping_add(b));
+        std::hint::black_box(s);
+        if i > 0 {
+            best = best.max((buf.len() * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
+        }
+    }
+    best
+}
+
+fn run() {
+    let args = common::Args::from_env();
+    let model = args
+        .get("--model")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe")
+        });
+    let tokens: usize = args.parsed("--tokens", 64);
+    let activations = match args.get("--activations").as_deref() {
+        Some("int8") => Activations::Int8,
+        _ => Activations::F32,
+    };
+    let e = Engine::load(
+        &model,
+        &EngineOptions {
+            context: tokens + 64,
+            activations,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let m = &e.model;
+    let plan = charm_coordinator::ops::plan::plan(&model, &Default::default()).unwrap();
+    let bytes = (plan.dense_read_bytes_per_token + plan.active_expert_bytes_per_token) as f64;
+    let before = memory_gb_s();
+    let vocab = m.spec.vocab_size as u32;
+    let prompt: Vec<u32> = (0..16).map(|i| (i * 37 + 11) % vocab).collect();
+    // the prompt's prefill, then `n` decode steps with the counters on (`profiled`)
+    let decode = |n: usize, profiled: bool| -> f64 {
+        let mut cache = KvCache::new(&m.spec);
+        let h = m
+            .forward(&prompt, &mut cache, ForwardOptions::default(), None)
+            .unwrap();
+        let l = m.logits(&h[h.len() - m.spec.hidden_size..], 1).unwrap();
+        let mut next = charm_coordinator::decode::sampling::argmax(&l) as u32;
+        profile::take();
+        profile::enable(profiled);
+        let t = Instant::now();
+        for _ in 0..n {
+            let h = m
+                .forward(&[next], &mut cache, ForwardOptions::default(), None)
+                .unwrap();
+            let l = m.logits(&h, 1).unwrap();
+            next = charm_coordinator::decode::sampling::argmax(&l) as u32;
+        }
+        let s = t.elapsed().as_secs_f64() / n as f64;
+        profile::enable(false);
+        s
+    };
+    decode(8, false); // warm: pages, caches
+                      // the step's time without the counters, then the phases with them
+    let step = decode(tokens, false);
+    let profiled = decode(tokens, true);
+    let phases = profile::take();
+    // (the VM's bandwidth wanders: the better of a probe before and one after the steps)
+    let bw = before.max(memory_gb_s());
+    println!(
+        "model {}, activations {activations:?}, ISA {:?}, {} threads, {tokens} decode steps",
+        model.display(),
+        charm_shared::quant::active_isa(),
+        rayon::current_num_threads()
+    );
+    println!(
+        "step {:.3} ms ({:.1} tok/s); weights {:.2} MB a token at {bw:.1} GB/s memory read bandwidth = {:.3} ms: {:.1}% of the bound",
+        step * 1e3,
+        1.0 / step,
+        bytes / 1e6,
+        bytes / bw / 1e6,
+        100.0 * (bytes / bw / 1e9) / step
+    );
+    println!(
+        "phases (a profiled step: {:.3} ms, the counters' own cost included):",
+        profiled * 1e3
+    );
+    let mut counted = 0.0;
+    for (p, s) in &phases {
+        let per = s / tokens as f64;
+        counted += per;
+        println!(
+            "  {:<10} {:>8.3} ms  {:>5.1}%",
+            format!("{p:?}"),
+            per * 1e3,
+            100.0 * per / profiled
+        );
+    }
+    println!(
+        "  {:<10} {:>8.3} ms  {:>5.1}%  (between phases: the greedy choice, hand-offs)",
+        "other",
+        (profiled - counted) * 1e3,
+        100.0 * (profiled - counted) / profiled
+    );
+}
