@@ -84,6 +84,44 @@ fn tree8(a: array<u32, 8>) -> u32 {
     return sf_add(sf_add(sf_add(a[0], a[4]), sf_add(a[1], a[5])), sf_add(sf_add(a[2], a[6]), sf_add(a[3], a[7])));
 }
 
+// Where `dot` reads a vector: the arena, the KV cache, the weight as stored, or the weight's
+// dequantized row (`wval`, base = the row).
+const ARENA: u32 = 0u;
+const KV: u32 = 1u;
+const W: u32 = 2u;
+const WROW: u32 = 3u;
+
+fn load(src: u32, base: u32, i: u32) -> u32 {
+    switch src {
+        case 0u: {
+            return arena[base + i];
+        }
+        case 1u: {
+            return kv[base + i];
+        }
+        case 2u: {
+            return w[base + i];
+        }
+        default: {
+            return wval(base, i);
+        }
+    }
+}
+
+// `kernels::dot` of `len` values: 8 lanes of multiply-then-add, the fixed tree, then the tail.
+fn dot8(sa: u32, a0: u32, sb: u32, b0: u32, len: u32) -> u32 {
+    var acc: array<u32, 8>;
+    let full = len - len % 8u;
+    for (var j = 0u; j < full; j++) {
+        acc[j % 8u] = sf_add(acc[j % 8u], sf_mul(load(sa, a0, j), load(sb, b0, j)));
+    }
+    var tail = 0u;
+    for (var j = full; j < len; j++) {
+        tail = sf_add(tail, sf_mul(load(sa, a0, j), load(sb, b0, j)));
+    }
+    return sf_add(tree8(acc), tail);
+}
+
 // IEEE maxNum as Rust's f32::max: a NaN operand gives the other.
 fn sf_max(a: u32, b: u32) -> u32 {
     if (sf_is_nan(a)) {
@@ -139,21 +177,11 @@ fn linear(@builtin(global_invocation_id) gid: vec3<u32>) {
         return;
     }
     let x0 = p.in0 + t * p.cols;
-    var acc: array<u32, 8>;
     if (p.kind == 0u) {
-        let w0 = p.w_data + r * p.cols;
-        let full = p.cols - p.cols % 8u;
-        for (var j = 0u; j < full; j++) {
-            let k = j % 8u;
-            acc[k] = sf_add(acc[k], sf_mul(w[w0 + j], arena[x0 + j]));
-        }
-        var tail = 0u;
-        for (var j = full; j < p.cols; j++) {
-            tail = sf_add(tail, sf_mul(w[w0 + j], arena[x0 + j]));
-        }
-        arena[p.out0 + t * p.rows + r] = sf_add(tree8(acc), tail);
+        arena[p.out0 + t * p.rows + r] = dot8(W, p.w_data + r * p.cols, ARENA, x0, p.cols);
         return;
     }
+    var acc: array<u32, 8>;
     var bits = 16u;
     if (p.kind == 2u) {
         bits = 8u;
@@ -205,18 +233,7 @@ fn rmsnorm(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroup
         stride = p.cols;
     }
     let x0 = p.in0 + t * stride;
-    var acc: array<u32, 8>;
-    let full = p.cols - p.cols % 8u;
-    for (var j = 0u; j < full; j++) {
-        let v = arena[x0 + j];
-        acc[j % 8u] = sf_add(acc[j % 8u], sf_mul(v, v));
-    }
-    var tail = 0u;
-    for (var j = full; j < p.cols; j++) {
-        let v = arena[x0 + j];
-        tail = sf_add(tail, sf_mul(v, v));
-    }
-    let ss = sf_div(sf_add(tree8(acc), tail), sf_from_i32(i32(p.cols)));
+    let ss = sf_div(dot8(ARENA, x0, ARENA, x0, p.cols), sf_from_i32(i32(p.cols)));
     let r = sf_div(0x3f800000u, sf_sqrt(sf_add(ss, p.eps)));
     let o0 = p.out0 + t * stride;
     for (var j = 0u; j < p.cols; j++) {
@@ -314,16 +331,7 @@ fn gqa_scores(@builtin(global_invocation_id) gid: vec3<u32>) {
     let kvh = h / (p.heads / p.kv_heads);
     let q0 = p.in0 + (t * p.heads + h) * hd;
     let k0 = p.kv_base + j * p.kv_width + p.kv_off + kvh * hd;
-    var acc: array<u32, 8>;
-    let full = hd - hd % 8u;
-    for (var i = 0u; i < full; i++) {
-        acc[i % 8u] = sf_add(acc[i % 8u], sf_mul(arena[q0 + i], kv[k0 + i]));
-    }
-    var tail = 0u;
-    for (var i = full; i < hd; i++) {
-        tail = sf_add(tail, sf_mul(arena[q0 + i], kv[k0 + i]));
-    }
-    arena[p.out0 + (t * p.heads + h) * p.ctx + j] = sf_mul(sf_add(tree8(acc), tail), p.scale);
+    arena[p.out0 + (t * p.heads + h) * p.ctx + j] = sf_mul(dot8(ARENA, q0, KV, k0, hd), p.scale);
 }
 
 // One lane per (head, row): softmax over the row's `pos0 + t + 1` scores at
@@ -488,26 +496,8 @@ fn mla_scores(@builtin(global_invocation_id) gid: vec3<u32>) {
     let e0 = p.kv_base + key_at(t, i) * p.kv_width;
     let a0 = p.in0 + (t * p.heads + h) * p.lat;
     let r0 = p.in1 + t * p.heads * p.head_dim + h * p.head_dim + p.nope;
-    var acc: array<u32, 8>;
-    var full = p.lat - p.lat % 8u;
-    for (var k = 0u; k < full; k++) {
-        acc[k % 8u] = sf_add(acc[k % 8u], sf_mul(kv[e0 + k], arena[a0 + k]));
-    }
-    var tail = 0u;
-    for (var k = full; k < p.lat; k++) {
-        tail = sf_add(tail, sf_mul(kv[e0 + k], arena[a0 + k]));
-    }
-    let lat = sf_add(tree8(acc), tail);
-    var acc2: array<u32, 8>;
-    full = p.rd - p.rd % 8u;
-    for (var k = 0u; k < full; k++) {
-        acc2[k % 8u] = sf_add(acc2[k % 8u], sf_mul(kv[e0 + p.lat + k], arena[r0 + k]));
-    }
-    var tail2 = 0u;
-    for (var k = full; k < p.rd; k++) {
-        tail2 = sf_add(tail2, sf_mul(kv[e0 + p.lat + k], arena[r0 + k]));
-    }
-    let rot = sf_add(tree8(acc2), tail2);
+    let lat = dot8(KV, e0, ARENA, a0, p.lat);
+    let rot = dot8(KV, e0 + p.lat, ARENA, r0, p.rd);
     arena[p.out0 + (t * p.heads + h) * p.ctx + i] = sf_mul(sf_add(lat, rot), p.scale);
 }
 
@@ -567,16 +557,7 @@ fn mla_values(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
     let r = h * (p.nope + p.vd) + p.nope + i;
     let c0 = p.in0 + (t * p.heads + h) * p.lat;
-    var acc: array<u32, 8>;
-    let full = p.lat - p.lat % 8u;
-    for (var c = 0u; c < full; c++) {
-        acc[c % 8u] = sf_add(acc[c % 8u], sf_mul(wval(r, c), arena[c0 + c]));
-    }
-    var tail = 0u;
-    for (var c = full; c < p.lat; c++) {
-        tail = sf_add(tail, sf_mul(wval(r, c), arena[c0 + c]));
-    }
-    arena[p.out0 + t * p.heads * p.vd + h * p.vd + i] = sf_add(tree8(acc), tail);
+    arena[p.out0 + t * p.heads * p.vd + h * p.vd + i] = dot8(WROW, r, ARENA, c0, p.lat);
 }
 
 // One lane per (row r of kv_b, cached key j < n): the naive formulation's expanded keys and
@@ -590,16 +571,7 @@ fn mla_expand(@builtin(global_invocation_id) gid: vec3<u32>) {
         return;
     }
     let e0 = p.kv_base + j * p.kv_width;
-    var acc: array<u32, 8>;
-    let full = p.lat - p.lat % 8u;
-    for (var c = 0u; c < full; c++) {
-        acc[c % 8u] = sf_add(acc[c % 8u], sf_mul(wval(r, c), kv[e0 + c]));
-    }
-    var tail = 0u;
-    for (var c = full; c < p.lat; c++) {
-        tail = sf_add(tail, sf_mul(wval(r, c), kv[e0 + c]));
-    }
-    arena[p.out0 + j * p.rows + r] = sf_add(tree8(acc), tail);
+    arena[p.out0 + j * p.rows + r] = dot8(WROW, r, KV, e0, p.lat);
 }
 
 // One lane per (key i, head h, row t), naive MLA: `(dot(q_nope, k_nope_j) + dot(q_rope, rope_j)) *
@@ -615,27 +587,9 @@ fn mla_naive_scores(@builtin(global_invocation_id) gid: vec3<u32>) {
     let j = key_at(t, i);
     let q0 = p.in0 + t * p.heads * p.head_dim + h * p.head_dim;
     let k0 = p.in1 + j * p.rows + h * (p.nope + p.vd);
-    var acc: array<u32, 8>;
-    var full = p.nope - p.nope % 8u;
-    for (var k = 0u; k < full; k++) {
-        acc[k % 8u] = sf_add(acc[k % 8u], sf_mul(arena[q0 + k], arena[k0 + k]));
-    }
-    var tail = 0u;
-    for (var k = full; k < p.nope; k++) {
-        tail = sf_add(tail, sf_mul(arena[q0 + k], arena[k0 + k]));
-    }
-    let a = sf_add(tree8(acc), tail);
+    let a = dot8(ARENA, q0, ARENA, k0, p.nope);
     let e0 = p.kv_base + j * p.kv_width + p.lat;
-    var acc2: array<u32, 8>;
-    full = p.rd - p.rd % 8u;
-    for (var k = 0u; k < full; k++) {
-        acc2[k % 8u] = sf_add(acc2[k % 8u], sf_mul(arena[q0 + p.nope + k], kv[e0 + k]));
-    }
-    var tail2 = 0u;
-    for (var k = full; k < p.rd; k++) {
-        tail2 = sf_add(tail2, sf_mul(arena[q0 + p.nope + k], kv[e0 + k]));
-    }
-    let b = sf_add(tree8(acc2), tail2);
+    let b = dot8(ARENA, q0 + p.nope, KV, e0, p.rd);
     arena[p.out0 + (t * p.heads + h) * p.ctx + i] = sf_mul(sf_add(a, b), p.scale);
 }
 
@@ -670,19 +624,10 @@ fn dsa_scores(@builtin(global_invocation_id) gid: vec3<u32>) {
         return;
     }
     let k0 = p.kv_base + j * p.kv_width;
-    let full = p.head_dim - p.head_dim % 8u;
     var s = p.start;
     for (var h = 0u; h < p.heads; h++) {
         let q0 = p.in0 + (t * p.heads + h) * p.head_dim;
-        var acc: array<u32, 8>;
-        for (var k = 0u; k < full; k++) {
-            acc[k % 8u] = sf_add(acc[k % 8u], sf_mul(kv[k0 + k], arena[q0 + k]));
-        }
-        var tail = 0u;
-        for (var k = full; k < p.head_dim; k++) {
-            tail = sf_add(tail, sf_mul(kv[k0 + k], arena[q0 + k]));
-        }
-        let d = sf_mul(sf_add(tree8(acc), tail), p.scale);
+        let d = sf_mul(dot8(KV, k0, ARENA, q0, p.head_dim), p.scale);
         let term = sf_mul(sf_mul(arena[p.in1 + t * p.heads + h], p.hs), sf_max(d, 0u));
         s = sf_add(s, term);
     }
