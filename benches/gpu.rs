@@ -207,19 +207,25 @@ fn decode(e: &Engine, tokens: usize) -> (Vec<u32>, f64) {
     (g.ids, tok_s)
 }
 
-/// The dense pass of the demo model (or `--model`) on the CPU and on the GPU.
-fn dense_pass(a: &Args, copy_gb_s: f64) {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe");
-    let scratch: PathBuf =
-        std::env::temp_dir().join(format!("charm-bench-gpu-dense-{}", std::process::id()));
-    let dir = match &a.model {
-        Some(m) => m.clone(),
+/// `--model`, or the demo model converted with int4 experts into a scratch directory `tag` (the
+/// second path, to remove when done).
+fn model_dir(a: &Args, tag: &str) -> (PathBuf, PathBuf) {
+    let scratch =
+        std::env::temp_dir().join(format!("charm-bench-gpu-{tag}-{}", std::process::id()));
+    match &a.model {
+        Some(m) => (m.clone(), scratch),
         None => {
+            let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe");
             let _ = std::fs::remove_dir_all(&scratch);
             convert(&src, &scratch);
-            scratch.clone()
+            (scratch.clone(), scratch)
         }
-    };
+    }
+}
+
+/// The dense pass of the demo model (or `--model`) on the CPU and on the GPU.
+fn dense_pass(a: &Args, copy_gb_s: f64) {
+    let (dir, scratch) = model_dir(a, "dense");
     let plan = charm_coordinator::ops::plan::plan(&dir, &Default::default()).expect("plans");
     let bytes = plan.dense_read_bytes_per_token as f64;
     let speed = |gpu: bool| {
@@ -263,17 +269,7 @@ fn dense_pass(a: &Args, copy_gb_s: f64) {
 /// The demo model (or `--model`) with its experts in VRAM and on the CPU; false where the tokens differ or no
 /// expert ran on the GPU.
 fn end_to_end(a: &Args) -> bool {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe");
-    let scratch: PathBuf =
-        std::env::temp_dir().join(format!("charm-bench-gpu-{}", std::process::id()));
-    let dir = match &a.model {
-        Some(m) => m.clone(),
-        None => {
-            let _ = std::fs::remove_dir_all(&scratch);
-            convert(&src, &scratch);
-            scratch.clone()
-        }
-    };
+    let (dir, scratch) = model_dir(a, "decode");
     let opts = |vram: Option<VramBudget>| EngineOptions {
         history: HistoryPolicy::Off,
         activations: Activations::Int8,

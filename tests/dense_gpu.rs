@@ -349,46 +349,16 @@ fn the_gateway_batches_the_same_answers_with_the_dense_skeleton_on_the_gpu() {
         return;
     }
     let demo = common::server::demo();
-    let ask = |addr: &str| -> Vec<String> {
-        let prompts = [
-            "Once upon a time",
-            "The king said",
-            "In the forest",
-            "A ghost",
-        ];
-        std::thread::scope(|s| {
-            let hs: Vec<_> = prompts
-                .iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    let body = serde_json::json!({
-                        "prompt": p,
-                        "max_tokens": 24,
-                        "temperature": if i % 2 == 0 { 0.0 } else { 0.9 },
-                        "seed": 11 + i,
-                    });
-                    s.spawn(move || common::http::post(addr, "/v1/completions", &body))
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| {
-                    let r = h.join().unwrap();
-                    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-                    r.json()["choices"][0]["text"].as_str().unwrap().to_string()
-                })
-                .collect()
-        })
-    };
     let base = ["--history", "none"];
     let cpu = {
         let s = common::server::Server::start_model(&demo, &base);
-        ask(&s.addr)
+        common::server::batched_completions(&s.addr)
     };
     let s = common::server::Server::start_model(
         &demo,
         &[&base[..], &["--dense-device", "gpu"]].concat(),
     );
-    assert_eq!(ask(&s.addr), cpu);
+    assert_eq!(common::server::batched_completions(&s.addr), cpu);
 }
 
 #[test]

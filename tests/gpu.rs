@@ -405,41 +405,6 @@ fn vram_without_a_usable_adapter_or_with_f32_activations_says_so() {
     let _ = std::fs::remove_dir_all(&c);
 }
 
-/// Completions of a few prompts sent at once (so the gateway batches them), greedy and seeded.
-fn batched_completions(addr: &str) -> Vec<String> {
-    let prompts = [
-        "Once upon a time",
-        "The king said",
-        "In the forest",
-        "A ghost",
-    ];
-    let bodies: Vec<serde_json::Value> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            serde_json::json!({
-                "prompt": p,
-                "max_tokens": 24,
-                "temperature": if i % 2 == 0 { 0.0 } else { 0.9 },
-                "seed": 11 + i,
-            })
-        })
-        .collect();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = bodies
-            .iter()
-            .map(|b| s.spawn(move || common::http::post(addr, "/v1/completions", b)))
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                let r = h.join().unwrap();
-                assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-                r.json()["choices"][0]["text"].as_str().unwrap().to_string()
-            })
-            .collect()
-    })
-}
-
 #[test]
 fn the_gateway_batches_the_same_answers_with_experts_in_vram() {
     let Some(c) = gpu_container("gateway", &common::server::demo()) else {
@@ -448,12 +413,12 @@ fn the_gateway_batches_the_same_answers_with_experts_in_vram() {
     let base = ["--activations", "int8", "--history", "none"];
     let cpu = {
         let s = common::server::Server::start_model(&c, &base);
-        batched_completions(&s.addr)
+        common::server::batched_completions(&s.addr)
     };
     let mut with = base.to_vec();
     with.extend_from_slice(&["--vram", "4"]);
     let s = common::server::Server::start_model(&c, &with);
-    assert_eq!(batched_completions(&s.addr), cpu);
+    assert_eq!(common::server::batched_completions(&s.addr), cpu);
     let st = common::http::http(&s.addr, "GET", "/v1/status", &[], b"").json();
     let x = &st["experts"];
     assert!(x["vram_hits"].as_u64().unwrap() > 0, "{x}");

@@ -93,3 +93,38 @@ impl Server {
         (server, said)
     }
 }
+
+/// Completions of a few prompts sent at once (so the gateway batches them), greedy and seeded.
+pub fn batched_completions(addr: &str) -> Vec<String> {
+    let prompts = [
+        "Once upon a time",
+        "The king said",
+        "In the forest",
+        "A ghost",
+    ];
+    let bodies: Vec<serde_json::Value> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            serde_json::json!({
+                "prompt": p,
+                "max_tokens": 24,
+                "temperature": if i % 2 == 0 { 0.0 } else { 0.9 },
+                "seed": 11 + i,
+            })
+        })
+        .collect();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = bodies
+            .iter()
+            .map(|b| s.spawn(move || crate::common::http::post(addr, "/v1/completions", b)))
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                let r = h.join().unwrap();
+                assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+            })
+            .collect()
+    })
+}

@@ -23,7 +23,7 @@
 // - `silu_mul`: `silu(g) * u`.
 // - `rope`: `RopeAt::apply`: `(a cos - b sin, b cos + a sin)`, interleaved pairs in, half-split out.
 // - `to_kv`: copies rows into the cache (no arithmetic).
-// - `gqa_scores`: `dot(q, k) * scale` for every causal key; `softmax`: `softmax` over a query's
+// - `gqa_scores`: `dot(q, k) * scale` for every causal key; `softmax_keys`: `softmax` over a query's
 //   keys (max, `exp(v - max)` with charm's exp, the sum in key order, then each divided by it);
 //   `gqa_values`: the value rows added in key order, `o += p * v` unfused from `o = +0`.
 // - `finite`: sets a flag word when any value is NaN or infinite.
@@ -334,34 +334,8 @@ fn gqa_scores(@builtin(global_invocation_id) gid: vec3<u32>) {
     arena[p.out0 + (t * p.heads + h) * p.ctx + j] = sf_mul(dot8(ARENA, q0, KV, k0, hd), p.scale);
 }
 
-// One lane per (head, row): softmax over the row's `pos0 + t + 1` scores at
-// `in0 + (t * heads + h) * ctx`, in place.
-@compute @workgroup_size(64)
-fn softmax(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let h = gid.x;
-    let t = gid.y;
-    if (h >= p.heads || t >= p.n) {
-        return;
-    }
-    let s0 = p.in0 + (t * p.heads + h) * p.ctx;
-    let len = p.pos0 + t + 1u;
-    var m = 0xff800000u;
-    for (var j = 0u; j < len; j++) {
-        m = sf_max(m, arena[s0 + j]);
-    }
-    var s = 0u;
-    for (var j = 0u; j < len; j++) {
-        let e = sf_exp(sf_sub(arena[s0 + j], m));
-        arena[s0 + j] = e;
-        s = sf_add(s, e);
-    }
-    for (var j = 0u; j < len; j++) {
-        arena[s0 + j] = sf_div(arena[s0 + j], s);
-    }
-}
-
 // One lane per (value c, head h, row t): `out0[t, h, c] = sum over keys j in order of
-// p[t, h, j] * v_j[kvh, c]`, the probabilities at `in0` (as `softmax` left them), each key's
+// p[t, h, j] * v_j[kvh, c]`, the probabilities at `in0` (as `softmax_keys` left them), each key's
 // values at `v_off` of its cache entry.
 @compute @workgroup_size(64)
 fn gqa_values(@builtin(global_invocation_id) gid: vec3<u32>) {
@@ -502,7 +476,7 @@ fn mla_scores(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 
 // One lane per (head, row): softmax over the row's keys' scores at `in0 + (t * heads + h) * ctx`,
-// in place (`kernels::softmax`).
+// in place (`kernels::softmax`): its key list's, or every causal key's.
 @compute @workgroup_size(64)
 fn softmax_keys(@builtin(global_invocation_id) gid: vec3<u32>) {
     let h = gid.x;

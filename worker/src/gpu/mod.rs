@@ -282,38 +282,8 @@ impl Gpu {
             label: Some("charm experts"),
             source: wgpu::ShaderSource::Wgsl(shader_source()),
         });
-        let storage = |binding, read_only| wgpu::BindGroupLayoutEntry {
-            binding,
-            visibility: wgpu::ShaderStages::COMPUTE,
-            ty: wgpu::BindingType::Buffer {
-                ty: wgpu::BufferBindingType::Storage { read_only },
-                has_dynamic_offset: false,
-                min_binding_size: None,
-            },
-            count: None,
-        };
-        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some("charm experts"),
-            entries: &[
-                storage(0, true),
-                storage(1, false),
-                wgpu::BindGroupLayoutEntry {
-                    binding: 2,
-                    visibility: wgpu::ShaderStages::COMPUTE,
-                    ty: wgpu::BindingType::Buffer {
-                        ty: wgpu::BufferBindingType::Uniform,
-                        has_dynamic_offset: true,
-                        min_binding_size: wgpu::BufferSize::new(PARAMS_BYTES as u64),
-                    },
-                    count: None,
-                },
-            ],
-        });
-        let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-            label: Some("charm experts"),
-            bind_group_layouts: &[Some(&layout)],
-            immediate_size: 0,
-        });
+        let (layout, pipeline_layout) =
+            kernel_layouts(&device, "charm experts", PARAMS_BYTES as u64, false);
         let pipeline = |entry: &str| {
             device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                 label: Some(entry),
@@ -349,6 +319,53 @@ impl Gpu {
         gpu.self_check()?;
         Ok(gpu)
     }
+}
+
+/// The bindings every kernel takes, and a pipeline layout of them: 0 a weight (read-only), 1 the
+/// arena, 2 a parameter block of `params` bytes at a dynamic offset, and with `kv` 3 a KV cache.
+pub(super) fn kernel_layouts(
+    device: &wgpu::Device,
+    label: &str,
+    params: u64,
+    kv: bool,
+) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+    let storage = |binding, read_only| wgpu::BindGroupLayoutEntry {
+        binding,
+        visibility: wgpu::ShaderStages::COMPUTE,
+        ty: wgpu::BindingType::Buffer {
+            ty: wgpu::BufferBindingType::Storage { read_only },
+            has_dynamic_offset: false,
+            min_binding_size: None,
+        },
+        count: None,
+    };
+    let mut entries = vec![
+        storage(0, true),
+        storage(1, false),
+        wgpu::BindGroupLayoutEntry {
+            binding: 2,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Uniform,
+                has_dynamic_offset: true,
+                min_binding_size: wgpu::BufferSize::new(params),
+            },
+            count: None,
+        },
+    ];
+    if kv {
+        entries.push(storage(3, false));
+    }
+    let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+        label: Some(label),
+        entries: &entries,
+    });
+    let pipeline = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+        label: Some(label),
+        bind_group_layouts: &[Some(&layout)],
+        immediate_size: 0,
+    });
+    (layout, pipeline)
 }
 
 /// Whether two results are the same float: the same bits, or both NaN (CPUs disagree among

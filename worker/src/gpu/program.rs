@@ -33,7 +33,7 @@ impl std::fmt::Debug for Kernels {
 }
 
 /// The entry points of the dense shader.
-const DENSE_ENTRIES: [&str; 20] = [
+const DENSE_ENTRIES: [&str; 19] = [
     "linear",
     "rmsnorm",
     "add",
@@ -41,7 +41,6 @@ const DENSE_ENTRIES: [&str; 20] = [
     "rope",
     "to_kv",
     "gqa_scores",
-    "softmax",
     "gqa_values",
     "finite",
     "layernorm",
@@ -91,39 +90,8 @@ impl Gpu {
     pub fn dense_kernels(&self) -> Result<Kernels, GpuError> {
         let device = &self.device;
         let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let storage = |binding, read_only| wgpu::BindGroupLayoutEntry {
-            binding,
-            visibility: wgpu::ShaderStages::COMPUTE,
-            ty: wgpu::BindingType::Buffer {
-                ty: wgpu::BufferBindingType::Storage { read_only },
-                has_dynamic_offset: false,
-                min_binding_size: None,
-            },
-            count: None,
-        };
-        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some("charm dense"),
-            entries: &[
-                storage(0, true),
-                storage(1, false),
-                wgpu::BindGroupLayoutEntry {
-                    binding: 2,
-                    visibility: wgpu::ShaderStages::COMPUTE,
-                    ty: wgpu::BindingType::Buffer {
-                        ty: wgpu::BufferBindingType::Uniform,
-                        has_dynamic_offset: true,
-                        min_binding_size: wgpu::BufferSize::new(BLOCK_BYTES as u64),
-                    },
-                    count: None,
-                },
-                storage(3, false),
-            ],
-        });
-        let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-            label: Some("charm dense"),
-            bind_group_layouts: &[Some(&layout)],
-            immediate_size: 0,
-        });
+        let (layout, pipeline_layout) =
+            super::kernel_layouts(device, "charm dense", BLOCK_BYTES as u64, true);
         // (tests of the dense check only: `CHARM_GPU_TEST_PERTURB=dense` builds kernels that
         // sum in another order)
         let dense_src = if std::env::var("CHARM_GPU_TEST_PERTURB").as_deref() == Ok("dense") {
@@ -369,33 +337,8 @@ impl Gpu {
             }
             o += len as u64 * 4;
         }
-        self.queue.submit([enc.finish()]);
-        if total == 0 {
-            self.wait()?;
-            return Ok(reads.iter().map(|_| Vec::new()).collect());
-        }
-        let slice = staging.slice(..staging_bytes);
-        let (tx, rx) = std::sync::mpsc::channel();
-        slice.map_async(wgpu::MapMode::Read, move |r| {
-            let _ = tx.send(r);
-        });
-        self.wait()?;
-        rx.recv()
-            .map_err(|_| GpuError::Device("the read-back was dropped".into()))?
-            .map_err(|e| GpuError::Device(format!("read-back: {e}")))?;
-        let data = slice
-            .get_mapped_range()
-            .map_err(|e| GpuError::Device(format!("read-back: {e}")))?;
-        let values: &[f32] = bytemuck::cast_slice(&data);
-        let mut out = Vec::with_capacity(reads.len());
-        let mut at = 0;
-        for r in reads {
-            out.push(values[at..at + r.2].to_vec());
-            at += r.2;
-        }
-        drop(data);
-        staging.unmap();
-        Ok(out)
+        let lens: Vec<usize> = reads.iter().map(|r| r.2).collect();
+        self.read_back(enc, &staging, &lens)
     }
 }
 

@@ -277,8 +277,28 @@ impl Gpu {
             enc.copy_buffer_to_buffer(&arena, a.y as u64 * 4, &staging, o, bytes);
             o += bytes;
         }
+        let lens: Vec<usize> = pieces
+            .iter()
+            .map(|&(i, _, n)| n * jobs[i].expert.words.down.rows)
+            .collect();
+        self.read_back(enc, &staging, &lens)
+    }
+
+    /// Submits `enc`, which ends with copies of `lens` words after one another into `staging`
+    /// (from its start), waits for the device and returns those runs.
+    pub(super) fn read_back(
+        &self,
+        enc: wgpu::CommandEncoder,
+        staging: &wgpu::Buffer,
+        lens: &[usize],
+    ) -> Result<Vec<Vec<f32>>, GpuError> {
         self.queue.submit([enc.finish()]);
-        let slice = staging.slice(..staging_bytes);
+        let total: usize = lens.iter().sum();
+        if total == 0 {
+            self.wait()?;
+            return Ok(lens.iter().map(|_| Vec::new()).collect());
+        }
+        let slice = staging.slice(..total as u64 * 4);
         let (tx, rx) = std::sync::mpsc::channel();
         slice.map_async(wgpu::MapMode::Read, move |r| {
             let _ = tx.send(r);
@@ -292,10 +312,9 @@ impl Gpu {
             .map_err(|e| GpuError::Device(format!("read-back: {e}")))?;
         // (a mapped range is aligned for f32: wgpu maps at multiples of 8 bytes)
         let values: &[f32] = bytemuck::cast_slice(&data);
-        let mut outs = Vec::with_capacity(pieces.len());
+        let mut outs = Vec::with_capacity(lens.len());
         let mut o = 0usize;
-        for &(i, _, n) in pieces {
-            let len = n * jobs[i].expert.words.down.rows;
+        for &len in lens {
             outs.push(values[o..o + len].to_vec());
             o += len;
         }

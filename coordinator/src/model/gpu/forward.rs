@@ -652,7 +652,8 @@ impl Run<'_> {
                     in0: r.scores,
                     ..base
                 };
-                self.rec.push("softmax", None, None, sm, grid(nh, mm, 1));
+                self.rec
+                    .push("softmax_keys", None, None, sm, grid(nh, mm, 1));
                 let v = P {
                     in0: r.scores,
                     out0: r.att + (row0 * nh * hd) as u32,
