@@ -1,11 +1,16 @@
 //! Where a decode step's time goes: one sequence decoding `--tokens` tokens after a short prompt
 //! (greedy), each phase of the forward pass timed (`model::profile`: attention, router, shared
-//! expert, routed experts, residual, norms, head, lookahead) as milliseconds per token and its
-//! share of the step, beside the step's weight bytes over this machine's memory read bandwidth
+//! expert, routed experts, residual, norms, head, lookahead; within attention its projections,
+//! the DSA indexer, attention over the cache and the output projection) as milliseconds per step
+//! and its share of the step, beside the step's weight bytes over this machine's memory read bandwidth
 //! (the bound a decode step that only read weights would meet).
 //!
+//! `--rows N` decodes N sequences of the same prompt as one batch: N identical rows a step, which
+//! route to the same experts, so the step reads the same weights as one row (the multi-row
+//! kernels' case; the line `rows` gives the step's time over a one-row step's, run alternately).
+//!
 //! ```sh
-//! cargo bench --bench profile -- [--model DIR] [--tokens 64] [--activations f32|int8]
+//! cargo bench --bench profile -- [--model DIR] [--tokens 64] [--activations f32|int8] [--rows N]
 //! ```
 //!
 //! `DIR` defaults to the demo model; the yardstick's is `charm synth --preset yardstick --out
@@ -16,7 +21,7 @@ mod common;
 use std::time::Instant;
 
 use charm_coordinator::model::profile;
-use charm_coordinator::{Engine, EngineOptions, ForwardOptions, KvCache};
+use charm_coordinator::{Engine, EngineOptions, ForwardOptions, KvCache, Step};
 use charm_shared::quant::Activations;
 
 fn main() {
@@ -53,6 +58,7 @@ fn run() {
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe")
         });
     let tokens: usize = args.parsed("--tokens", 64);
+    let rows: usize = args.parsed("--rows", 1).max(1);
     let activations = match args.get("--activations").as_deref() {
         Some("int8") => Activations::Int8,
         _ => Activations::F32,
@@ -72,49 +78,77 @@ fn run() {
     let before = memory_gb_s();
     let vocab = m.spec.vocab_size as u32;
     let prompt: Vec<u32> = (0..16).map(|i| (i * 37 + 11) % vocab).collect();
-    // the prompt's prefill, then `n` decode steps with the counters on (`profiled`)
-    let decode = |n: usize, profiled: bool| -> f64 {
+    // the prompt's prefill, then `n` decode steps of `r` identical sequences with the counters
+    // on (`profiled`)
+    let decode = |n: usize, r: usize, profiled: bool| -> f64 {
         let mut cache = KvCache::new(&m.spec);
         let h = m
             .forward(&prompt, &mut cache, ForwardOptions::default(), None)
             .unwrap();
         let l = m.logits(&h[h.len() - m.spec.hidden_size..], 1).unwrap();
         let mut next = charm_coordinator::decode::sampling::argmax(&l) as u32;
+        let mut caches = vec![cache; r];
         profile::take();
         profile::enable(profiled);
         let t = Instant::now();
         for _ in 0..n {
+            let tok = [next];
+            let mut steps: Vec<Step> = caches
+                .iter_mut()
+                .map(|cache| Step {
+                    tokens: &tok,
+                    cache,
+                })
+                .collect();
             let h = m
-                .forward(&[next], &mut cache, ForwardOptions::default(), None)
+                .forward_batch(&mut steps, ForwardOptions::default(), None)
                 .unwrap();
-            let l = m.logits(&h, 1).unwrap();
-            next = charm_coordinator::decode::sampling::argmax(&l) as u32;
+            let l = m.logits(&h, r).unwrap();
+            next = charm_coordinator::decode::sampling::argmax(&l[..m.spec.vocab_size]) as u32;
         }
         let s = t.elapsed().as_secs_f64() / n as f64;
         profile::enable(false);
         s
     };
-    decode(8, false); // warm: pages, caches
-                      // the step's time without the counters, then the phases with them
-    let step = decode(tokens, false);
-    let profiled = decode(tokens, true);
+    decode(8, rows, false); // warm: pages, caches
+                            // the step's time without the counters (with several rows: the median of three runs,
+                            // alternating with one-row runs), then the phases with them
+    let (step, one) = if rows == 1 {
+        (decode(tokens, 1, false), 0.0)
+    } else {
+        let (mut s, mut o): (Vec<f64>, Vec<f64>) = (0..3)
+            .map(|_| (decode(tokens, rows, false), decode(tokens, 1, false)))
+            .unzip();
+        s.sort_by(f64::total_cmp);
+        o.sort_by(f64::total_cmp);
+        (s[1], o[1])
+    };
+    let profiled = decode(tokens, rows, true);
     let phases = profile::take();
     // (the VM's bandwidth wanders: the better of a probe before and one after the steps)
     let bw = before.max(memory_gb_s());
     println!(
-        "model {}, activations {activations:?}, ISA {:?}, {} threads, {tokens} decode steps",
+        "model {}, activations {activations:?}, ISA {:?}, {} threads, {tokens} decode steps of {rows} row(s)",
         model.display(),
         charm_shared::quant::active_isa(),
         rayon::current_num_threads()
     );
     println!(
-        "step {:.3} ms ({:.1} tok/s); weights {:.2} MB a token at {bw:.1} GB/s memory read bandwidth = {:.3} ms: {:.1}% of the bound",
+        "step {:.3} ms ({:.1} tok/s); weights {:.2} MB a step at {bw:.1} GB/s memory read bandwidth = {:.3} ms: {:.1}% of the bound",
         step * 1e3,
-        1.0 / step,
+        rows as f64 / step,
         bytes / 1e6,
         bytes / bw / 1e6,
         100.0 * (bytes / bw / 1e9) / step
     );
+    if rows > 1 {
+        println!(
+            "rows {rows}: step {:.3} ms against {:.3} ms for one row (medians of 3 alternating runs): {:.2}x",
+            step * 1e3,
+            one * 1e3,
+            step / one
+        );
+    }
     println!(
         "phases (a profiled step: {:.3} ms, the counters' own cost included):",
         profiled * 1e3
@@ -124,14 +158,14 @@ fn run() {
         let per = s / tokens as f64;
         counted += per;
         println!(
-            "  {:<10} {:>8.3} ms  {:>5.1}%",
+            "  {:<14} {:>8.3} ms  {:>5.1}%",
             format!("{p:?}"),
             per * 1e3,
             100.0 * per / profiled
         );
     }
     println!(
-        "  {:<10} {:>8.3} ms  {:>5.1}%  (between phases: the greedy choice, hand-offs)",
+        "  {:<14} {:>8.3} ms  {:>5.1}%  (between phases: the greedy choice, hand-offs)",
         "other",
         (profiled - counted) * 1e3,
         100.0 * (profiled - counted) / profiled

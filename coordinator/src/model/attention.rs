@@ -6,6 +6,7 @@ use charm_shared::kernels::{axpy, dot, dots, layer_norm, rms_norm, softmax};
 use charm_shared::routing::top_k_set;
 
 use crate::model::cache::LayerCache;
+use crate::model::profile::{timed, Phase};
 use crate::model::rope::RopeAt;
 use crate::model::rows::{Rows, Selection};
 use crate::model::{GqaWeights, IndexerWeights};
@@ -112,11 +113,11 @@ pub(super) fn gqa(
             }
         }
     };
-    let mut q = w.q.matmul(a, n);
+    let (mut q, mut k, mut v) = timed(Phase::Projections, || {
+        (w.q.matmul(a, n), w.k.matmul(a, n), w.v.matmul(a, n))
+    });
     add(&mut q, &w.q_bias);
-    let mut k = w.k.matmul(a, n);
     add(&mut k, &w.k_bias);
-    let mut v = w.v.matmul(a, n);
     add(&mut v, &w.v_bias);
     if let Some(qn) = &w.q_norm {
         rms_norm(&mut q, qn, eps);
@@ -140,25 +141,28 @@ pub(super) fn gqa(
             .extend_from_slice(&v[t * nkv * hd..(t + 1) * nkv * hd]);
     }
     let group = nh / nkv;
-    let mut out = vec![0.0f32; n * nh * hd];
-    let mut scores = Vec::new();
-    for t in 0..n {
-        let (p, cache) = (rows.pos[t], &*caches[rows.seq[t]]);
-        for hh in 0..nh {
-            let kvh = hh / group;
-            let qh = &q[(t * nh + hh) * hd..(t * nh + hh + 1) * hd];
-            scores.clear();
-            for j in 0..=p {
-                let e = cache.entry(j);
-                scores.push(dot(qh, &e[kvh * hd..(kvh + 1) * hd]) * scale);
-            }
-            softmax(&mut scores);
-            let o = &mut out[(t * nh + hh) * hd..(t * nh + hh + 1) * hd];
-            for (j, &pj) in scores.iter().enumerate() {
-                let e = cache.entry(j);
-                axpy(o, pj, &e[nkv * hd + kvh * hd..nkv * hd + (kvh + 1) * hd]);
+    let out = timed(Phase::Attend, || {
+        let mut out = vec![0.0f32; n * nh * hd];
+        let mut scores = Vec::new();
+        for t in 0..n {
+            let (p, cache) = (rows.pos[t], &*caches[rows.seq[t]]);
+            for hh in 0..nh {
+                let kvh = hh / group;
+                let qh = &q[(t * nh + hh) * hd..(t * nh + hh + 1) * hd];
+                scores.clear();
+                for j in 0..=p {
+                    let e = cache.entry(j);
+                    scores.push(dot(qh, &e[kvh * hd..(kvh + 1) * hd]) * scale);
+                }
+                softmax(&mut scores);
+                let o = &mut out[(t * nh + hh) * hd..(t * nh + hh + 1) * hd];
+                for (j, &pj) in scores.iter().enumerate() {
+                    let e = cache.entry(j);
+                    axpy(o, pj, &e[nkv * hd + kvh * hd..nkv * hd + (kvh + 1) * hd]);
+                }
             }
         }
-    }
-    w.o.matmul(&out, n)
+        out
+    });
+    timed(Phase::OutProjection, || w.o.matmul(&out, n))
 }

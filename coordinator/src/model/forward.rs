@@ -532,11 +532,11 @@ impl Model {
         // Queries: [n, heads * (nope + rope)]
         let (mut q, q_resid) = match (&w.q_a, &w.q_a_norm) {
             (Some(qa), Some(qn)) => {
-                let mut r = qa.matmul(a, n); // [n, q_lora_rank]
+                let mut r = timed(Phase::Projections, || qa.matmul(a, n)); // [n, q_lora_rank]
                 rms_norm(&mut r, qn, MLA_LATENT_EPS);
-                (w.q_b.matmul(&r, n), Some(r))
+                (timed(Phase::Projections, || w.q_b.matmul(&r, n)), Some(r))
             }
-            _ => (w.q_b.matmul(a, n), None),
+            _ => (timed(Phase::Projections, || w.q_b.matmul(a, n)), None),
         };
         for t in 0..n {
             for hh in 0..nh {
@@ -545,7 +545,7 @@ impl Model {
             }
         }
         // Latent + rope key, appended to the cache: [n, kvr + rope]
-        let mut ckv = w.kv_a.matmul(a, n);
+        let mut ckv = timed(Phase::Projections, || w.kv_a.matmul(a, n));
         for t in 0..n {
             let e = &mut ckv[t * (kvr + rd)..(t + 1) * (kvr + rd)];
             rms_norm(&mut e[..kvr], &w.kv_a_norm, MLA_LATENT_EPS);
@@ -561,7 +561,9 @@ impl Model {
             if let (IndexerKind::Full, Some(iw), Some(qr)) =
                 (kind, &layer.indexer, q_resid.as_ref())
             {
-                let s = indexer_select(iw, dsa, a, qr, rows, rope, interleaved, caches);
+                let s = timed(Phase::Indexer, || {
+                    indexer_select(iw, dsa, a, qr, rows, rope, interleaved, caches)
+                });
                 if let Some(tr) = trace {
                     tr.dsa.push(s.clone());
                 }
@@ -569,134 +571,136 @@ impl Model {
             }
         }
         let sel = sel.as_ref();
-
-        let scale = spec.softmax_scale;
-        let mut out = vec![0.0f32; n * nh * vd];
-        let caches: Vec<&LayerCache> = caches.iter().map(|c| &**c).collect();
-        // Naive: expand each sequence's cached latents once into per-head keys/values
-        // [cached, heads*(nope+v)].
-        let expanded: Vec<Option<Vec<f32>>> = caches
-            .iter()
-            .map(|cache| {
-                (opts.mla == MlaMode::Naive).then(|| {
-                    let total = cache.len();
-                    let lat: Vec<f32> = (0..total)
-                        .flat_map(|j| cache.entry(j)[..kvr].to_vec())
-                        .collect();
-                    // the reference formulation, on the f32 values
-                    match &w.kv_b {
-                        Linear::F32(m) => m.matmul(&lat, total),
-                        q => q.to_f32().matmul(&lat, total),
-                    }
+        let out = timed(Phase::Attend, || {
+            let scale = spec.softmax_scale;
+            let mut out = vec![0.0f32; n * nh * vd];
+            let caches: Vec<&LayerCache> = caches.iter().map(|c| &**c).collect();
+            // Naive: expand each sequence's cached latents once into per-head keys/values
+            // [cached, heads*(nope+v)].
+            let expanded: Vec<Option<Vec<f32>>> = caches
+                .iter()
+                .map(|cache| {
+                    (opts.mla == MlaMode::Naive).then(|| {
+                        let total = cache.len();
+                        let lat: Vec<f32> = (0..total)
+                            .flat_map(|j| cache.entry(j)[..kvr].to_vec())
+                            .collect();
+                        // the reference formulation, on the f32 values
+                        match &w.kv_b {
+                            Linear::F32(m) => m.matmul(&lat, total),
+                            q => q.to_f32().matmul(&lat, total),
+                        }
+                    })
                 })
-            })
-            .collect();
-        let stride = nope + vd;
-        // Units of `g` heads of one query run in parallel: enough units to share among the
-        // threads, and each unit reads its query's cached latents once for all its heads. Every
-        // (query, head) pair keeps the arithmetic it has alone, so no split changes a bit.
-        let g = if n >= 8 {
-            nh
-        } else {
-            (1..=4).rev().find(|d| nh % d == 0).unwrap_or(1)
-        };
-        let qh = |t: usize, hh: usize| {
-            let qh = &q[t * nh * qkd + hh * qkd..t * nh * qkd + (hh + 1) * qkd];
-            qh.split_at(nope)
-        };
-        let keys_of = |t: usize| -> Vec<usize> {
-            match sel {
-                Some(s) => s[t].iter().map(|&j| j as usize).collect(),
-                None => (0..=rows.pos[t]).collect(),
-            }
-        };
-        if opts.mla == MlaMode::Naive {
-            charm_shared::par::for_each_chunk_mut(&mut out, vd * g, |u, og| {
-                let (t, h0) = ((u * g) / nh, (u * g) % nh);
-                let cache = caches[rows.seq[t]];
-                let kv = expanded[rows.seq[t]].as_ref().expect("naive mode expands");
-                let keys = keys_of(t);
-                for (k, o) in og.chunks_mut(vd).enumerate() {
-                    let hh = h0 + k;
-                    let (q_nope, q_rope) = qh(t, hh);
-                    let mut scores = Vec::with_capacity(keys.len());
-                    for &j in &keys {
-                        let kvj = &kv[j * nh * stride + hh * stride..];
-                        let s = dot(q_nope, &kvj[..nope]) + dot(q_rope, &cache.entry(j)[kvr..]);
-                        scores.push(s * scale);
-                    }
-                    softmax(&mut scores);
-                    for (&j, &pj) in keys.iter().zip(&scores) {
-                        let vj = &kv[j * nh * stride + hh * stride + nope
-                            ..j * nh * stride + hh * stride + stride];
-                        axpy(o, pj, vj);
-                    }
+                .collect();
+            let stride = nope + vd;
+            // Units of `g` heads of one query run in parallel: enough units to share among the
+            // threads, and each unit reads its query's cached latents once for all its heads. Every
+            // (query, head) pair keeps the arithmetic it has alone, so no split changes a bit.
+            let g = if n >= 8 {
+                nh
+            } else {
+                (1..=4).rev().find(|d| nh % d == 0).unwrap_or(1)
+            };
+            let qh = |t: usize, hh: usize| {
+                let qh = &q[t * nh * qkd + hh * qkd..t * nh * qkd + (hh + 1) * qkd];
+                qh.split_at(nope)
+            };
+            let keys_of = |t: usize| -> Vec<usize> {
+                match sel {
+                    Some(s) => s[t].iter().map(|&j| j as usize).collect(),
+                    None => (0..=rows.pos[t]).collect(),
                 }
-            });
-            return w.o.matmul(&out, n);
-        }
+            };
+            if opts.mla == MlaMode::Naive {
+                charm_shared::par::for_each_chunk_mut(&mut out, vd * g, |u, og| {
+                    let (t, h0) = ((u * g) / nh, (u * g) % nh);
+                    let cache = caches[rows.seq[t]];
+                    let kv = expanded[rows.seq[t]].as_ref().expect("naive mode expands");
+                    let keys = keys_of(t);
+                    for (k, o) in og.chunks_mut(vd).enumerate() {
+                        let hh = h0 + k;
+                        let (q_nope, q_rope) = qh(t, hh);
+                        let mut scores = Vec::with_capacity(keys.len());
+                        for &j in &keys {
+                            let kvj = &kv[j * nh * stride + hh * stride..];
+                            let s = dot(q_nope, &kvj[..nope]) + dot(q_rope, &cache.entry(j)[kvr..]);
+                            scores.push(s * scale);
+                        }
+                        softmax(&mut scores);
+                        for (&j, &pj) in keys.iter().zip(&scores) {
+                            let vj = &kv[j * nh * stride + hh * stride + nope
+                                ..j * nh * stride + hh * stride + stride];
+                            axpy(o, pj, vj);
+                        }
+                    }
+                });
+                return out;
+            }
 
-        // Absorbed: attention runs in latent space, `W_uk` folded into the queries and `W_uv`
-        // applied to each head's latent context. Every (query, head) pair has the same
-        // arithmetic in both layouts below.
-        // Each unit reads its heads' rows of `kv_b` (heads x (nope + v) x latent, as stored):
-        // once per query. A step of several queries splits instead (below) where that would
-        // decode quantized rows again for every further query, or re-read more than a few passes
-        // over the units cost.
-        let rereads = (n - 1) * w.kv_b.bytes();
-        let per_query =
-            n == 1 || (matches!(w.kv_b, Linear::F32(_)) && rereads < ABSORB_SPLIT_BYTES);
-        if opts.mla == MlaMode::Absorbed && per_query {
-            charm_shared::par::for_each_chunk_mut(&mut out, vd * g, |u, og| {
-                let (t, h0) = ((u * g) / nh, (u * g) % nh);
-                let mut q_abs = vec![0.0f32; g * kvr];
-                for (k, qa) in q_abs.chunks_mut(kvr).enumerate() {
-                    absorb_queries(&w.kv_b, (h0 + k) * stride, &[qh(t, h0 + k).0], qa);
-                }
-                let q_abs: Vec<&[f32]> = q_abs.chunks(kvr).collect();
-                let q_rope: Vec<&[f32]> = (0..g).map(|k| qh(t, h0 + k).1).collect();
-                let mut ctx = vec![0.0f32; g * kvr];
-                let cache = caches[rows.seq[t]];
-                attend_latent(cache, &keys_of(t), scale, &q_abs, &q_rope, &mut ctx);
-                for (k, (o, c)) in og.chunks_mut(vd).zip(ctx.chunks(kvr)).enumerate() {
-                    project_values(&w.kv_b, (h0 + k) * stride + nope, &[c], &mut [o]);
-                }
-            });
-            return w.o.matmul(&out, n);
-        }
-        // Split: `kv_b` read once per step for all the queries (a verify step, a batch), head by
-        // head, in three parallel passes.
-        // q_abs[h][t] = q_nope[t][h] x W_uk[h]
-        let mut q_abs = vec![0.0f32; nh * n * kvr];
-        charm_shared::par::for_each_chunk_mut(&mut q_abs, n * kvr, |hh, qa| {
-            let qs: Vec<&[f32]> = (0..n).map(|t| qh(t, hh).0).collect();
-            absorb_queries(&w.kv_b, hh * stride, &qs, qa);
-        });
-        // ctx[t][h]: units of `g` heads of one query, as above
-        let mut ctx = vec![0.0f32; n * nh * kvr];
-        charm_shared::par::for_each_chunk_mut(&mut ctx, kvr * g, |u, cg| {
-            let (t, h0) = ((u * g) / nh, (u * g) % nh);
-            let qa: Vec<&[f32]> = (h0..h0 + g)
-                .map(|hh| &q_abs[(hh * n + t) * kvr..(hh * n + t + 1) * kvr])
-                .collect();
-            let q_rope: Vec<&[f32]> = (h0..h0 + g).map(|hh| qh(t, hh).1).collect();
-            attend_latent(caches[rows.seq[t]], &keys_of(t), scale, &qa, &q_rope, cg);
-        });
-        // out[t][h] = W_uv[h] ctx[t][h], head by head, then back to [n, heads * v]
-        let mut by_head = vec![0.0f32; nh * n * vd];
-        charm_shared::par::for_each_chunk_mut(&mut by_head, n * vd, |hh, oh| {
-            let cs: Vec<&[f32]> = (0..n)
-                .map(|t| &ctx[(t * nh + hh) * kvr..(t * nh + hh + 1) * kvr])
-                .collect();
-            let mut os: Vec<&mut [f32]> = oh.chunks_mut(vd).collect();
-            project_values(&w.kv_b, hh * stride + nope, &cs, &mut os);
-        });
-        for (t, o) in out.chunks_mut(nh * vd).enumerate() {
-            for (hh, oh) in o.chunks_mut(vd).enumerate() {
-                oh.copy_from_slice(&by_head[(hh * n + t) * vd..(hh * n + t + 1) * vd]);
+            // Absorbed: attention runs in latent space, `W_uk` folded into the queries and `W_uv`
+            // applied to each head's latent context. Every (query, head) pair has the same
+            // arithmetic in both layouts below.
+            // Each unit reads its heads' rows of `kv_b` (heads x (nope + v) x latent, as stored):
+            // once per query. A step of several queries splits instead (below) where that would
+            // decode quantized rows again for every further query, or re-read more than a few passes
+            // over the units cost.
+            let rereads = (n - 1) * w.kv_b.bytes();
+            let per_query =
+                n == 1 || (matches!(w.kv_b, Linear::F32(_)) && rereads < ABSORB_SPLIT_BYTES);
+            if opts.mla == MlaMode::Absorbed && per_query {
+                charm_shared::par::for_each_chunk_mut(&mut out, vd * g, |u, og| {
+                    let (t, h0) = ((u * g) / nh, (u * g) % nh);
+                    let mut q_abs = vec![0.0f32; g * kvr];
+                    for (k, qa) in q_abs.chunks_mut(kvr).enumerate() {
+                        absorb_queries(&w.kv_b, (h0 + k) * stride, &[qh(t, h0 + k).0], qa);
+                    }
+                    let q_abs: Vec<&[f32]> = q_abs.chunks(kvr).collect();
+                    let q_rope: Vec<&[f32]> = (0..g).map(|k| qh(t, h0 + k).1).collect();
+                    let mut ctx = vec![0.0f32; g * kvr];
+                    let cache = caches[rows.seq[t]];
+                    attend_latent(cache, &keys_of(t), scale, &q_abs, &q_rope, &mut ctx);
+                    for (k, (o, c)) in og.chunks_mut(vd).zip(ctx.chunks(kvr)).enumerate() {
+                        project_values(&w.kv_b, (h0 + k) * stride + nope, &[c], &mut [o]);
+                    }
+                });
+                return out;
             }
-        }
-        w.o.matmul(&out, n)
+            // Split: `kv_b` read once per step for all the queries (a verify step, a batch), head by
+            // head, in three parallel passes.
+            // q_abs[h][t] = q_nope[t][h] x W_uk[h]
+            let mut q_abs = vec![0.0f32; nh * n * kvr];
+            charm_shared::par::for_each_chunk_mut(&mut q_abs, n * kvr, |hh, qa| {
+                let qs: Vec<&[f32]> = (0..n).map(|t| qh(t, hh).0).collect();
+                absorb_queries(&w.kv_b, hh * stride, &qs, qa);
+            });
+            // ctx[t][h]: units of `g` heads of one query, as above
+            let mut ctx = vec![0.0f32; n * nh * kvr];
+            charm_shared::par::for_each_chunk_mut(&mut ctx, kvr * g, |u, cg| {
+                let (t, h0) = ((u * g) / nh, (u * g) % nh);
+                let qa: Vec<&[f32]> = (h0..h0 + g)
+                    .map(|hh| &q_abs[(hh * n + t) * kvr..(hh * n + t + 1) * kvr])
+                    .collect();
+                let q_rope: Vec<&[f32]> = (h0..h0 + g).map(|hh| qh(t, hh).1).collect();
+                attend_latent(caches[rows.seq[t]], &keys_of(t), scale, &qa, &q_rope, cg);
+            });
+            // out[t][h] = W_uv[h] ctx[t][h], head by head, then back to [n, heads * v]
+            let mut by_head = vec![0.0f32; nh * n * vd];
+            charm_shared::par::for_each_chunk_mut(&mut by_head, n * vd, |hh, oh| {
+                let cs: Vec<&[f32]> = (0..n)
+                    .map(|t| &ctx[(t * nh + hh) * kvr..(t * nh + hh + 1) * kvr])
+                    .collect();
+                let mut os: Vec<&mut [f32]> = oh.chunks_mut(vd).collect();
+                project_values(&w.kv_b, hh * stride + nope, &cs, &mut os);
+            });
+            for (t, o) in out.chunks_mut(nh * vd).enumerate() {
+                for (hh, oh) in o.chunks_mut(vd).enumerate() {
+                    oh.copy_from_slice(&by_head[(hh * n + t) * vd..(hh * n + t + 1) * vd]);
+                }
+            }
+            out
+        });
+        timed(Phase::OutProjection, || w.o.matmul(&out, n))
     }
 }
 

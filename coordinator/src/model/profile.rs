@@ -1,8 +1,11 @@
 //! Where a forward step's time goes, by phase: off unless a benchmark turns it on
 //! ([`enable`]), then each phase of [`crate::model::forward`] adds its wall time to a counter
-//! (one relaxed atomic load per phase when off). Phases nest nowhere: a step's phases add up to
-//! its time, less what falls between them.
+//! (one relaxed atomic load per phase when off). A phase timed inside another (the attention's
+//! projections inside [`Phase::Attention`]) counts for itself only: the outer phase keeps its
+//! own time less the inner ones', so a step's phases add up to its time, less what falls
+//! between them.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -11,8 +14,18 @@ use std::time::Instant;
 pub enum Phase {
     /// Embedding rows and rotary tables.
     Embed,
-    /// A layer's input norm, projections, attention over the cache and output projection.
+    /// A layer's attention outside the phases below: the input norm, rotary embeddings, the
+    /// latent norm, cache appends.
     Attention,
+    /// The attention's input projections (queries, keys and values, or the MLA latents).
+    Projections,
+    /// The DSA indexer: its keys, scores and top-k selection.
+    Indexer,
+    /// Attention over the cache: scores, softmax, weighted values (with MLA's `kv_b`
+    /// absorption).
+    Attend,
+    /// The attention's output projection.
+    OutProjection,
     /// Router lookahead predictions (a streaming store's prefetch).
     Lookahead,
     /// The post-attention norm and the router (logits, choice).
@@ -29,9 +42,13 @@ pub enum Phase {
     Head,
 }
 
-const PHASES: [Phase; 9] = [
+const PHASES: [Phase; 13] = [
     Phase::Embed,
     Phase::Attention,
+    Phase::Projections,
+    Phase::Indexer,
+    Phase::Attend,
+    Phase::OutProjection,
     Phase::Lookahead,
     Phase::Route,
     Phase::Shared,
@@ -42,7 +59,12 @@ const PHASES: [Phase; 9] = [
 ];
 
 static ON: AtomicBool = AtomicBool::new(false);
-static NANOS: [AtomicU64; 9] = [const { AtomicU64::new(0) }; 9];
+static NANOS: [AtomicU64; PHASES.len()] = [const { AtomicU64::new(0) }; PHASES.len()];
+
+thread_local! {
+    /// Nanoseconds of the phases timed inside the one running on this thread.
+    static INNER: Cell<u64> = const { Cell::new(0) };
+}
 
 /// Turns the counters on or off (they keep their sums).
 pub fn enable(on: bool) {
@@ -64,9 +86,12 @@ pub fn timed<T>(phase: Phase, f: impl FnOnce() -> T) -> T {
     if !ON.load(Ordering::Relaxed) {
         return f();
     }
+    let outer = INNER.with(|c| c.replace(0));
     let t = Instant::now();
     let r = f();
+    let all = t.elapsed().as_nanos() as u64;
+    let inner = INNER.with(|c| c.replace(outer + all));
     let i = PHASES.iter().position(|&p| p == phase).unwrap_or(0);
-    NANOS[i].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    NANOS[i].fetch_add(all.saturating_sub(inner), Ordering::Relaxed);
     r
 }

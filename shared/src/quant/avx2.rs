@@ -314,6 +314,27 @@ pub(super) fn block_dot_i8<const R: usize, const T: usize>(
     unpack(acc)
 }
 
+/// Dequantizes a packed int8 or int4 row: each code times its group's scale (one rounding, as
+/// the scalar `code as f32 * scale`), decoded and scaled in registers.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn dequantize_row(
+    kind: QuantKind,
+    group: usize,
+    row: &[u8],
+    sc: &[f32],
+    out: &mut [f32],
+) {
+    debug_assert!(matches!(kind, QuantKind::Int8 | QuantKind::Int4) && group.is_multiple_of(8));
+    for (g, o) in out.chunks_exact_mut(group).enumerate() {
+        let s = _mm256_set1_ps(sc[g]);
+        for (j, o8) in o.chunks_exact_mut(8).enumerate() {
+            let v = _mm256_mul_ps(codes8(kind, row, g * group + 8 * j), s);
+            // SAFETY: `o8` holds 8 floats.
+            unsafe { _mm256_storeu_ps(o8.as_mut_ptr(), v) };
+        }
+    }
+}
+
 /// Decodes a packed row into f32 codes.
 #[target_feature(enable = "avx2,fma")]
 pub(super) fn decode_row(kind: QuantKind, row: &[u8], out: &mut [f32]) {

@@ -510,6 +510,24 @@ impl QMatrix {
             return;
         }
         let (rb, ng) = (self.row_bytes(), self.groups());
+        #[cfg(target_arch = "x86_64")]
+        if matches!(isa, Isa::Avx2 | Isa::Avx512Vnni)
+            && matches!(self.kind, QuantKind::Int8 | QuantKind::Int4)
+            && self.group.is_multiple_of(8)
+        {
+            // SAFETY: `Isa::Avx2` is only constructed after checking avx2 and fma (implied by
+            // Avx512Vnni).
+            unsafe {
+                avx2::dequantize_row(
+                    self.kind,
+                    self.group,
+                    &self.data[r * rb..(r + 1) * rb],
+                    &self.scales[r * ng..(r + 1) * ng],
+                    out,
+                )
+            };
+            return;
+        }
         matmul::decode_row(self.kind, &self.data[r * rb..(r + 1) * rb], out, isa);
         if self.kind == QuantKind::Bf16 {
             return;
