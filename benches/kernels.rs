@@ -5,8 +5,13 @@
 //! `cargo bench --bench kernels` (criterion's report) and, for the summary table with ratios to the
 //! memory bandwidth, `cargo bench --bench kernels -- --summary [--quick] [--tokens 1,2,4,6,8]`
 //! (token counts; default 1 and 8); `-- --compute [--tokens 1,4,16,64]` measures the integer
-//! path with the weights cache-resident (compute, not memory, as the limit), and on AVX2 the
-//! ceiling its int8 arithmetic allows (the per-token step over registers only).
+//! path with the weights cache-resident (compute, not memory, as the limit) beside the ISA's
+//! multiply-add peak (its int8 multiply-add step over registers only: `vpdpbusd` on AVX-512
+//! VNNI, `vpsignb` + `vpmaddubsw` + `vpmaddwd` + `vpaddd` on AVX2); `-- --experts [--tokens
+//! 1,2,4,8]` runs one MoE layer's routed experts at the yardstick's shapes as the expert store
+//! computes them (8 of 256 experts, hidden 1024, width 512, one expert per thread at a time),
+//! with the weights from DRAM (its share of the memory probe) and cache-resident (its share of
+//! the multiply-add peak).
 
 use std::time::{Duration, Instant};
 
@@ -195,10 +200,17 @@ fn compute_summary(tokens: &[usize]) {
         .num_threads(1)
         .build()
         .unwrap();
+    let peaks: Vec<(Isa, f64)> = Isa::available()
+        .into_iter()
+        .filter_map(|i| mac_peak(i).map(|p| (i, p)))
+        .collect();
     println!("\ncompute, 1 thread, {r}x{c} weights resident in cache, int8 activations");
+    for (isa, p) in &peaks {
+        println!("{isa:?} int8 multiply-add peak, 1 thread: {p:.1} GMAC/s (its step over registers only)");
+    }
     println!(
-        "{:<6} {:<10} {:<6} {:>6} {:>22}",
-        "format", "isa", "layout", "tokens", "GB/s (bytes x tokens)"
+        "{:<6} {:<10} {:<6} {:>6} {:>22} {:>8} {:>8}",
+        "format", "isa", "layout", "tokens", "GB/s (bytes x tokens)", "GMAC/s", "of peak"
     );
     for kind in [QuantKind::Int4, QuantKind::Int8] {
         let rows = QMatrix::quantize(&m, kind, 64).unwrap();
@@ -224,10 +236,84 @@ fn compute_summary(tokens: &[usize]) {
                     })
                 }) / reps as f64;
                 let gbs = (n as u64 * weight_bytes(q)) as f64 / s / 1e9;
+                let gmac = (n * r * c) as f64 / s / 1e9;
+                let peak = peaks.iter().find(|(i, _)| *i == isa).map(|p| p.1);
                 println!(
-                    "{:<6} {:<10} {layout:<6} {n:>6} {gbs:>22.2}",
+                    "{:<6} {:<10} {layout:<6} {n:>6} {gbs:>22.2} {gmac:>8.1} {:>7.0}%",
                     kind.name(),
-                    format!("{isa:?}")
+                    format!("{isa:?}"),
+                    peak.map_or(f64::NAN, |p| 100.0 * gmac / p)
+                );
+            }
+        }
+    }
+}
+
+/// One MoE layer's routed experts at the yardstick's shapes (`--experts`): 8 experts a step,
+/// each `SwiGlu::forward` on one thread as the expert store runs them (`par::map`), int4 and int8
+/// weights in the layout the loader gives them, int8 activations. Cold: the 8 come in turn from
+/// 256 (over 200 MB, so from DRAM); resident: the same 8 every time (in cache).
+fn experts_summary(tokens: &[usize]) {
+    use charm_shared::linear::{Linear, SwiGlu};
+    let (hidden, width, count, top) = (1024, 512, 256, 8);
+    let isa = charm_shared::quant::active_isa();
+    let threads = charm_shared::par::threads();
+    let peak = mac_peak(isa);
+    let probe = Probe::new();
+    println!(
+        "\nrouted experts, one MoE layer: {top} of {count} experts {width}x{hidden} (gate, up, down), \
+         {isa:?}, {threads} threads, int8 activations"
+    );
+    if let Some(p) = peak {
+        println!(
+            "{isa:?} int8 multiply-add peak: {p:.1} GMAC/s a thread, {:.1} on {threads}",
+            p * threads as f64
+        );
+    }
+    println!(
+        "{:<6} {:<9} {:>6} {:>10} {:>8} {:>7} {:>7} {:>8} {:>8}",
+        "format", "weights", "tokens", "us/layer", "GB/s", "probe", "of bw", "GMAC/s", "of peak"
+    );
+    for kind in [QuantKind::Int4, QuantKind::Int8] {
+        let lin = |r: usize, c: usize, seed: u32| {
+            let q = QMatrix::quantize(&Matrix::new(r, c, common::noise(r * c, seed)), kind, 64)
+                .unwrap();
+            Linear::Quant(q).prepared(Activations::Int8)
+        };
+        // four distinct experts, copied: what is read matters, not its values
+        let distinct: Vec<SwiGlu> = (0..4)
+            .map(|e| SwiGlu {
+                gate: lin(width, hidden, 3 * e + 1),
+                up: lin(width, hidden, 3 * e + 2),
+                down: lin(hidden, width, 3 * e + 3),
+            })
+            .collect();
+        let experts: Vec<SwiGlu> = (0..count).map(|e| distinct[e % 4].clone()).collect();
+        let bytes = (top * experts[0].bytes()) as f64;
+        let params = (top * experts[0].params()) as f64;
+        for (label, cold) in [("DRAM", true), ("resident", false)] {
+            for &n in tokens {
+                let x = common::noise(n * hidden, 5);
+                let turn = std::sync::atomic::AtomicUsize::new(0);
+                let before = probe.measure(2);
+                let secs = time_it(|| {
+                    let at = if cold {
+                        turn.fetch_add(top, std::sync::atomic::Ordering::Relaxed)
+                    } else {
+                        0
+                    };
+                    let ys =
+                        charm_shared::par::map(top, |k| experts[(at + k) % count].forward(&x, n));
+                    drop(black_box(ys));
+                });
+                let bw = before.max(probe.measure(2));
+                let (gbs, gmac) = (bytes / secs / 1e9, params * n as f64 / secs / 1e9);
+                println!(
+                    "{:<6} {label:<9} {n:>6} {:>10.1} {gbs:>8.2} {bw:>7.1} {:>6.0}% {gmac:>8.1} {:>7.0}%",
+                    kind.name(),
+                    secs * 1e6,
+                    100.0 * gbs / bw,
+                    peak.map_or(f64::NAN, |p| 100.0 * gmac / (p * threads as f64))
                 );
             }
         }
@@ -264,6 +350,65 @@ fn avx2_int8_step_ceiling(steps: usize) -> (f64, i32) {
         32.0 * steps as f64 / secs / 1e9,
         _mm256_extract_epi32::<0>(sum),
     )
+}
+
+/// `vpdpbusd` (64 multiply-adds of u8 x i8 into i32) in a loop over registers only, eight
+/// independent chains: the most multiply-adds per second the VNNI lane kernel's arithmetic
+/// allows on this core.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn vnni_step_ceiling(steps: usize) -> (f64, i32) {
+    use std::arch::x86_64::*;
+    let mut s = [_mm512_set1_epi32(1); 8];
+    let mut w = [_mm512_setzero_si512(); 8];
+    for (k, w) in w.iter_mut().enumerate() {
+        *w = _mm512_set1_epi8(k as i8 + 1);
+    }
+    let t = Instant::now();
+    for i in 0..steps / 8 {
+        let a = _mm512_set1_epi32(black_box(i as i32));
+        for k in 0..8 {
+            s[k] = _mm512_dpbusd_epi32(s[k], w[k], a);
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let mut sum = _mm512_setzero_si512();
+    for v in s {
+        sum = _mm512_add_epi32(sum, v);
+    }
+    (
+        64.0 * steps as f64 / secs / 1e9,
+        _mm512_reduce_add_epi32(sum),
+    )
+}
+
+/// The int8 multiply-add peak of one core on `isa`, GMAC/s (the best of five register-only
+/// loops), or `None` for the scalar path.
+fn mac_peak(isa: Isa) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let run = |f: &dyn Fn() -> (f64, i32)| {
+            (0..5)
+                .map(|_| {
+                    let (g, s) = f();
+                    black_box(s);
+                    g
+                })
+                .fold(0.0, f64::max)
+        };
+        match isa {
+            // SAFETY: `Isa::Avx512Vnni` is only detected with avx512f/bw/vnni.
+            Isa::Avx512Vnni => Some(run(&|| unsafe { vnni_step_ceiling(200_000_000) })),
+            // SAFETY: `Isa::Avx2` is only detected with avx2.
+            Isa::Avx2 => Some(run(&|| unsafe { avx2_int8_step_ceiling(200_000_000) })),
+            Isa::Scalar => None,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        None
+    }
 }
 
 fn criterion_benches(c: &mut Criterion) {
@@ -319,6 +464,10 @@ fn main() {
                 "int8   Avx2 ceiling: its per-token arithmetic over registers only, 1 thread: {best:.2} GB/s (bytes x tokens)"
             );
         }
+        return;
+    }
+    if std::env::args().any(|a| a == "--experts") {
+        experts_summary(&tokens_arg(&[1, 2, 4, 8]));
         return;
     }
     if std::env::args().any(|a| a == "--summary") {

@@ -1,7 +1,7 @@
 //! Linear layers: a weight in f32 or quantized, multiplied by the kernel the CPU supports best,
 //! and the SwiGLU MLP built from three of them.
 
-use crate::kernels::{silu, Matrix};
+use crate::kernels::{silu_mul, Matrix};
 use crate::quant::{active_isa, lanes_wanted, Activations, QMatrix};
 
 /// A linear layer's weight `[out, in]`: f32, or quantized ([`QMatrix`]) and multiplied by the
@@ -112,11 +112,7 @@ pub struct SwiGlu {
 /// tokens through a wide block); each element's arithmetic is the same either way.
 fn gate_in_place(h: &mut [f32], u: &[f32]) {
     const CHUNK: usize = 4096;
-    let run = |h: &mut [f32], u: &[f32]| {
-        for (h, u) in h.iter_mut().zip(u) {
-            *h = silu(*h) * u;
-        }
-    };
+    let run = |h: &mut [f32], u: &[f32]| silu_mul(h, &u[..h.len()]);
     if h.len() >= 2 * CHUNK {
         crate::par::for_each_chunk_mut(h, CHUNK, |i, c| run(c, &u[i * CHUNK..]));
     } else {

@@ -21,6 +21,9 @@
 //! the GPU computing them with these functions ([`exp_soft`], [`silu_soft`], `sf_exp`, `sf_silu`)
 //! get the same bits.
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+
 /// The sign bit.
 const SIGN: u32 = 0x8000_0000;
 /// Everything but the sign bit.

@@ -543,3 +543,108 @@ fn exp_constants_are_what_they_say() {
         assert_eq!(c, (1.0f32 / n).to_bits(), "1/{n}");
     }
 }
+
+/// Lanes of the AVX2 twins ([`avx2::exp8`], [`avx2::silu8`]) against the scalar functions, bit
+/// for bit (NaN-ness for NaNs), for the inputs `bits` yields, eight at a time.
+#[cfg(target_arch = "x86_64")]
+fn check_simd_exp_silu(bits: impl Iterator<Item = u32>) -> usize {
+    use std::arch::x86_64::*;
+    if !std::is_x86_feature_detected!("avx2") {
+        return 0;
+    }
+    let same_nan = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+    let mut lanes = [0u32; 8];
+    let mut n = 0;
+    let run = |lanes: &[u32; 8]| {
+        let x: [f32; 8] = lanes.map(f);
+        let (mut e, mut s) = ([0f32; 8], [0f32; 8]);
+        // SAFETY: AVX2 is present (checked above); the arrays hold 8 floats.
+        unsafe {
+            let v = _mm256_loadu_ps(x.as_ptr());
+            _mm256_storeu_ps(e.as_mut_ptr(), avx2::exp8(v));
+            _mm256_storeu_ps(s.as_mut_ptr(), avx2::silu8(v));
+        }
+        for i in 0..8 {
+            assert!(
+                same_nan(e[i], exp(x[i])),
+                "exp8({:#x}) = {:#x}, exp {:#x}",
+                lanes[i],
+                e[i].to_bits(),
+                exp(x[i]).to_bits()
+            );
+            assert!(
+                same_nan(s[i], silu(x[i])),
+                "silu8({:#x}) = {:#x}, silu {:#x}",
+                lanes[i],
+                s[i].to_bits(),
+                silu(x[i]).to_bits()
+            );
+        }
+    };
+    for b in bits {
+        lanes[n % 8] = b;
+        n += 1;
+        if n % 8 == 0 {
+            run(&lanes);
+        }
+    }
+    if n % 8 != 0 {
+        run(&lanes);
+    }
+    n
+}
+
+/// The AVX2 `exp` and SiLU on the edges of their ranges (the overflow and underflow thresholds,
+/// subnormal results, the rounding of `x log2(e)` at halves, infinities, NaNs, zeros) and on a
+/// sweep of every 997th bit pattern: the scalar functions' bits in every lane.
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn simd_exp_and_silu_equal_the_scalar_ones() {
+    let mut edges = vec![
+        0,
+        SIGN,
+        1,
+        SIGN | 1,
+        ONE,
+        ONE | SIGN,
+        0x7f80_0000,
+        0xff80_0000,
+        0x7fc0_0000,
+        0xffc0_0001,
+        0x7f80_0001,
+        0x7f7f_ffff,
+        0xff7f_ffff,
+        0x0080_0000,
+        0x007f_ffff,
+    ];
+    for t in [
+        0x42b1_7218u32,
+        0xc2cf_f1b5,
+        0xc2ae_ac50,
+        0xc2ce_0000,
+        0x42b0_0000,
+        0x3f00_0000,
+    ] {
+        for d in 0..64 {
+            edges.extend([t.wrapping_add(d), t.wrapping_sub(d), t ^ SIGN]);
+        }
+    }
+    // x with x log2(e) near k + 1/2, for k across the range
+    for k in -160i32..=140 {
+        let x = (k as f32 + 0.5) / std::f32::consts::LOG2_E;
+        for d in 0..8u32 {
+            edges.extend([x.to_bits().wrapping_add(d), x.to_bits().wrapping_sub(d)]);
+        }
+    }
+    assert!(check_simd_exp_silu(edges.into_iter()) > 0 || !std::is_x86_feature_detected!("avx2"));
+    check_simd_exp_silu((0..=u32::MAX).step_by(997));
+}
+
+/// Every f32 input through the AVX2 `exp` and SiLU (release: `cargo test -p charm-shared --release
+/// --lib softfloat::tests::exhaustive_simd_exp_silu -- --ignored`).
+#[test]
+#[cfg(target_arch = "x86_64")]
+#[ignore = "4 billion inputs: run in release"]
+fn exhaustive_simd_exp_silu() {
+    assert_eq!(check_simd_exp_silu(0..=u32::MAX), 1 << 32);
+}
