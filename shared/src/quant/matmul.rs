@@ -308,23 +308,7 @@ impl QMatrix {
     /// int8 activations in the same groups, `x` is quantized once and both run as one parallel
     /// loop over their rows; otherwise one after the other.
     pub fn matmul_pair(a: &Self, b: &Self, x: &[f32], n: usize, isa: Isa) -> (Vec<f32>, Vec<f32>) {
-        #[cfg(target_arch = "x86_64")]
-        if a.fuses_with(b, isa) {
-            assert_eq!(x.len(), n * a.cols, "matmul input is not [n, cols]");
-            let qx = a.quantize_acts(x, n, isa);
-            // rows of `a` then rows of `b` (the same row bytes), in 16-row blocks: both row
-            // counts are multiples of 16, so no block straddles the two
-            let y = par_lane_blocks(a.rows + b.rows, n, a.row_bytes(), |r0, out| {
-                let k = out.len() / n;
-                let split = a.rows.clamp(r0, r0 + k) - r0;
-                let (oa, ob) = out.split_at_mut(split * n);
-                if !oa.is_empty() {
-                    a.lanes_rows(r0, oa, &qx, isa);
-                }
-                if !ob.is_empty() {
-                    b.lanes_rows(r0 + split - a.rows, ob, &qx, isa);
-                }
-            }); // [n, a.rows + b.rows]
+        if let Some(y) = Self::matmul_pair_joined(a, b, x, n, isa) {
             let w = a.rows + b.rows;
             let ya = y
                 .chunks_exact(w)
@@ -342,6 +326,43 @@ impl QMatrix {
             a.matmul_with(x, n, isa, a.act),
             b.matmul_with(x, n, isa, b.act),
         )
+    }
+
+    /// [`QMatrix::matmul_pair`] as one loop, its products side by side (`[n, a.rows + b.rows]`:
+    /// each token's `a x`, then its `b x`), where both take the lane kernels with int8
+    /// activations in the same groups (`x` quantized once); `None` where they do not.
+    pub fn matmul_pair_joined(
+        a: &Self,
+        b: &Self,
+        x: &[f32],
+        n: usize,
+        isa: Isa,
+    ) -> Option<Vec<f32>> {
+        #[cfg(target_arch = "x86_64")]
+        if a.fuses_with(b, isa) {
+            assert_eq!(x.len(), n * a.cols, "matmul input is not [n, cols]");
+            let qx = a.quantize_acts(x, n, isa);
+            // rows of `a` then rows of `b` (the same row bytes), in 16-row blocks: both row
+            // counts are multiples of 16, so no block straddles the two
+            return Some(par_lane_blocks(
+                a.rows + b.rows,
+                n,
+                a.row_bytes(),
+                |r0, out| {
+                    let k = out.len() / n;
+                    let split = a.rows.clamp(r0, r0 + k) - r0;
+                    let (oa, ob) = out.split_at_mut(split * n);
+                    if !oa.is_empty() {
+                        a.lanes_rows(r0, oa, &qx, isa);
+                    }
+                    if !ob.is_empty() {
+                        b.lanes_rows(r0 + split - a.rows, ob, &qx, isa);
+                    }
+                },
+            ));
+        }
+        let _ = (a, b, x, n, isa);
+        None
     }
 
     /// Whether [`QMatrix::matmul_pair`] runs `self` and `other` as one loop on `isa`.
