@@ -765,16 +765,16 @@ fn attend_latent(
 ) {
     let kvr = ctx.len() / q_abs.len().max(1);
     let mut scores = vec![Vec::with_capacity(keys.len()); q_abs.len()];
-    // four keys at a time (the same dot products, interleaved), every head against each cached
+    // eight keys at a time (the same dot products, interleaved), every head against each cached
     // latent while it is in cache
-    let mut kc = keys.chunks_exact(4);
-    for k4 in &mut kc {
-        let e: [&[f32]; 4] = std::array::from_fn(|i| cache.entry(k4[i]));
+    let mut kc = keys.chunks_exact(8);
+    for k8 in &mut kc {
+        let e: [&[f32]; 8] = std::array::from_fn(|i| cache.entry(k8[i]));
         let (lat_e, rot_e) = (e.map(|e| &e[..kvr]), e.map(|e| &e[kvr..]));
         for (k, sk) in scores.iter_mut().enumerate() {
             let lat = dots(lat_e, q_abs[k]);
             let rot = dots(rot_e, q_rope[k]);
-            for i in 0..4 {
+            for i in 0..8 {
                 sk.push((lat[i] + rot[i]) * scale);
             }
         }
@@ -802,19 +802,19 @@ fn attend_latent(
     }
 }
 
-/// `W_uv` applied to latent contexts: `out[t][i] = kv_b[first + i] . ctx[t]`, four rows of
+/// `W_uv` applied to latent contexts: `out[t][i] = kv_b[first + i] . ctx[t]`, eight rows of
 /// `kv_b` at a time, each read once for all the contexts.
 fn project_values(kv_b: &Linear, first: usize, ctx: &[&[f32]], out: &mut [&mut [f32]]) {
     let (vd, kvr) = (out.first().map_or(0, |o| o.len()), kv_b.cols());
-    let full = vd - vd % 4;
-    let mut buf = vec![0.0f32; 4 * kvr];
-    for c in (0..full).step_by(4) {
+    let full = vd - vd % 8;
+    let mut buf = vec![0.0f32; 8 * kvr];
+    for c in (0..full).step_by(8) {
         let mut bufs = buf.chunks_exact_mut(kvr);
-        let rows: [&[f32]; 4] = std::array::from_fn(|i| {
-            kv_b.row_into(first + c + i, bufs.next().expect("four buffers"))
+        let rows: [&[f32]; 8] = std::array::from_fn(|i| {
+            kv_b.row_into(first + c + i, bufs.next().expect("eight buffers"))
         });
         for (cx, o) in ctx.iter().zip(out.iter_mut()) {
-            o[c..c + 4].copy_from_slice(&dots(rows, cx));
+            o[c..c + 8].copy_from_slice(&dots(rows, cx));
         }
     }
     for d in full..vd {
