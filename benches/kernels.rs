@@ -200,13 +200,20 @@ fn compute_summary(tokens: &[usize]) {
         .num_threads(1)
         .build()
         .unwrap();
-    let peaks: Vec<(Isa, f64)> = Isa::available()
-        .into_iter()
-        .filter_map(|i| mac_peak(i).map(|p| (i, p)))
-        .collect();
+    let mut peaks: Vec<(Isa, QuantKind, f64)> = Vec::new();
+    for isa in Isa::available() {
+        for kind in [QuantKind::Int4, QuantKind::Int8] {
+            if let Some(p) = mac_peak(isa, kind) {
+                peaks.push((isa, kind, p));
+            }
+        }
+    }
     println!("\ncompute, 1 thread, {r}x{c} weights resident in cache, int8 activations");
-    for (isa, p) in &peaks {
-        println!("{isa:?} int8 multiply-add peak, 1 thread: {p:.1} GMAC/s (its step over registers only)");
+    for (isa, kind, p) in &peaks {
+        println!(
+            "{isa:?} {} multiply-add peak, 1 thread: {p:.1} GMAC/s (its kernel's step over registers only)",
+            kind.name()
+        );
     }
     println!(
         "{:<6} {:<10} {:<6} {:>6} {:>22} {:>8} {:>8}",
@@ -237,7 +244,10 @@ fn compute_summary(tokens: &[usize]) {
                 }) / reps as f64;
                 let gbs = (n as u64 * weight_bytes(q)) as f64 / s / 1e9;
                 let gmac = (n * r * c) as f64 / s / 1e9;
-                let peak = peaks.iter().find(|(i, _)| *i == isa).map(|p| p.1);
+                let peak = peaks
+                    .iter()
+                    .find(|(i, k, _)| *i == isa && *k == kind)
+                    .map(|p| p.2);
                 println!(
                     "{:<6} {:<10} {layout:<6} {n:>6} {gbs:>22.2} {gmac:>8.1} {:>7.0}%",
                     kind.name(),
@@ -258,23 +268,24 @@ fn experts_summary(tokens: &[usize]) {
     let (hidden, width, count, top) = (1024, 512, 256, 8);
     let isa = charm_shared::quant::active_isa();
     let threads = charm_shared::par::threads();
-    let peak = mac_peak(isa);
     let probe = Probe::new();
     println!(
         "\nrouted experts, one MoE layer: {top} of {count} experts {width}x{hidden} (gate, up, down), \
          {isa:?}, {threads} threads, int8 activations"
     );
-    if let Some(p) = peak {
-        println!(
-            "{isa:?} int8 multiply-add peak: {p:.1} GMAC/s a thread, {:.1} on {threads}",
-            p * threads as f64
-        );
-    }
     println!(
         "{:<6} {:<9} {:>6} {:>10} {:>8} {:>7} {:>7} {:>8} {:>8}",
         "format", "weights", "tokens", "us/layer", "GB/s", "probe", "of bw", "GMAC/s", "of peak"
     );
     for kind in [QuantKind::Int4, QuantKind::Int8] {
+        let peak = mac_peak(isa, kind);
+        if let Some(p) = peak {
+            println!(
+                "{isa:?} {} multiply-add peak: {p:.1} GMAC/s a thread, {:.1} on {threads}",
+                kind.name(),
+                p * threads as f64
+            );
+        }
         let lin = |r: usize, c: usize, seed: u32| {
             let q = QMatrix::quantize(&Matrix::new(r, c, common::noise(r * c, seed)), kind, 64)
                 .unwrap();
@@ -320,12 +331,13 @@ fn experts_summary(tokens: &[usize]) {
     }
 }
 
-/// The AVX2 int8 path's step for one token and 32 weights (`vpsignb`, `vpmaddubsw`, `vpmaddwd`,
-/// `vpaddd`) in a loop over registers only, eight independent chains: the most weight bytes
-/// times tokens per second the lane kernel's arithmetic allows on this core (32 bytes a step).
+/// The AVX2 lane kernel's step for one token and 32 weights over registers only, eight
+/// independent chains: with `SIGNED` the int8 step (`vpsignb`, `vpmaddubsw`, `vpmaddwd`,
+/// `vpaddd`), without it the int4 step (unsigned nibbles: no `vpsignb`). Multiply-adds (= weight
+/// bytes times tokens for int8) per second, in billions.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn avx2_int8_step_ceiling(steps: usize) -> (f64, i32) {
+fn avx2_step_ceiling<const SIGNED: bool>(steps: usize) -> (f64, i32) {
     use std::arch::x86_64::*;
     let mut s = [_mm256_set1_epi32(1); 8];
     let mut w = [_mm256_setzero_si256(); 8];
@@ -337,7 +349,8 @@ fn avx2_int8_step_ceiling(steps: usize) -> (f64, i32) {
     for i in 0..steps / 8 {
         let a = _mm256_set1_epi32(black_box(i as i32));
         for k in 0..8 {
-            let p = _mm256_maddubs_epi16(w[k], _mm256_sign_epi8(a, w[k]));
+            let b = if SIGNED { _mm256_sign_epi8(a, w[k]) } else { a };
+            let p = _mm256_maddubs_epi16(w[k], b);
             s[k] = _mm256_add_epi32(s[k], _mm256_madd_epi16(p, ones));
         }
     }
@@ -382,9 +395,9 @@ fn vnni_step_ceiling(steps: usize) -> (f64, i32) {
     )
 }
 
-/// The int8 multiply-add peak of one core on `isa`, GMAC/s (the best of five register-only
-/// loops), or `None` for the scalar path.
-fn mac_peak(isa: Isa) -> Option<f64> {
+/// The multiply-add peak of one core on `isa` for `kind` weights, GMAC/s: its kernel's step over
+/// registers only (the best of five loops); `None` for the scalar path.
+fn mac_peak(isa: Isa, kind: QuantKind) -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     {
         let run = |f: &dyn Fn() -> (f64, i32)| {
@@ -400,13 +413,17 @@ fn mac_peak(isa: Isa) -> Option<f64> {
             // SAFETY: `Isa::Avx512Vnni` is only detected with avx512f/bw/vnni.
             Isa::Avx512Vnni => Some(run(&|| unsafe { vnni_step_ceiling(200_000_000) })),
             // SAFETY: `Isa::Avx2` is only detected with avx2.
-            Isa::Avx2 => Some(run(&|| unsafe { avx2_int8_step_ceiling(200_000_000) })),
+            Isa::Avx2 if kind == QuantKind::Int4 => {
+                Some(run(&|| unsafe { avx2_step_ceiling::<false>(200_000_000) }))
+            }
+            // SAFETY: as above.
+            Isa::Avx2 => Some(run(&|| unsafe { avx2_step_ceiling::<true>(200_000_000) })),
             Isa::Scalar => None,
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = isa;
+        let _ = (isa, kind);
         None
     }
 }
@@ -450,20 +467,6 @@ fn tokens_arg(default: &[usize]) -> Vec<usize> {
 fn main() {
     if std::env::args().any(|a| a == "--compute") {
         compute_summary(&tokens_arg(&[1, 4, 16, 64]));
-        #[cfg(target_arch = "x86_64")]
-        if Isa::available().contains(&Isa::Avx2) {
-            let best = (0..5)
-                .map(|_| {
-                    // SAFETY: AVX2 is available (checked just above).
-                    let (gbs, sum) = unsafe { avx2_int8_step_ceiling(200_000_000) };
-                    black_box(sum);
-                    gbs
-                })
-                .fold(0.0, f64::max);
-            println!(
-                "int8   Avx2 ceiling: its per-token arithmetic over registers only, 1 thread: {best:.2} GB/s (bytes x tokens)"
-            );
-        }
         return;
     }
     if std::env::args().any(|a| a == "--experts") {
