@@ -564,21 +564,18 @@ fn check_simd_exp_silu(bits: impl Iterator<Item = u32>) -> usize {
             _mm256_storeu_ps(e.as_mut_ptr(), avx2::exp8(v));
             _mm256_storeu_ps(s.as_mut_ptr(), avx2::silu8(v));
         }
-        for i in 0..8 {
-            assert!(
-                same_nan(e[i], exp(x[i])),
-                "exp8({:#x}) = {:#x}, exp {:#x}",
-                lanes[i],
-                e[i].to_bits(),
-                exp(x[i]).to_bits()
-            );
-            assert!(
-                same_nan(s[i], silu(x[i])),
-                "silu8({:#x}) = {:#x}, silu {:#x}",
-                lanes[i],
-                s[i].to_bits(),
-                silu(x[i]).to_bits()
-            );
+        let scalar: [(&str, [f32; 8], fn(f32) -> f32); 2] = [("exp", e, exp), ("silu", s, silu)];
+        for (name, got, f) in scalar {
+            for i in 0..8 {
+                let want = f(x[i]);
+                assert!(
+                    same_nan(got[i], want),
+                    "{name}8({:#x}) = {:#x}, {name} {:#x}",
+                    lanes[i],
+                    got[i].to_bits(),
+                    want.to_bits()
+                );
+            }
         }
     };
     for b in bits {
