@@ -564,8 +564,8 @@ fn check_simd_exp_silu(bits: impl Iterator<Item = u32>) -> usize {
             _mm256_storeu_ps(e.as_mut_ptr(), avx2::exp8(v));
             _mm256_storeu_ps(s.as_mut_ptr(), avx2::silu8(v));
         }
-        let scalar: [(&str, [f32; 8], fn(f32) -> f32); 2] = [("exp", e, exp), ("silu", s, silu)];
-        for (name, got, f) in scalar {
+        let exp_f: fn(f32) -> f32 = exp;
+        for (name, got, f) in [("exp", e, exp_f), ("silu", s, silu)] {
             for i in 0..8 {
                 let want = f(x[i]);
                 assert!(
