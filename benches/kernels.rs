@@ -4,7 +4,8 @@
 //!
 //! `cargo bench --bench kernels` (criterion's report) and, for the summary table with ratios to the
 //! memory bandwidth, `cargo bench --bench kernels -- --summary [--quick] [--tokens 1,2,4,6,8]`
-//! (token counts; default 1 and 8); `-- --compute [--tokens 1,4,16,64]` measures the integer
+//! (token counts; default 1 and 8; `--yardstick`: the yardstick model's dense shapes instead of
+//! GLM-5.2's); `-- --compute [--tokens 1,4,16,64]` measures the integer
 //! path with the weights cache-resident (compute, not memory, as the limit) beside the ISA's
 //! multiply-add peak (its int8 multiply-add step over registers only: `vpdpbusd` on AVX-512
 //! VNNI, `vpsignb` + `vpmaddubsw` + `vpmaddwd` + `vpaddd` on AVX2); `-- --experts [--tokens
@@ -102,9 +103,22 @@ fn time_it(f: impl Fn()) -> f64 {
     runs[runs.len() / 2]
 }
 
+/// The yardstick model's dense shapes `[out, in]` (`--yardstick`): its matrices are 0.3-8.4 MB,
+/// where the start of each matmul weighs more than at GLM-5.2's.
+const YARDSTICK_SHAPES: [(&str, usize, usize); 7] = [
+    ("q_a 256x1024", 256, 1024),
+    ("q_b 1536x256", 1536, 256),
+    ("kv_a 160x1024", 160, 1024),
+    ("o_proj 1024x1024", 1024, 1024),
+    ("dense gate/up 4096x1024", 4096, 1024),
+    ("dense down 1024x4096", 1024, 4096),
+    ("head 8192x1024", 8192, 1024),
+];
+
 /// The table: every shape, format, ISA path, activation mode and token count in `tokens`, on 1
-/// and 2 threads. `quick` keeps the first shape and int4/int8 only.
-fn summary(quick: bool, tokens: &[usize]) {
+/// and 2 threads. `quick` keeps the first shape (every yardstick shape with `yardstick`) and
+/// int4/int8 only.
+fn summary(quick: bool, yardstick: bool, tokens: &[usize]) {
     let kinds = [
         QuantKind::Int4,
         QuantKind::Int8,
@@ -112,7 +126,11 @@ fn summary(quick: bool, tokens: &[usize]) {
         QuantKind::Bf16,
     ];
     let kinds = if quick { &kinds[..2] } else { &kinds[..] };
-    let shapes = if quick { &SHAPES[..1] } else { &SHAPES[..] };
+    let shapes = match (yardstick, quick) {
+        (true, _) => &YARDSTICK_SHAPES[..],
+        (false, true) => &SHAPES[..1],
+        (false, false) => &SHAPES[..],
+    };
     let probe = Probe::new();
     for threads in [1, 2] {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -485,6 +503,7 @@ fn main() {
     if std::env::args().any(|a| a == "--summary") {
         summary(
             std::env::args().any(|a| a == "--quick"),
+            std::env::args().any(|a| a == "--yardstick"),
             &tokens_arg(&[1, 8]),
         );
         return;
