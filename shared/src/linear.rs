@@ -90,6 +90,27 @@ impl Linear {
     }
 }
 
+/// Below this many weight bytes, and for a few tokens, a matmul runs whole on one thread in
+/// [`matmul_each`]: started on two threads, a matrix this small streams no faster than on one
+/// (`cargo bench --bench kernels -- --summary --quick --yardstick`: the yardstick's 0.16-0.4 MB
+/// projections read 59-76% of the probe on two threads, 84-99% on one).
+const SMALL_MATMUL_BYTES: usize = 1 << 20;
+
+/// Tokens up to which [`matmul_each`] runs small matrices one per thread (more tokens make each
+/// matmul compute-bound, and splitting its rows pays).
+const SMALL_MATMUL_TOKENS: usize = 8;
+
+/// `[w x for w in ws]` for weights that read the same input `x` (`[n, cols]`), each product
+/// exactly [`Linear::matmul`]'s. Small matrices at a few tokens run side by side, each whole on
+/// one thread; others one after the other, each split over the threads.
+pub fn matmul_each<const N: usize>(ws: [&Linear; N], x: &[f32], n: usize) -> [Vec<f32>; N] {
+    if n <= SMALL_MATMUL_TOKENS && ws.iter().all(|w| w.bytes() < SMALL_MATMUL_BYTES) {
+        let mut ys = crate::par::map(N, |i| ws[i].matmul(x, n)).into_iter();
+        return std::array::from_fn(|_| ys.next().expect("one product per weight"));
+    }
+    ws.map(|w| w.matmul(x, n))
+}
+
 impl From<Matrix> for Linear {
     fn from(m: Matrix) -> Self {
         Self::F32(m)
@@ -189,6 +210,29 @@ mod tests {
             .collect();
         let q = QMatrix::quantize(&Matrix::new(rows, cols, data), kind, 64).unwrap();
         Linear::Quant(q).prepared(act)
+    }
+
+    /// [`matmul_each`] gives each weight's own product, side by side (small, few tokens) or one
+    /// after the other (large, or many tokens).
+    #[test]
+    fn matmul_each_equals_each_matmul() {
+        let act = Activations::Int8;
+        for (rows, cols) in [(48, 128), (1024, 1024)] {
+            let ws = [
+                lin(rows, cols, QuantKind::Int8, 4, act),
+                lin(rows / 2, cols, QuantKind::Int4, 5, act),
+                lin(rows, cols, QuantKind::Int4, 6, Activations::F32),
+            ];
+            for n in [1, 3, 9] {
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| ((i * 13) % 29) as f32 / 14.0 - 1.0)
+                    .collect();
+                let got = matmul_each([&ws[0], &ws[1], &ws[2]], &x, n);
+                for (w, g) in ws.iter().zip(&got) {
+                    assert_eq!(g, &w.matmul(&x, n), "{rows}x{cols}, n = {n}");
+                }
+            }
+        }
     }
 
     /// A SwiGLU block gives, at every token count and in every layout and activation mode, the

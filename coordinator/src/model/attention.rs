@@ -3,6 +3,7 @@
 
 use charm_shared::config::GqaSpec;
 use charm_shared::kernels::{axpy, dot, dots, layer_norm, rms_norm, softmax};
+use charm_shared::linear::matmul_each;
 use charm_shared::routing::top_k_set;
 
 use crate::model::cache::LayerCache;
@@ -113,9 +114,7 @@ pub(super) fn gqa(
             }
         }
     };
-    let (mut q, mut k, mut v) = timed(Phase::Projections, || {
-        (w.q.matmul(a, n), w.k.matmul(a, n), w.v.matmul(a, n))
-    });
+    let [mut q, mut k, mut v] = timed(Phase::Projections, || matmul_each([&w.q, &w.k, &w.v], a, n));
     add(&mut q, &w.q_bias);
     add(&mut k, &w.k_bias);
     add(&mut v, &w.v_bias);

@@ -6,7 +6,7 @@
 use charm_shared::config::{AttentionSpec, IndexerKind, MlaSpec};
 use charm_shared::expert::{ExpertBatch, ExpertError, LookaheadPolicy};
 use charm_shared::kernels::{axpy, dot, dots, rms_norm, softmax, weighted_rows};
-use charm_shared::linear::Linear;
+use charm_shared::linear::{matmul_each, Linear};
 use charm_shared::routing::route;
 
 use crate::model::attention::{gqa, indexer_select};
@@ -530,13 +530,22 @@ impl Model {
         let qkd = m.qk_head_dim();
         let interleaved = spec.rope.interleaved;
         // Queries: [n, heads * (nope + rope)]
-        let (mut q, q_resid) = match (&w.q_a, &w.q_a_norm) {
+        // The query latent and the key latent read the same input: side by side where they are
+        // small.
+        let (mut q, q_resid, mut ckv) = match (&w.q_a, &w.q_a_norm) {
             (Some(qa), Some(qn)) => {
-                let mut r = timed(Phase::Projections, || qa.matmul(a, n)); // [n, q_lora_rank]
+                let [mut r, ckv] = timed(Phase::Projections, || matmul_each([qa, &w.kv_a], a, n)); // [n, q_lora_rank]
                 rms_norm(&mut r, qn, MLA_LATENT_EPS);
-                (timed(Phase::Projections, || w.q_b.matmul(&r, n)), Some(r))
+                (
+                    timed(Phase::Projections, || w.q_b.matmul(&r, n)),
+                    Some(r),
+                    ckv,
+                )
             }
-            _ => (timed(Phase::Projections, || w.q_b.matmul(a, n)), None),
+            _ => {
+                let [q, ckv] = timed(Phase::Projections, || matmul_each([&w.q_b, &w.kv_a], a, n));
+                (q, None, ckv)
+            }
         };
         for t in 0..n {
             for hh in 0..nh {
@@ -545,7 +554,6 @@ impl Model {
             }
         }
         // Latent + rope key, appended to the cache: [n, kvr + rope]
-        let mut ckv = timed(Phase::Projections, || w.kv_a.matmul(a, n));
         for t in 0..n {
             let e = &mut ckv[t * (kvr + rd)..(t + 1) * (kvr + rd)];
             rms_norm(&mut e[..kvr], &w.kv_a_norm, MLA_LATENT_EPS);
