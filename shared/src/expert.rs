@@ -348,6 +348,20 @@ pub trait ExpertExecutor: Send + Sync + std::fmt::Debug {
         PendingExperts::ready(self.run(batch))
     }
 
+    /// [`Self::start`] with the caller's own part of the layer (`local`: the shared expert),
+    /// returned beside the pending experts. An executor computing its experts in this process may
+    /// run `local` as one more item of the same parallel loop (one loop per layer instead of two,
+    /// the shared expert whole on one thread while the other threads take experts); by default
+    /// the experts start, then `local` runs. `local`'s result is the same either way.
+    fn start_beside(
+        &self,
+        batch: ExpertBatch<'_>,
+        local: &(dyn Fn() -> Vec<f32> + Sync),
+    ) -> (PendingExperts, Vec<f32>) {
+        let pending = self.start(batch);
+        (pending, local())
+    }
+
     /// Whether and how the executor wants predictions of the experts a layer will use
     /// ([`Self::prefetch`], [`Self::prefetch_early`]); `None` (executors holding every expert in
     /// RAM) spares the caller computing them.

@@ -414,19 +414,26 @@ impl Model {
                 }
                 self.expert_use.add(layer.index, &ids);
                 // Routed experts start first (they may run elsewhere); the shared expert
-                // computes meanwhile and is added after their sum, in that order everywhere.
-                let routed = timed(Phase::Routed, || {
-                    self.experts.start(ExpertBatch {
-                        step: self.steps.load(std::sync::atomic::Ordering::Relaxed),
-                        layer: layer.index,
-                        x: &f,
-                        n_tokens: n,
-                        ids: &ids,
-                        weights: &weights,
-                        top_k: k,
-                    })
-                });
-                let shared_y = timed(Phase::Shared, || shared.as_ref().map(|s| s.forward(&f, n)));
+                // computes meanwhile (in process: beside the experts, in their parallel loop)
+                // and is added after their sum, in that order everywhere.
+                let batch = ExpertBatch {
+                    step: self.steps.load(std::sync::atomic::Ordering::Relaxed),
+                    layer: layer.index,
+                    x: &f,
+                    n_tokens: n,
+                    ids: &ids,
+                    weights: &weights,
+                    top_k: k,
+                };
+                let (routed, shared_y) = match shared {
+                    Some(s) => {
+                        let local = || s.forward(&f, n);
+                        let (p, y) =
+                            timed(Phase::Routed, || self.experts.start_beside(batch, &local));
+                        (p, Some(y))
+                    }
+                    None => (timed(Phase::Routed, || self.experts.start(batch)), None),
+                };
                 let mut y = timed(Phase::Routed, || routed.wait())?;
                 timed(Phase::Residual, || {
                     if let Some(sy) = shared_y {

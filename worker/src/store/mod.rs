@@ -41,7 +41,7 @@ use crate::history::History;
 use crate::io::{AlignedBuf, RecordFile, DIRECT_ALIGN};
 use charm_shared::expert::{
     combine, gather, plan_runs, ExpertBatch, ExpertError, ExpertExecutor, ExpertStats,
-    LookaheadPolicy,
+    LookaheadPolicy, PendingExperts,
 };
 mod policy;
 mod readers;
@@ -466,24 +466,38 @@ impl StreamingExperts {
 
 impl StreamingExperts {
     /// Runs `items` (run index, expert) in parallel into `outs`, then releases them; returns
-    /// the seconds spent.
+    /// the seconds spent. `local` (the caller's shared expert, see
+    /// [`ExpertExecutor::start_beside`]) runs as the loop's first item, its result into its slot.
     fn compute(
         &self,
         batch: &ExpertBatch<'_>,
         runs: &[(u32, Vec<usize>)],
         items: Vec<(usize, Arc<SwiGlu>)>,
         outs: &mut [Option<Vec<f32>>],
+        local: Option<(&LocalPart<'_>, &mut Option<Vec<f32>>)>,
     ) -> f64 {
         let inner = &*self.inner;
         let t0 = Instant::now();
-        let ys: Vec<(usize, Vec<f32>)> = charm_shared::par::map(items.len(), |k| {
-            let (i, w) = &items[k];
-            let slots = &runs[*i].1;
-            (
-                *i,
-                w.forward(&gather(batch, slots, inner.hidden), slots.len()),
-            )
-        });
+        let first = usize::from(local.is_some());
+        let (local_f, local_out) = match local {
+            Some((f, out)) => (Some(f), Some(out)),
+            None => (None, None),
+        };
+        let mut ys: Vec<(usize, Vec<f32>)> =
+            charm_shared::par::map(first + items.len(), |k| match (k, local_f) {
+                (0, Some(f)) => (usize::MAX, f()),
+                _ => {
+                    let (i, w) = &items[k - first];
+                    let slots = &runs[*i].1;
+                    (
+                        *i,
+                        w.forward(&gather(batch, slots, inner.hidden), slots.len()),
+                    )
+                }
+            });
+        if let Some(out) = local_out {
+            *out = Some(ys.remove(0).1);
+        }
         let secs = t0.elapsed().as_secs_f64();
         drop(items);
         let mut st = lock(&inner.state);
@@ -501,13 +515,18 @@ impl StreamingExperts {
     }
 }
 
-impl ExpertExecutor for StreamingExperts {
-    fn lookahead(&self) -> Option<LookaheadPolicy> {
-        // Nothing to read ahead when the cache holds every expert.
-        (self.inner.capacity < self.inner.total_bytes).then_some(LOOKAHEAD)
-    }
+/// The caller's own part of a layer run beside its experts ([`ExpertExecutor::start_beside`]).
+type LocalPart<'a> = dyn Fn() -> Vec<f32> + Sync + 'a;
 
-    fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
+impl StreamingExperts {
+    /// [`ExpertExecutor::run`], with `local` (see [`ExpertExecutor::start_beside`]) run beside
+    /// the resident experts into `local_y` when there are any.
+    fn run_beside(
+        &self,
+        batch: ExpertBatch<'_>,
+        local: Option<&LocalPart<'_>>,
+        local_y: &mut Option<Vec<f32>>,
+    ) -> Result<Vec<f32>, ExpertError> {
         let inner = &*self.inner;
         let called = Instant::now();
         let hidden = inner.hidden;
@@ -604,7 +623,12 @@ impl ExpertExecutor for StreamingExperts {
         }
 
         let mut outs: Vec<Option<Vec<f32>>> = vec![None; runs.len()];
-        let mut compute_s = self.compute(&batch, &runs, hits, &mut outs);
+        // the caller's shared expert beside the resident experts (alone, with every thread, when
+        // none is resident)
+        let beside = local
+            .filter(|_| !hits.is_empty())
+            .map(|f| (f, &mut *local_y));
+        let mut compute_s = self.compute(&batch, &runs, hits, &mut outs, beside);
 
         // Compute missing experts as they arrive.
         let mut wait_s = 0.0;
@@ -642,7 +666,7 @@ impl ExpertExecutor for StreamingExperts {
                     Timeline::add(&inner.timeline, "wait", (layer, 0), false, w0, 0);
                 }
             }
-            compute_s += self.compute(&batch, &runs, ready, &mut outs);
+            compute_s += self.compute(&batch, &runs, ready, &mut outs, None);
         }
         {
             let mut st = lock(&inner.state);
@@ -658,6 +682,29 @@ impl ExpertExecutor for StreamingExperts {
             .map(|o| o.expect("every expert ran"))
             .collect();
         Ok(combine(&batch, hidden, &runs, &outs))
+    }
+}
+
+impl ExpertExecutor for StreamingExperts {
+    fn lookahead(&self) -> Option<LookaheadPolicy> {
+        // Nothing to read ahead when the cache holds every expert.
+        (self.inner.capacity < self.inner.total_bytes).then_some(LOOKAHEAD)
+    }
+
+    fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
+        self.run_beside(batch, None, &mut None)
+    }
+
+    fn start_beside(
+        &self,
+        batch: ExpertBatch<'_>,
+        local: &(dyn Fn() -> Vec<f32> + Sync),
+    ) -> (PendingExperts, Vec<f32>) {
+        let mut y = None;
+        let r = self.run_beside(batch, Some(local), &mut y);
+        // not run beside (no resident expert, or an error first): on its own
+        let y = y.unwrap_or_else(local);
+        (PendingExperts::ready(r), y)
     }
 
     fn prefetch(&self, layer: usize, ids: &[u32], sure: usize) {
