@@ -30,9 +30,11 @@ pub enum Phase {
     Lookahead,
     /// The post-attention norm and the router (logits, choice).
     Route,
-    /// The shared expert, or a dense layer's MLP.
+    /// A dense layer's MLP, or a shared expert computed apart from the routed experts (an
+    /// in-process expert store computes it beside them, in [`Phase::Routed`]).
     Shared,
-    /// Waiting for the routed experts' sum (their compute, here or on workers).
+    /// Waiting for the routed experts' sum (their compute, here or on workers; in process with
+    /// the shared expert beside them).
     Routed,
     /// The residual additions.
     Residual,
