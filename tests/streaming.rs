@@ -980,3 +980,35 @@ fn the_budget_holds_at_peak_with_glm52_dense_shapes() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A layer's shared part run beside the store's experts (`start_beside`) gives the store's own
+/// answer and the part's, bit for bit, whether the experts are resident (one loop for both) or
+/// must be read first (the part then runs on its own).
+#[test]
+fn the_shared_part_beside_the_experts_changes_no_bit() {
+    use charm_shared::expert::{ExpertBatch, ExpertExecutor};
+    let dir = scratch("stream-beside");
+    let (m, _, layer) = small_store(&dir, 2, 1);
+    let store = m.store.as_ref().expect("a container streams");
+    let h = m.model.spec.hidden_size;
+    let x: Vec<f32> = (0..2 * h)
+        .map(|i| ((i * 7) % 13) as f32 / 100.0 - 0.06)
+        .collect();
+    let local = || x.iter().map(|v| v * 3.0).collect::<Vec<f32>>();
+    for ids in [[0u32, 1, 1, 0], [2, 3, 3, 2], [0, 1, 1, 0]] {
+        let batch = || ExpertBatch {
+            step: 0,
+            layer,
+            x: &x,
+            n_tokens: 2,
+            ids: &ids,
+            weights: &[0.75, 0.25, 0.5, 0.5],
+            top_k: 2,
+        };
+        let want = store.run(batch()).unwrap();
+        let (pending, y) = store.start_beside(batch(), &local);
+        assert_eq!(pending.wait().unwrap(), want, "experts {ids:?}");
+        assert_eq!(y, local(), "the shared part with experts {ids:?}");
+        store.step_end();
+    }
+}

@@ -467,7 +467,8 @@ impl StreamingExperts {
 impl StreamingExperts {
     /// Runs `items` (run index, expert) in parallel into `outs`, then releases them; returns
     /// the seconds spent. `local` (the caller's shared expert, see
-    /// [`ExpertExecutor::start_beside`]) runs as the loop's first item, its result into its slot.
+    /// [`ExpertExecutor::start_beside`]) runs as the loop's first item, its result into its slot
+    /// (and its time into the seconds: the loop's are one wall time).
     fn compute(
         &self,
         batch: &ExpertBatch<'_>,
