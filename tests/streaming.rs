@@ -982,11 +982,11 @@ fn the_budget_holds_at_peak_with_glm52_dense_shapes() {
 }
 
 /// A layer's shared part run beside the store's experts (`start_beside`) gives the store's own
-/// answer and the part's, bit for bit, whether the experts are resident (one loop for both) or
-/// must be read first (the part then runs on its own).
+/// answer and the part's, bit for bit, whether the experts must be read first (the part then
+/// runs on its own) or are resident (one loop for both).
 #[test]
 fn the_shared_part_beside_the_experts_changes_no_bit() {
-    use charm_shared::expert::{ExpertBatch, ExpertExecutor};
+    use charm_shared::expert::{ExpertBatch, ExpertExecutor, ExpertStats};
     let dir = scratch("stream-beside");
     let (m, _, layer) = small_store(&dir, 2, 1);
     let store = m.store.as_ref().expect("a container streams");
@@ -995,7 +995,9 @@ fn the_shared_part_beside_the_experts_changes_no_bit() {
         .map(|i| ((i * 7) % 13) as f32 / 100.0 - 0.06)
         .collect();
     let local = || x.iter().map(|v| v * 3.0).collect::<Vec<f32>>();
-    for ids in [[0u32, 1, 1, 0], [2, 3, 3, 2], [0, 1, 1, 0]] {
+    let stats = || store.stats().expect("a store keeps statistics");
+    // then experts the cache does not take in place of the hotter first two: read every time
+    for (ids, warms) in [([0u32, 1, 1, 0], true), ([2, 3, 3, 2], false)] {
         let batch = || ExpertBatch {
             step: 0,
             layer,
@@ -1005,10 +1007,25 @@ fn the_shared_part_beside_the_experts_changes_no_bit() {
             weights: &[0.75, 0.25, 0.5, 0.5],
             top_k: 2,
         };
+        let beside = |resident: bool| {
+            let before: ExpertStats = stats();
+            let (pending, y) = store.start_beside(batch(), &local);
+            let r = pending.wait().unwrap();
+            let d = stats().since(&before);
+            let read = if resident { d.misses } else { d.hits };
+            assert_eq!(read, 0, "experts {ids:?}, resident {resident}: {d:?}");
+            assert_eq!(y, local(), "the shared part with experts {ids:?}");
+            store.step_end();
+            r
+        };
+        let cold = beside(false);
         let want = store.run(batch()).unwrap();
-        let (pending, y) = store.start_beside(batch(), &local);
-        assert_eq!(pending.wait().unwrap(), want, "experts {ids:?}");
-        assert_eq!(y, local(), "the shared part with experts {ids:?}");
         store.step_end();
+        assert_eq!(cold, want, "experts {ids:?} read first");
+        if warms {
+            assert_eq!(beside(true), want, "experts {ids:?} resident");
+        }
     }
+    drop(m);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -136,10 +136,9 @@ const GATE_CHUNK: usize = 4096;
 /// `h[i] = silu(h[i]) * u[i]`, in parallel chunks where there is enough of it (a step of several
 /// tokens through a wide block); each element's arithmetic is the same either way.
 fn gate_in_place(h: &mut [f32], u: &[f32]) {
-    const CHUNK: usize = GATE_CHUNK;
     let run = |h: &mut [f32], u: &[f32]| silu_mul(h, &u[..h.len()]);
-    if h.len() >= 2 * CHUNK {
-        crate::par::for_each_chunk_mut(h, CHUNK, |i, c| run(c, &u[i * CHUNK..]));
+    if h.len() >= 2 * GATE_CHUNK {
+        crate::par::for_each_chunk_mut(h, GATE_CHUNK, |i, c| run(c, &u[i * GATE_CHUNK..]));
     } else {
         run(h, u);
     }
@@ -169,13 +168,7 @@ impl SwiGlu {
                 return self.down.matmul(&y, n);
             }
         }
-        let (g, u) = match (&self.gate, &self.up) {
-            // one quantization of `x` and one parallel loop for both where the kernels allow
-            (Linear::Quant(gq), Linear::Quant(uq)) => {
-                QMatrix::matmul_pair(gq, uq, x, n, active_isa())
-            }
-            _ => (self.gate.matmul(x, n), self.up.matmul(x, n)),
-        }; // [n, inter] each
+        let (g, u) = (self.gate.matmul(x, n), self.up.matmul(x, n)); // [n, inter] each
         let mut h = g;
         gate_in_place(&mut h, &u);
         self.down.matmul(&h, n)

@@ -113,26 +113,29 @@ impl Blocks {
 
     /// `r` as a thinking delta (nothing when empty).
     fn thinking(&mut self, r: &str) -> String {
-        if r.is_empty() {
-            return String::new();
-        }
-        let mut out = self.open(true);
-        out += &Self::ev(
-            "content_block_delta",
-            json!({"type": "content_block_delta", "index": self.next - 1, "delta": {"type": "thinking_delta", "thinking": r}}),
-        );
-        out
+        self.delta(true, r)
     }
 
     /// `c` as a text delta (nothing when empty).
     fn text(&mut self, c: &str) -> String {
-        if c.is_empty() {
+        self.delta(false, c)
+    }
+
+    /// `s` as a thinking or text delta in a block of that kind (opened if needed); nothing when
+    /// empty.
+    fn delta(&mut self, thinking: bool, s: &str) -> String {
+        if s.is_empty() {
             return String::new();
         }
-        let mut out = self.open(false);
+        let mut out = self.open(thinking);
+        let delta = if thinking {
+            json!({"type": "thinking_delta", "thinking": s})
+        } else {
+            json!({"type": "text_delta", "text": s})
+        };
         out += &Self::ev(
             "content_block_delta",
-            json!({"type": "content_block_delta", "index": self.next - 1, "delta": {"type": "text_delta", "text": c}}),
+            json!({"type": "content_block_delta", "index": self.next - 1, "delta": delta}),
         );
         out
     }

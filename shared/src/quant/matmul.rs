@@ -303,34 +303,11 @@ impl QMatrix {
         }
     }
 
-    /// `(a x, b x)` for two matrices that read the same input (a SwiGLU block's gate and up),
-    /// each exactly as [`QMatrix::matmul_with`] computes it. When both take the lane kernels with
-    /// int8 activations in the same groups, `x` is quantized once and both run as one parallel
-    /// loop over their rows; otherwise one after the other.
-    pub fn matmul_pair(a: &Self, b: &Self, x: &[f32], n: usize, isa: Isa) -> (Vec<f32>, Vec<f32>) {
-        if let Some(y) = Self::matmul_pair_joined(a, b, x, n, isa) {
-            let w = a.rows + b.rows;
-            let ya = y
-                .chunks_exact(w)
-                .flat_map(|t| &t[..a.rows])
-                .copied()
-                .collect();
-            let yb = y
-                .chunks_exact(w)
-                .flat_map(|t| &t[a.rows..])
-                .copied()
-                .collect();
-            return (ya, yb);
-        }
-        (
-            a.matmul_with(x, n, isa, a.act),
-            b.matmul_with(x, n, isa, b.act),
-        )
-    }
-
-    /// [`QMatrix::matmul_pair`] as one loop, its products side by side (`[n, a.rows + b.rows]`:
-    /// each token's `a x`, then its `b x`), where both take the lane kernels with int8
-    /// activations in the same groups (`x` quantized once); `None` where they do not.
+    /// `a x` and `b x` for two matrices that read the same input (a SwiGLU block's gate and up)
+    /// as one parallel loop over their rows, side by side (`[n, a.rows + b.rows]`: each token's
+    /// `a x`, then its `b x`; each exactly as [`QMatrix::matmul_with`] computes it), where both
+    /// take the lane kernels with int8 activations in the same groups (`x` quantized once);
+    /// `None` where they do not.
     pub fn matmul_pair_joined(
         a: &Self,
         b: &Self,
@@ -365,7 +342,7 @@ impl QMatrix {
         None
     }
 
-    /// Whether [`QMatrix::matmul_pair`] runs `self` and `other` as one loop on `isa`.
+    /// Whether [`QMatrix::matmul_pair_joined`] runs `self` and `other` as one loop on `isa`.
     #[cfg(target_arch = "x86_64")]
     fn fuses_with(&self, other: &Self, isa: Isa) -> bool {
         let lanes = |m: &Self| {

@@ -387,7 +387,7 @@ fn refuses_bad_groups_and_non_finite() {
 
 #[test]
 fn paired_matmuls_equal_each_alone_bitwise() {
-    // gate/up shapes of different heights (the split falls inside and between row blocks), lane
+    // `matmul_pair_joined`: gate/up shapes of different heights (the split falls inside and between row blocks), lane
     // and row-major layouts, int8 and f32 activations, 1-9 tokens, every ISA, 1 and 2 threads
     for kind in [QuantKind::Int4, QuantKind::Int8] {
         let (ra, rb, c) = (48, 80, 128);
@@ -413,7 +413,23 @@ fn paired_matmuls_equal_each_alone_bitwise() {
                     for n in [1, 2, 4, 5, 9] {
                         let x = &x[..n * c];
                         for isa in Isa::available() {
-                            let (ya, yb) = pool.install(|| QMatrix::matmul_pair(&a, &b, x, n, isa));
+                            let joined =
+                                pool.install(|| QMatrix::matmul_pair_joined(&a, &b, x, n, isa));
+                            // one loop exactly where both take the lane kernels
+                            let fused = lanes
+                                && act == Activations::Int8
+                                && matches!(isa, Isa::Avx2 | Isa::Avx512Vnni);
+                            assert_eq!(
+                                joined.is_some(),
+                                fused,
+                                "{kind:?} {act:?} {isa:?} lanes={lanes}"
+                            );
+                            let Some(y) = joined else { continue };
+                            let w = ra + rb;
+                            let ya: Vec<f32> =
+                                y.chunks_exact(w).flat_map(|t| &t[..ra]).copied().collect();
+                            let yb: Vec<f32> =
+                                y.chunks_exact(w).flat_map(|t| &t[ra..]).copied().collect();
                             assert_eq!(
                                 ya,
                                 a.matmul_with(x, n, isa, act),
