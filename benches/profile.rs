@@ -9,8 +9,12 @@
 //! route to the same experts, so the step reads the same weights as one row (the multi-row
 //! kernels' case; the line `rows` gives the step's time over a one-row step's, run alternately).
 //!
+//! `--prefill N` times prompt processing instead: an N-token prompt prefilled into an empty
+//! cache (the median of `--runs` runs, default 5, tok/s), then the phases of one more, profiled.
+//!
 //! ```sh
 //! cargo bench --bench profile -- [--model DIR] [--tokens 64] [--activations f32|int8] [--rows N]
+//! cargo bench --bench profile -- [--model DIR] [--activations f32|int8] --prefill 128
 //! ```
 //!
 //! `DIR` defaults to the demo model; the yardstick's is `charm synth --preset yardstick --out
@@ -58,6 +62,7 @@ fn run() {
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe")
         });
     let tokens: usize = args.parsed("--tokens", 64);
+    let prefill: usize = args.parsed("--prefill", 0);
     let rows: usize = args.parsed("--rows", 1).max(1);
     let activations = match args.get("--activations").as_deref() {
         Some("int8") => Activations::Int8,
@@ -66,7 +71,7 @@ fn run() {
     let e = Engine::load(
         &model,
         &EngineOptions {
-            context: tokens + 64,
+            context: (tokens + 64).max(prefill + 1),
             activations,
             ..Default::default()
         },
@@ -75,6 +80,9 @@ fn run() {
     let m = &e.model;
     let plan = charm_coordinator::ops::plan::plan(&model, &Default::default()).unwrap();
     let bytes = (plan.dense_read_bytes_per_token + plan.active_expert_bytes_per_token) as f64;
+    if prefill > 0 {
+        return prefill_profile(m, prefill, args.parsed("--runs", 5), activations, &model);
+    }
     let before = memory_gb_s();
     let vocab = m.spec.vocab_size as u32;
     let prompt: Vec<u32> = (0..16).map(|i| (i * 37 + 11) % vocab).collect();
@@ -149,25 +157,78 @@ fn run() {
             step / one
         );
     }
+    print_phases(&phases, tokens, profiled, "a profiled step");
+}
+
+/// `--prefill n`: an `n`-token prompt prefilled into an empty cache, the median of `runs` runs
+/// after a warm one, then the phases of a profiled run.
+fn prefill_profile(
+    m: &charm_coordinator::model::Model,
+    n: usize,
+    runs: usize,
+    activations: Activations,
+    model: &std::path::Path,
+) {
+    let vocab = m.spec.vocab_size as u32;
+    let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 11) % vocab).collect();
+    let run = |profiled: bool| -> f64 {
+        let mut cache = KvCache::new(&m.spec);
+        profile::take();
+        profile::enable(profiled);
+        let t = Instant::now();
+        let h = m
+            .forward(&prompt, &mut cache, ForwardOptions::default(), None)
+            .unwrap();
+        let l = m.logits(&h[(n - 1) * m.spec.hidden_size..], 1).unwrap();
+        std::hint::black_box(l);
+        let s = t.elapsed().as_secs_f64();
+        profile::enable(false);
+        s
+    };
+    run(false);
+    let mut times: Vec<f64> = (0..runs.max(1)).map(|_| run(false)).collect();
+    times.sort_by(f64::total_cmp);
+    let (lo, mid, hi) = (times[0], times[times.len() / 2], times[times.len() - 1]);
+    let profiled = run(true);
+    let phases = profile::take();
     println!(
-        "phases (a profiled step: {:.3} ms, the counters' own cost included):",
-        profiled * 1e3
+        "model {}, activations {activations:?}, ISA {:?}, {} threads, prefill of {n} tokens",
+        model.display(),
+        charm_shared::quant::active_isa(),
+        rayon::current_num_threads()
+    );
+    println!(
+        "prefill {:.2} ms ({:.1} tok/s; median of {} runs, {:.2}-{:.2} ms)",
+        mid * 1e3,
+        n as f64 / mid,
+        times.len(),
+        lo * 1e3,
+        hi * 1e3
+    );
+    print_phases(&phases, 1, profiled, "a profiled prefill");
+}
+
+/// The phases' times divided by `per` runs, against `total` (one run's wall time).
+fn print_phases(phases: &[(profile::Phase, f64)], per: usize, total: f64, what: &str) {
+    println!(
+        "phases ({what}: {:.3} ms, the counters' own cost included):",
+        total * 1e3
     );
     let mut counted = 0.0;
-    for (p, s) in &phases {
-        let per = s / tokens as f64;
-        counted += per;
+    for (p, s) in phases {
+        let t = s / per as f64;
+        counted += t;
         println!(
             "  {:<14} {:>8.3} ms  {:>5.1}%",
             format!("{p:?}"),
-            per * 1e3,
-            100.0 * per / profiled
+            t * 1e3,
+            100.0 * t / total
         );
     }
     println!(
         "  {:<14} {:>8.3} ms  {:>5.1}%  (between phases: the greedy choice, hand-offs)",
         "other",
-        (profiled - counted) * 1e3,
-        100.0 * (profiled - counted) / profiled
+        (total - counted) * 1e3,
+        100.0 * (total - counted) / total
     );
 }
