@@ -29,7 +29,8 @@ use charm_coordinator::{Engine, EngineOptions, ForwardOptions, KvCache, Step};
 use charm_shared::quant::Activations;
 
 fn main() {
-    // on a rayon worker, as `charm generate` runs
+    // the allocator as `charm` sets it; on a rayon worker, as `charm generate` runs
+    charm_coordinator::tune_allocator();
     rayon::scope(|_| run());
 }
 

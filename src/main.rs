@@ -85,15 +85,8 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator tuning; called before any other thread exists.
-    // A fixed mmap threshold keeps large temporary buffers (dense tensors read while loading,
-    // step activations) out of the heap arenas, so freed memory goes back to the system and the
-    // peak RSS stays within the planned budget. (Streamed expert records live in their own
-    // mappings, see charm_worker::io.)
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
-    }
+    // before any other thread exists
+    charm_coordinator::tune_allocator();
     let cli = Cli::parse();
     // structured logs on stderr (`RUST_LOG` filters; default: charm's own at info)
     let _ = tracing_subscriber::fmt()

@@ -28,6 +28,7 @@ pub mod ops;
 pub mod serve;
 
 pub use model::cache::KvCache;
+pub use model::engine::tune_allocator;
 pub use model::engine::{Engine, EngineOptions, HistoryPolicy};
 pub use model::forward::{ForwardError, ForwardOptions, MlaMode, Step, Trace};
 pub use model::Model;

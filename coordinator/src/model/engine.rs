@@ -39,6 +39,25 @@ pub enum HistoryPolicy {
     File(PathBuf),
 }
 
+/// Sets glibc's allocator for a process that runs forward passes; call it once at start, before
+/// other threads exist (a no-op off glibc).
+/// - A fixed mmap threshold of 1 MiB keeps large temporary buffers (dense tensors read while
+///   loading, a prefill's activations) out of the heap arenas: freed, they go back to the system,
+///   and the peak RSS stays within the planned budget. (Expert records live in their own
+///   mappings, `charm_worker::io`.)
+/// - A trim threshold of 64 MiB keeps the arenas' freed tops instead of returning every 128 KiB:
+///   otherwise each layer's small buffers come back as fresh pages, and the first touch of each
+///   (a read of a zeroed buffer, then the write) faults twice and flushes the other cores' TLBs.
+///   What an arena keeps is at most what it held at its peak, so the peak RSS does not grow.
+pub fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tuning.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 64 << 20);
+    }
+}
+
 /// How to load and run a model.
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
