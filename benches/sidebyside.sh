@@ -17,7 +17,10 @@
 #
 # Each round runs each pair back to back: llama.cpp Q4_0 (prefill, decode) and charm int4-all,
 # llama.cpp Q8_0 and charm int8-all (which of the two goes first alternates from round to round),
-# then charm int4-default. The run prints the tok/s of every round, then for each pair and measure
+# then charm int4-default. charm's prefill is timed twice: cold (`prefill`: `charm generate`'s
+# prompt, the process's first forward pass) and warm (`prefill-warm`: `--warmup 1`); llama-bench
+# times its runs after a warm-up run, and both are paired with its prefill. The run prints the
+# tok/s of every round, then for each pair and measure
 # the median of the per-round ratios charm / llama.cpp, their min-max and interquartile range, the
 # number of rounds, the ISA, and the commit. The raw per-round lines are saved in WORK_DIR
 # (sidebyside-COMMIT-ISA-TIME.txt); `--summarize` reads such a file (or stdin) and prints the
@@ -68,9 +71,11 @@ print()
 print('| charm | llama.cpp | measure | median | min-max | IQR | rounds | reading | per round |')
 print('|---|---|---|---|---|---|---|---|---|')
 for charm_w, llama_w in (('int4-all', 'Q4_0'), ('int8-all', 'Q8_0')):
-    for measure in ('decode', 'prefill'):
+    # prefill-warm: charm's prefill after an untimed one, against llama-bench's (timed after its
+    # own warm-up run)
+    for measure in ('decode', 'prefill', 'prefill-warm'):
         c = rows.get(('charm', charm_w, measure), {})
-        l = rows.get(('llama.cpp', llama_w, measure), {})
+        l = rows.get(('llama.cpp', llama_w, 'prefill' if measure == 'prefill-warm' else measure), {})
         paired = [r for r in sorted(rounds) if r in c and r in l and l[r] > 0]
         ratios = [c[r] / l[r] for r in paired]
         if not ratios:
@@ -138,10 +143,14 @@ for r in csv.DictReader(sys.stdin):
   "$lb" -m "$work/bench-$2.gguf" -t 2 -p 0 -n 64 -d 128 -r 1 -o csv 2>/dev/null |
     python3 -c "import csv,sys; [print('$1 llama.cpp $2 decode', r['avg_ts']) for r in csv.DictReader(sys.stdin)]"
 }
-# one charm mix: a 128-token prompt and 64 tokens decoded after it
+# one charm mix: a 128-token prompt and 64 tokens decoded after it (the prompt's prefill cold:
+# the process's first forward pass), then the prompt prefilled warm (`--warmup 1`: after one
+# untimed prefill, as llama-bench times after its warm-up run)
 charm_run() {
   RAYON_NUM_THREADS=2 "$bin" generate --model "$work/$2" --ids "$ids" --max-tokens 64 --temperature 0 --json --activations int8 |
     python3 -c "import json,sys; d=json.load(sys.stdin); print('$1 charm $2 prefill', d['prefill_tok_s']); print('$1 charm $2 decode', d['decode_tok_s'])"
+  RAYON_NUM_THREADS=2 "$bin" generate --model "$work/$2" --ids "$ids" --max-tokens 1 --temperature 0 --json --activations int8 --warmup 1 |
+    python3 -c "import json,sys; d=json.load(sys.stdin); print('$1 charm $2 prefill-warm', d['prefill_tok_s'])"
 }
 
 {

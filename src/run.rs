@@ -109,6 +109,11 @@ pub struct GenerateArgs {
     /// int8 (integer dot products: faster, adds activation rounding; see docs/quality.md).
     #[arg(long, value_enum, default_value = "f32")]
     pub activations: Act,
+    /// Prefill the prompt this many times before the timed generation, untimed and into a
+    /// cache that is then dropped (a warm run, as `llama-bench` times after its warm-up run:
+    /// the process's first forward pass also pays for its fresh memory).
+    #[arg(long, default_value_t = 0)]
+    pub warmup: usize,
     #[command(flatten)]
     pub store: StoreArgs,
     #[command(flatten)]
@@ -152,6 +157,9 @@ pub fn generate(a: &GenerateArgs) -> Result<()> {
     let e = common::load(model, store, prompt.len() + max_tokens + draft.max, act)?;
     let m = &e.model;
     let load_s = t.elapsed().as_secs_f64();
+    for _ in 0..a.warmup {
+        m.forward(&prompt, &mut KvCache::new(&m.spec), opts(mla), None)?;
+    }
     let before = e.stats();
     let stops = if stop_at_eos {
         m.spec.eos_token_ids.clone()
@@ -177,6 +185,7 @@ pub fn generate(a: &GenerateArgs) -> Result<()> {
             "prompt_tokens": g.prompt_tokens,
             "finish_reason": g.finish_reason,
             "load_seconds": load_s,
+            "warmup": a.warmup,
             "prefill_seconds": g.prefill_seconds,
             "prefill_tok_s": g.prefill_tok_s(),
             "decode_seconds": g.decode_seconds,

@@ -60,38 +60,44 @@ fn generate_command_prints_the_reference_greedy_ids() {
         let prompt = ints(&oracle, "greedy_prompt");
         let want = ints(&oracle, "greedy_ids");
         let n = want.len().to_string();
-        let (ok, out, err) = charm(&[
-            "generate",
-            "--model",
-            fixture(f).to_str().unwrap(),
-            "--ids",
-            &csv(&prompt),
-            "--max-tokens",
-            &n,
-            "--temperature",
-            "0",
-            "--json",
-        ]);
-        assert!(ok, "{f}: {err}");
-        let v: Value = serde_json::from_str(out.trim())
-            .unwrap_or_else(|e| panic!("{f}: not one JSON object ({e}): {out}"));
-        let ids: Vec<i64> = v["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_i64().unwrap())
-            .collect();
-        assert_eq!(ids, want, "{f}");
-        for k in [
-            "prefill_seconds",
-            "decode_seconds",
-            "prefill_tok_s",
-            "decode_tok_s",
-        ] {
-            assert!(
-                v[k].as_f64().is_some_and(|x| x >= 0.0),
-                "{f}: field {k} in {out}"
-            );
+        // cold, and after two untimed prefills of the prompt (`--warmup`): the same ids
+        for warmup in [0, 2] {
+            let (ok, out, err) = charm(&[
+                "generate",
+                "--model",
+                fixture(f).to_str().unwrap(),
+                "--ids",
+                &csv(&prompt),
+                "--max-tokens",
+                &n,
+                "--temperature",
+                "0",
+                "--json",
+                "--warmup",
+                &warmup.to_string(),
+            ]);
+            assert!(ok, "{f}: {err}");
+            let v: Value = serde_json::from_str(out.trim())
+                .unwrap_or_else(|e| panic!("{f}: not one JSON object ({e}): {out}"));
+            let ids: Vec<i64> = v["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_i64().unwrap())
+                .collect();
+            assert_eq!(ids, want, "{f} warmup {warmup}");
+            assert_eq!(v["warmup"], warmup, "{f}");
+            for k in [
+                "prefill_seconds",
+                "decode_seconds",
+                "prefill_tok_s",
+                "decode_tok_s",
+            ] {
+                assert!(
+                    v[k].as_f64().is_some_and(|x| x >= 0.0),
+                    "{f}: field {k} in {out}"
+                );
+            }
         }
     }
 }
