@@ -2,8 +2,8 @@
 //! (greedy), each phase of the forward pass timed (`model::profile`: attention, router, shared
 //! expert, routed experts, residual, norms, head, lookahead; within attention its projections,
 //! the DSA indexer, attention over the cache and the output projection) as milliseconds per step
-//! and its share of the step, beside the step's weight bytes over this machine's memory read bandwidth
-//! (the bound a decode step that only read weights would meet).
+//! and its share of the step, beside the step's weight bytes over this machine's memory read
+//! bandwidth (the bound a decode step that only read weights would meet).
 //!
 //! `--rows N` decodes N sequences of the same prompt as one batch: N identical rows a step, which
 //! route to the same experts, so the step reads the same weights as one row (the multi-row
@@ -79,11 +79,11 @@ fn run() {
     )
     .unwrap();
     let m = &e.model;
-    let plan = charm_coordinator::ops::plan::plan(&model, &Default::default()).unwrap();
-    let bytes = (plan.dense_read_bytes_per_token + plan.active_expert_bytes_per_token) as f64;
     if prefill > 0 {
         return prefill_profile(m, prefill, args.parsed("--runs", 5), activations, &model);
     }
+    let plan = charm_coordinator::ops::plan::plan(&model, &Default::default()).unwrap();
+    let bytes = (plan.dense_read_bytes_per_token + plan.active_expert_bytes_per_token) as f64;
     let before = memory_gb_s();
     let vocab = m.spec.vocab_size as u32;
     let prompt: Vec<u32> = (0..16).map(|i| (i * 37 + 11) % vocab).collect();
@@ -119,9 +119,10 @@ fn run() {
         profile::enable(false);
         s
     };
-    decode(8, rows, false); // warm: pages, caches
-                            // the step's time without the counters (with several rows: the median of three runs,
-                            // alternating with one-row runs), then the phases with them
+    // warm: pages, caches
+    decode(8, rows, false);
+    // the step's time without the counters (with several rows: the median of three runs,
+    // alternating with one-row runs), then the phases with them
     let (step, one) = if rows == 1 {
         (decode(tokens, 1, false), 0.0)
     } else {

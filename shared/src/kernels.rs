@@ -433,22 +433,21 @@ pub fn silu(x: f32) -> f32 {
 /// (libm's `expf` is not reproducible there).
 pub fn softmax(x: &mut [f32]) {
     let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    exp_shifted(x, m);
+    let s = x.iter().fold(0.0f32, |s, v| s + v);
+    x.iter_mut().for_each(|v| *v /= s);
+}
+
+/// `x[i] = exp(x[i] - m)` ([`crate::softfloat::exp`]'s bits), eight at a time where the CPU has
+/// AVX2.
+fn exp_shifted(x: &mut [f32], m: f32) {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 is present. Every lane has the scalar `exp`'s bits.
-        unsafe { crate::softfloat::avx2::exp_shifted(x, m) };
-        let s = x.iter().fold(0.0f32, |s, v| s + v);
-        x.iter_mut().for_each(|v| *v /= s);
-        return;
+        return unsafe { crate::softfloat::avx2::exp_shifted(x, m) };
     }
-    let mut s = 0.0f32;
-    for v in x.iter_mut() {
-        *v = crate::softfloat::exp(*v - m);
-        s += *v;
-    }
-    for v in x.iter_mut() {
-        *v /= s;
-    }
+    x.iter_mut()
+        .for_each(|v| *v = crate::softfloat::exp(*v - m));
 }
 
 /// `h[i] = silu(h[i]) * u[i]` (a SwiGLU gate): [`silu`]'s bits, eight at a time where the CPU has

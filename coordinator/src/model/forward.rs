@@ -541,7 +541,8 @@ impl Model {
         // small.
         let (mut q, q_resid, mut ckv) = match (&w.q_a, &w.q_a_norm) {
             (Some(qa), Some(qn)) => {
-                let [mut r, ckv] = timed(Phase::Projections, || matmul_each([qa, &w.kv_a], a, n)); // [n, q_lora_rank]
+                // r: [n, q_lora_rank]
+                let [mut r, ckv] = timed(Phase::Projections, || matmul_each([qa, &w.kv_a], a, n));
                 rms_norm(&mut r, qn, MLA_LATENT_EPS);
                 (
                     timed(Phase::Projections, || w.q_b.matmul(&r, n)),
@@ -658,8 +659,8 @@ impl Model {
             // arithmetic in both layouts below.
             // Each unit reads its heads' rows of `kv_b` (heads x (nope + v) x latent, as stored):
             // once per query. A step of several queries splits instead (below) where that would
-            // decode quantized rows again for every further query, or re-read more than a few passes
-            // over the units cost.
+            // decode quantized rows again for every further query, or re-read more than a few
+            // passes over the units cost.
             let rereads = (n - 1) * w.kv_b.bytes();
             let per_query =
                 n == 1 || (matches!(w.kv_b, Linear::F32(_)) && rereads < ABSORB_SPLIT_BYTES);
@@ -681,8 +682,8 @@ impl Model {
                 });
                 return out;
             }
-            // Split: `kv_b` read once per step for all the queries (a verify step, a batch), head by
-            // head, in three parallel passes.
+            // Split: `kv_b` read once per step for all the queries (a verify step, a batch), head
+            // by head, in three parallel passes.
             // q_abs[h][t] = q_nope[t][h] x W_uk[h]
             let mut q_abs = vec![0.0f32; nh * n * kvr];
             charm_shared::par::for_each_chunk_mut(&mut q_abs, n * kvr, |hh, qa| {

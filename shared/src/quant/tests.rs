@@ -387,8 +387,9 @@ fn refuses_bad_groups_and_non_finite() {
 
 #[test]
 fn paired_matmuls_equal_each_alone_bitwise() {
-    // `matmul_pair_joined`: gate/up shapes of different heights (the split falls inside and between row blocks), lane
-    // and row-major layouts, int8 and f32 activations, 1-9 tokens, every ISA, 1 and 2 threads
+    // `matmul_pair_joined`: gate/up shapes of different heights (the split falls inside and
+    // between row blocks), lane and row-major layouts, int8 and f32 activations, 1-9 tokens, every
+    // ISA, 1 and 2 threads
     for kind in [QuantKind::Int4, QuantKind::Int8] {
         let (ra, rb, c) = (48, 80, 128);
         let qa = QMatrix::quantize(&Matrix::new(ra, c, data(1, ra * c)), kind, 64).unwrap();

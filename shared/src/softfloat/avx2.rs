@@ -63,7 +63,8 @@ pub(crate) fn exp8(x: __m256) -> __m256 {
         _mm256_castsi256_ps(bottom),
     );
     k = _mm256_sub_epi32(k, bottom); // +1 where `bottom`
-                                     // 2^k: a normal power of two from k = -126 on, else a subnormal one
+
+    // 2^k: a normal power of two from k = -126 on, else a subnormal one
     let normal = _mm256_slli_epi32::<23>(_mm256_add_epi32(k, _mm256_set1_epi32(127)));
     let sub = _mm256_sllv_epi32(
         _mm256_set1_epi32(1),
