@@ -8,7 +8,8 @@
 //! GLM-5.2's); `-- --compute [--tokens 1,4,16,64]` measures the integer
 //! path with the weights cache-resident (compute, not memory, as the limit) beside the ISA's
 //! multiply-add peak (its int8 multiply-add step over registers only: `vpdpbusd` on AVX-512
-//! VNNI, `vpsignb` + `vpmaddubsw` + `vpmaddwd` + `vpaddd` on AVX2); `-- --experts [--tokens
+//! VNNI, `vpsignb` + `vpmaddubsw` + `vpmaddwd` + `vpaddd` on AVX2), then attention's f32 kernels
+//! over cache-resident latents beside the f32 multiply-then-add peak; `-- --experts [--tokens
 //! 1,2,4,8]` runs one MoE layer's routed experts at the yardstick's shapes as the expert store
 //! computes them (8 of 256 experts, hidden 1024, width 512, one expert per thread at a time),
 //! with the weights from DRAM (its share of the memory probe) and cache-resident (its share of
@@ -392,6 +393,126 @@ fn avx2_step_ceiling<const SIGNED: bool>(steps: usize) -> (f64, i32) {
     )
 }
 
+/// Attention's f32 kernels over cached latents at the yardstick's shapes (latent 128, rotary 32,
+/// 512 keys: 320 KB, cache-resident), one thread, as `attend_latent` runs them for four heads of
+/// one query: the scores (`dots` of 8 keys' latents and rotary parts against each head) and the
+/// weighted latents (`weighted_rows` of 4 heads), in multiply-adds per second beside the f32
+/// multiply-then-add peak ([`f32_step_ceiling`]).
+fn attention_summary() {
+    use charm_shared::kernels::{dots, weighted_rows};
+    let (keys, lat, rot, heads) = (512usize, 128usize, 32usize, 4usize);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    let cache = common::noise(keys * (lat + rot), 5);
+    let q = common::noise(heads * (lat + rot), 9);
+    let entry = |j: usize| &cache[j * (lat + rot)..(j + 1) * (lat + rot)];
+    let scores = pool.install(|| {
+        time_it(|| {
+            for k0 in (0..keys).step_by(8) {
+                let e: [&[f32]; 8] = std::array::from_fn(|i| entry(k0 + i));
+                for h in 0..heads {
+                    let qh = &q[h * (lat + rot)..(h + 1) * (lat + rot)];
+                    black_box(dots(e.map(|e| &e[..lat]), &qh[..lat]));
+                    black_box(dots(e.map(|e| &e[lat..]), &qh[lat..]));
+                }
+            }
+        })
+    });
+    let p = common::noise(heads * keys, 11);
+    let rows: Vec<&[f32]> = (0..keys).map(|j| &entry(j)[..lat]).collect();
+    let weighted = pool.install(|| {
+        time_it(|| {
+            let mut out = vec![0.0f32; heads * lat];
+            let mut o = out.chunks_mut(lat);
+            let outs: [&mut [f32]; 4] = std::array::from_fn(|_| o.next().unwrap());
+            let ps: [&[f32]; 4] = std::array::from_fn(|h| &p[h * keys..(h + 1) * keys]);
+            weighted_rows(outs, ps, &rows);
+            black_box(out);
+        })
+    });
+    let peak = f32_peak();
+    println!("\nattention over cached latents, 1 thread, {keys} keys (latent {lat}, rotary {rot}), {heads} heads of one query");
+    if let Some(p) = peak {
+        println!(
+            "f32 multiply-then-add peak, 1 thread: {p:.1} GMAC/s (8 lanes, over registers only)"
+        );
+    }
+    for (name, secs, macs) in [
+        ("scores (dots)", scores, keys * heads * (lat + rot)),
+        (
+            "weighted latents (weighted_rows)",
+            weighted,
+            keys * heads * lat,
+        ),
+    ] {
+        let g = macs as f64 / secs / 1e9;
+        println!(
+            "{name:<34} {g:>8.1} GMAC/s {:>7.0}% of peak",
+            peak.map_or(f64::NAN, |p| 100.0 * g / p)
+        );
+    }
+}
+
+/// [`f32_step_ceiling`]'s best of five, where the CPU has AVX2.
+fn f32_peak() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        return Some(
+            (0..5)
+                .map(|_| {
+                    // SAFETY: AVX2 is present.
+                    let (g, s) = unsafe { f32_step_ceiling(200_000_000) };
+                    black_box(s);
+                    g
+                })
+                .fold(0.0, f64::max),
+        );
+    }
+    None
+}
+
+/// `vmulps` then `vaddps` (8 lanes of f32, multiplied, then added: the unfused pair charm's f32
+/// kernels use so that every device gives each element the same bits) in a loop over registers
+/// only, six independent chains: the most f32 multiply-adds per second attention's arithmetic
+/// allows on this core.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn f32_step_ceiling(steps: usize) -> (f64, f32) {
+    use std::arch::x86_64::*;
+    // six chains: with their six multiplicands and the step's multiplier in registers (x86's 16
+    // vector registers hold no more without spilling), enough to keep two adders busy through
+    // an addition's latency of three cycles
+    const CHAINS: usize = 6;
+    let mut s = [_mm256_setzero_ps(); CHAINS];
+    // lanes of different values, so that no product reduces to a broadcast scalar
+    let w: [__m256; CHAINS] = std::array::from_fn(|k| {
+        let v: [f32; 8] = black_box(std::array::from_fn(|l| 1.0 + (8 * k + l) as f32 / 64.0));
+        // SAFETY: `v` holds 8 floats.
+        unsafe { _mm256_loadu_ps(v.as_ptr()) }
+    });
+    // a new multiplier every step, loaded (no arithmetic of its own)
+    let vals: [f32; 16] = black_box(std::array::from_fn(|i| i as f32 * 1e-9));
+    let t = Instant::now();
+    for i in 0..steps / 8 {
+        // SAFETY: `i % 8 + 8 <= 16`.
+        let a = unsafe { _mm256_loadu_ps(vals.as_ptr().add(i % 8)) };
+        for k in 0..CHAINS {
+            s[k] = _mm256_add_ps(s[k], _mm256_mul_ps(w[k], a));
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let mut sum = _mm256_setzero_ps();
+    for v in s {
+        sum = _mm256_add_ps(sum, v);
+    }
+    (
+        (8 * CHAINS * (steps / 8)) as f64 / secs / 1e9,
+        _mm256_cvtss_f32(sum),
+    )
+}
+
 /// `vpdpbusd` (64 multiply-adds of u8 x i8 into i32) in a loop over registers only, eight
 /// independent chains: the most multiply-adds per second the VNNI lane kernel's arithmetic
 /// allows on this core.
@@ -494,6 +615,7 @@ fn tokens_arg(default: &[usize]) -> Vec<usize> {
 fn main() {
     if std::env::args().any(|a| a == "--compute") {
         compute_summary(&tokens_arg(&[1, 4, 16, 64]));
+        attention_summary();
         return;
     }
     if std::env::args().any(|a| a == "--experts") {

@@ -9,11 +9,14 @@
 //! route to the same experts, so the step reads the same weights as one row (the multi-row
 //! kernels' case; the line `rows` gives the step's time over a one-row step's, run alternately).
 //!
+//! `--prompt N` (default 16) sets the prompt's length, so the context the steps attend over:
+//! `N + 1` to `N + tokens` positions.
+//!
 //! `--prefill N` times prompt processing instead: an N-token prompt prefilled into an empty
 //! cache (the median of `--runs` runs, default 5, tok/s), then the phases of one more, profiled.
 //!
 //! ```sh
-//! cargo bench --bench profile -- [--model DIR] [--tokens 64] [--activations f32|int8] [--rows N]
+//! cargo bench --bench profile -- [--model DIR] [--tokens 64] [--prompt 16] [--activations f32|int8] [--rows N]
 //! cargo bench --bench profile -- [--model DIR] [--activations f32|int8] --prefill 128
 //! ```
 //!
@@ -63,6 +66,7 @@ fn run() {
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/charm-bard-moe")
         });
     let tokens: usize = args.parsed("--tokens", 64);
+    let prompt_len: usize = args.parsed("--prompt", 16).max(1);
     let prefill: usize = args.parsed("--prefill", 0);
     let rows: usize = args.parsed("--rows", 1).max(1);
     let activations = match args.get("--activations").as_deref() {
@@ -72,7 +76,7 @@ fn run() {
     let e = Engine::load(
         &model,
         &EngineOptions {
-            context: (tokens + 64).max(prefill + 1),
+            context: (prompt_len + tokens + 64).max(prefill + 1),
             activations,
             ..Default::default()
         },
@@ -86,7 +90,9 @@ fn run() {
     let bytes = (plan.dense_read_bytes_per_token + plan.active_expert_bytes_per_token) as f64;
     let before = memory_gb_s();
     let vocab = m.spec.vocab_size as u32;
-    let prompt: Vec<u32> = (0..16).map(|i| (i * 37 + 11) % vocab).collect();
+    let prompt: Vec<u32> = (0..prompt_len as u32)
+        .map(|i| (i * 37 + 11) % vocab)
+        .collect();
     // the prompt's prefill, then `n` decode steps of `r` identical sequences with the counters
     // on (`profiled`)
     let decode = |n: usize, r: usize, profiled: bool| -> f64 {
@@ -138,7 +144,7 @@ fn run() {
     // (the VM's bandwidth wanders: the better of a probe before and one after the steps)
     let bw = before.max(memory_gb_s());
     println!(
-        "model {}, activations {activations:?}, ISA {:?}, {} threads, {tokens} decode steps of {rows} row(s)",
+        "model {}, activations {activations:?}, ISA {:?}, {} threads, {tokens} decode steps of {rows} row(s) after a {prompt_len}-token prompt",
         model.display(),
         charm_shared::quant::active_isa(),
         rayon::current_num_threads()

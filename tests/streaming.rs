@@ -924,6 +924,7 @@ fn the_budget_holds_at_peak_with_glm52_dense_shapes() {
     // hold each dense tensor twice (the read buffer and its copy): the peak then passed the
     // budget by the largest tensor, which the tiny shapes of the other tests cannot show.
     let dir = scratch("stream-glm-dense");
+    let _gone = RemoveOnDrop(dir.clone());
     let (ok, _, err) = charm(&[
         "synth",
         "--out",
@@ -978,7 +979,6 @@ fn the_budget_holds_at_peak_with_glm52_dense_shapes() {
             budget as f64 / GIB
         );
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A layer's shared part run beside the store's experts (`start_beside`) gives the store's own

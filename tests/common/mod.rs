@@ -37,6 +37,17 @@ pub fn scratch(tag: &str) -> PathBuf {
     d
 }
 
+/// Removes a scratch directory when dropped, a failing test's too (`let _gone =
+/// RemoveOnDrop(dir.clone())`): for the large ones, which would otherwise fill the disk of the
+/// next run.
+pub struct RemoveOnDrop(pub PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Runs the `charm` binary; returns (success, stdout, stderr) and fails the test on a panic.
 pub fn charm(args: &[&str]) -> (bool, String, String) {
     charm_env(args, &[])
