@@ -28,9 +28,6 @@ pub struct WorkerArgs {
     /// Activation mode it computes in (the coordinator's must match).
     #[arg(long, value_enum, default_value = "f32")]
     pub activations: Act,
-    /// Compute threads, and threads for the network (default: one per core).
-    #[arg(long)]
-    pub threads: Option<usize>,
     /// MODEL may lack expert records (a directory with only `config.json` and `charm.json`
     /// will do): the worker fetches those of the experts placed on it from the coordinator,
     /// checksummed, resuming after a restart (journal `shard.log` in MODEL).
@@ -147,7 +144,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
     // so that a worker sharing a machine (`--threads` below its cores) does not spread its
     // packets over threads that then wait for cores
     let mut rt = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = a.threads {
+    if let Some(n) = a.store.threads {
         rt.worker_threads(n.max(1));
     }
     let rt = rt.enable_all().build()?;
@@ -201,8 +198,10 @@ fn expert_rate(
     k as f64 / best.max(1e-9)
 }
 
-/// The subcommands of `charm cluster`.
+/// The subcommands of `charm cluster` (parsed once per process: the size of a variant is of no
+/// account).
 #[derive(Subcommand, Debug)]
+#[allow(clippy::large_enum_variant)]
 pub enum ClusterCmd {
     /// Makes a cluster authority and a certificate and key per node (keys 0600).
     Init {

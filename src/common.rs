@@ -62,9 +62,24 @@ pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
     Ok(ids)
 }
 
+/// `--threads`: a whole number of at least one.
+fn parse_threads(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!(
+            "{s:?} is not a thread count (a whole number, at least 1)"
+        )),
+    }
+}
+
 /// How routed experts of a charm container are held (single-box mode).
 #[derive(Args, Debug, Clone)]
 pub struct StoreArgs {
+    /// Compute threads of the forward pass and the expert store (default: one per core, or
+    /// `RAYON_NUM_THREADS`); `charm worker`'s network threads too. Results are the same bits
+    /// at any count.
+    #[arg(long, value_parser = parse_threads)]
+    pub threads: Option<usize>,
     /// RAM budget in GiB for the whole process (default: MemAvailable less a margin). Routed
     /// experts that do not fit stream from disk.
     #[arg(long)]

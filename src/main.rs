@@ -97,14 +97,11 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("charm_coordinator=info")),
         )
         .try_init();
-    if let Cmd::Worker(cluster::WorkerArgs {
-        threads: Some(n), ..
-    }) = &cli.cmd
-    {
+    if let Some(n) = cli.cmd.store().and_then(|s| s.threads) {
         // the forward pass's own pool (charm_shared::par) follows the same count
-        charm_shared::par::set_threads(*n);
+        charm_shared::par::set_threads(n);
         let built = rayon::ThreadPoolBuilder::new()
-            .num_threads((*n).max(1))
+            .num_threads(n.max(1))
             .build_global();
         if let Err(e) = built {
             eprintln!("error: --threads: {e}");
@@ -133,6 +130,27 @@ fn main() -> ExitCode {
 }
 
 /// Runs the command's handler.
+impl Cmd {
+    /// The command's store flags, where it has them (`--threads` among them).
+    fn store(&self) -> Option<&common::StoreArgs> {
+        match self {
+            Cmd::Logits(a) => Some(&a.store),
+            Cmd::Generate(a) => Some(&a.store),
+            Cmd::Quality(a) => Some(&a.store),
+            Cmd::Evaluate(a) => Some(&a.store),
+            Cmd::Plan(a) => Some(&a.store),
+            Cmd::Doctor(a) => Some(&a.store),
+            Cmd::Worker(a) => Some(&a.store),
+            Cmd::Serve(a) => Some(&a.store),
+            Cmd::Chat(a) => Some(&a.store),
+            Cmd::Cluster {
+                cmd: cluster::ClusterCmd::Status { store, .. },
+            } => Some(store),
+            _ => None,
+        }
+    }
+}
+
 fn dispatch(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Logits(a) => run::logits(&a),

@@ -191,6 +191,7 @@ pub fn generate(a: &GenerateArgs) -> Result<()> {
             "decode_seconds": g.decode_seconds,
             "decode_tok_s": g.decode_tok_s(),
             "isa": format!("{:?}", charm_shared::quant::active_isa()),
+            "threads": charm_shared::par::threads(),
         });
         if let Some(tok) = &tok {
             v["text"] = tok.decode(&g.ids)?.into();

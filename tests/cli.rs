@@ -54,14 +54,33 @@ fn logits_command_writes_the_reference_logits() {
 }
 
 #[test]
+fn zero_compute_threads_is_a_usage_error() {
+    let model = fixture("glm5-tiny");
+    for cmd in ["generate", "logits"] {
+        let (ok, _, err) = charm(&[
+            cmd,
+            "--model",
+            model.to_str().unwrap(),
+            "--ids",
+            "1,2",
+            "--threads",
+            "0",
+        ]);
+        assert!(!ok, "{cmd}: --threads 0 was accepted");
+        assert!(err.contains("--threads"), "{cmd}: {err}");
+    }
+}
+
+#[test]
 fn generate_command_prints_the_reference_greedy_ids() {
     for f in FIXTURES {
         let oracle = fixture(f).join("oracle.safetensors");
         let prompt = ints(&oracle, "greedy_prompt");
         let want = ints(&oracle, "greedy_ids");
         let n = want.len().to_string();
-        // cold, and after two untimed prefills of the prompt (`--warmup`): the same ids
-        for warmup in [0, 2] {
+        // cold, and after two untimed prefills of the prompt (`--warmup`), on one, two and
+        // three compute threads (`--threads`): the same ids
+        for (warmup, threads) in [(0, 1), (2, 2), (0, 3)] {
             let (ok, out, err) = charm(&[
                 "generate",
                 "--model",
@@ -75,6 +94,8 @@ fn generate_command_prints_the_reference_greedy_ids() {
                 "--json",
                 "--warmup",
                 &warmup.to_string(),
+                "--threads",
+                &threads.to_string(),
             ]);
             assert!(ok, "{f}: {err}");
             let v: Value = serde_json::from_str(out.trim())
@@ -85,8 +106,9 @@ fn generate_command_prints_the_reference_greedy_ids() {
                 .iter()
                 .map(|x| x.as_i64().unwrap())
                 .collect();
-            assert_eq!(ids, want, "{f} warmup {warmup}");
+            assert_eq!(ids, want, "{f} warmup {warmup} threads {threads}");
             assert_eq!(v["warmup"], warmup, "{f}");
+            assert_eq!(v["threads"], threads, "{f}");
             for k in [
                 "prefill_seconds",
                 "decode_seconds",
