@@ -172,16 +172,16 @@ fn lane_layout_is_a_lossless_permutation_with_bit_identical_products() {
                 assert_eq!(l.dequantize_row(row), q.dequantize_row(row));
             }
             assert_eq!(l.dequantize(), q.dequantize());
-            // 1 to 9 and 17 tokens (one tile of up to eight, or even tiles), on 1 and 2 threads,
-            // against the scalar twin on the row-major matrix, bit for bit; every other path
-            // converts back
-            let x = data(9, 17 * c);
+            // 1 to 9 tokens (one tile of up to eight) and 17, 24, 33 and 64 (even tiles, a
+            // prefill chunk's sizes), on 1 and 2 threads, against the scalar twin on the
+            // row-major matrix, bit for bit; every other path converts back
+            let x = data(9, 64 * c);
             for threads in [1, 2] {
                 let pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(threads)
                     .build()
                     .unwrap();
-                for n in [1, 2, 3, 4, 5, 6, 7, 8, 9, 17] {
+                for n in [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 24, 33, 64] {
                     let x = &x[..n * c];
                     let want = q.matmul_with(x, n, Isa::Scalar, Activations::Int8);
                     for isa in Isa::available() {
