@@ -116,7 +116,7 @@ for r in $(seq 1 "$rounds"); do
       for rows in 1 4; do
         echo "run $r $isa $experts $rows" >> "$log"
         env "${env[@]}" RAYON_NUM_THREADS=2 "$profile" --model "$work/$experts" --activations int8 \
-          --tokens 128 --rows "$rows" 2>&1 | grep -E '^(step|rows)|Attend' >> "$log" || true
+          --tokens 128 --rows "$rows" 2>&1 | grep -E '^(step|rows)|Attend' >> "$log"
       done
     done
   done

@@ -459,18 +459,23 @@ fn attention_summary() {
 fn f32_peak() -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
-        return Some(
-            (0..5)
-                .map(|_| {
-                    // SAFETY: AVX2 is present.
-                    let (g, s) = unsafe { f32_step_ceiling(200_000_000) };
-                    black_box(s);
-                    g
-                })
-                .fold(0.0, f64::max),
-        );
+        // SAFETY: AVX2 is present.
+        return Some(best_of_five(&|| unsafe { f32_step_ceiling(200_000_000) }));
     }
     None
+}
+
+/// The best rate of five runs of a register-only step loop (`f` returns the rate and the
+/// loop's result, kept from the optimizer).
+#[cfg(target_arch = "x86_64")]
+fn best_of_five<T>(f: &dyn Fn() -> (f64, T)) -> f64 {
+    (0..5)
+        .map(|_| {
+            let (g, s) = f();
+            black_box(s);
+            g
+        })
+        .fold(0.0, f64::max)
 }
 
 /// `vmulps` then `vaddps` (8 lanes of f32, multiplied, then added: the unfused pair charm's f32
@@ -548,15 +553,7 @@ fn vnni_step_ceiling(steps: usize) -> (f64, i32) {
 fn mac_peak(isa: Isa, kind: QuantKind) -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     {
-        let run = |f: &dyn Fn() -> (f64, i32)| {
-            (0..5)
-                .map(|_| {
-                    let (g, s) = f();
-                    black_box(s);
-                    g
-                })
-                .fold(0.0, f64::max)
-        };
+        let run = best_of_five;
         match isa {
             // SAFETY: `Isa::Avx512Vnni` is only detected with avx512f/bw/vnni.
             Isa::Avx512Vnni => Some(run(&|| unsafe { vnni_step_ceiling(200_000_000) })),

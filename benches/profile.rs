@@ -89,10 +89,7 @@ fn run() {
     let plan = charm_coordinator::ops::plan::plan(&model, &Default::default()).unwrap();
     let bytes = (plan.dense_read_bytes_per_token + plan.active_expert_bytes_per_token) as f64;
     let before = memory_gb_s();
-    let vocab = m.spec.vocab_size as u32;
-    let prompt: Vec<u32> = (0..prompt_len as u32)
-        .map(|i| (i * 37 + 11) % vocab)
-        .collect();
+    let prompt = prompt_ids(prompt_len, m.spec.vocab_size);
     // the prompt's prefill, then `n` decode steps of `r` identical sequences with the counters
     // on (`profiled`)
     let decode = |n: usize, r: usize, profiled: bool| -> f64 {
@@ -168,6 +165,13 @@ fn run() {
     print_phases(&phases, tokens, profiled, "a profiled step");
 }
 
+/// A deterministic `n`-token prompt within the vocabulary.
+fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 37 + 11) % vocab as u32)
+        .collect()
+}
+
 /// `--prefill n`: an `n`-token prompt prefilled into an empty cache, the median of `runs` runs
 /// after a warm one, then the phases of a profiled run.
 fn prefill_profile(
@@ -177,8 +181,7 @@ fn prefill_profile(
     activations: Activations,
     model: &std::path::Path,
 ) {
-    let vocab = m.spec.vocab_size as u32;
-    let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 11) % vocab).collect();
+    let prompt = prompt_ids(n, m.spec.vocab_size);
     let run = |profiled: bool| -> f64 {
         let mut cache = KvCache::new(&m.spec);
         profile::take();

@@ -145,7 +145,7 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
     // packets over threads that then wait for cores
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     if let Some(n) = a.store.threads {
-        rt.worker_threads(n.max(1));
+        rt.worker_threads(n);
     }
     let rt = rt.enable_all().build()?;
     rt.block_on(async move {

@@ -98,10 +98,11 @@ fn main() -> ExitCode {
         )
         .try_init();
     if let Some(n) = cli.cmd.store().and_then(|s| s.threads) {
-        // the forward pass's own pool (charm_shared::par) follows the same count
+        // the forward pass's own pool (charm_shared::par) follows the same count (`--threads`
+        // parses as at least one)
         charm_shared::par::set_threads(n);
         let built = rayon::ThreadPoolBuilder::new()
-            .num_threads(n.max(1))
+            .num_threads(n)
             .build_global();
         if let Err(e) = built {
             eprintln!("error: --threads: {e}");
@@ -129,7 +130,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// Runs the command's handler.
 impl Cmd {
     /// The command's store flags, where it has them (`--threads` among them).
     fn store(&self) -> Option<&common::StoreArgs> {
@@ -151,6 +151,7 @@ impl Cmd {
     }
 }
 
+/// Runs the command's handler.
 fn dispatch(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Logits(a) => run::logits(&a),
