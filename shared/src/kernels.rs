@@ -275,6 +275,125 @@ fn dots_body<const N: usize>(xs: [&[f32]; N], y: &[f32]) -> [f32; N] {
     })
 }
 
+/// Attention scores of eight cached entries against several heads of one query: for head `h`
+/// and entry `i`, `out[h][i]` is `(dot(entries[i][..split], a[h]) + dot(entries[i][split..],
+/// b[h])) * scale`, each `dot` with exactly [`dot`]'s arithmetic (MLA: `a` the absorbed queries
+/// against the latents, `b` the rotary queries against the rope keys). One call serves a block of
+/// keys for every head, so the entries stay in L1 across heads and the eight sums of each half
+/// reduce together.
+pub fn entry_scores(
+    entries: [&[f32]; 8],
+    split: usize,
+    a: &[&[f32]],
+    b: &[&[f32]],
+    scale: f32,
+    out: &mut [[f32; 8]],
+) {
+    let len = entries[0].len();
+    assert!(split <= len && entries.iter().all(|e| e.len() == len));
+    assert!(a.len() == out.len() && b.len() == out.len());
+    assert!(a.iter().all(|q| q.len() == split) && b.iter().all(|q| q.len() == len - split));
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present; the lengths are checked above.
+        return unsafe { entry_scores_avx2(entries, split, a, b, scale, out) };
+    }
+    entry_scores_body(entries, split, a, b, scale, out);
+}
+
+/// [`entry_scores`]' portable twin: [`dots_body`] per head and half.
+fn entry_scores_body(
+    entries: [&[f32]; 8],
+    split: usize,
+    a: &[&[f32]],
+    b: &[&[f32]],
+    scale: f32,
+    out: &mut [[f32; 8]],
+) {
+    let (lo, hi) = (entries.map(|e| &e[..split]), entries.map(|e| &e[split..]));
+    for (o, (qa, qb)) in out.iter_mut().zip(a.iter().zip(b)) {
+        let (l, r) = (dots_body(lo, qa), dots_body(hi, qb));
+        *o = std::array::from_fn(|i| (l[i] + r[i]) * scale);
+    }
+}
+
+/// [`entry_scores`] in AVX2: per head and half, [`dots8_avx2`]. The caller has checked the
+/// lengths.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn entry_scores_avx2(
+    entries: [&[f32]; 8],
+    split: usize,
+    a: &[&[f32]],
+    b: &[&[f32]],
+    scale: f32,
+    out: &mut [[f32; 8]],
+) {
+    use std::arch::x86_64::*;
+    let sc = _mm256_set1_ps(scale);
+    for (o, (qa, qb)) in out.iter_mut().zip(a.iter().zip(b)) {
+        // SAFETY: every entry holds `split + qb.len()` floats (checked by the caller).
+        let (l, r) = unsafe { (dots8_avx2(&entries, 0, qa), dots8_avx2(&entries, split, qb)) };
+        let s = _mm256_mul_ps(_mm256_add_ps(l, r), sc);
+        // SAFETY: `o` has room for 8 floats.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), s) };
+    }
+}
+
+/// `dot(entries[i][from..from + y.len()], y)` for the eight entries, lane `i` of the result: the
+/// accumulators of [`dots_avx2`], their trees side by side ([`tree8`]), plus the tails.
+///
+/// # Safety
+/// AVX2 is present and every entry holds at least `from + y.len()` floats.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn dots8_avx2(entries: &[&[f32]; 8], from: usize, y: &[f32]) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let n = y.len();
+    let full = n - n % 8;
+    let p: [*const f32; 8] = std::array::from_fn(|i| unsafe { entries[i].as_ptr().add(from) });
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let mut j = 0;
+    while j < full {
+        // SAFETY: `j + 8 <= full <= n`, within `y` and (by the contract) every entry.
+        let yv = unsafe { _mm256_loadu_ps(y.as_ptr().add(j)) };
+        for i in 0..8 {
+            // SAFETY: as above.
+            let xv = unsafe { _mm256_loadu_ps(p[i].add(j)) };
+            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(xv, yv));
+        }
+        j += 8;
+    }
+    let mut tails = [0.0f32; 8];
+    for (i, t) in tails.iter_mut().enumerate() {
+        for k in full..n {
+            // SAFETY: `k < n`, as above.
+            *t += unsafe { *p[i].add(k) } * y[k];
+        }
+    }
+    // SAFETY: `tails` holds 8 floats.
+    _mm256_add_ps(tree8(acc), unsafe { _mm256_loadu_ps(tails.as_ptr()) })
+}
+
+/// Lane `i` of the result is [`dots_avx2`]'s tree over `acc[i]`:
+/// `((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7))`. The 128-bit halves of `acc[i]` and
+/// `acc[i + 4]` are added side by side, then two rounds of pairwise additions finish all eight.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn tree8(acc: [std::arch::x86_64::__m256; 8]) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // [lo(acc[i]) + hi(acc[i]) | lo(acc[i + 4]) + hi(acc[i + 4])]
+    let h = |i: usize| {
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(acc[i], acc[i + 4]),
+            _mm256_permute2f128_ps::<0x31>(acc[i], acc[i + 4]),
+        )
+    };
+    _mm256_hadd_ps(_mm256_hadd_ps(h(0), h(1)), _mm256_hadd_ps(h(2), h(3)))
+}
+
 /// `out[h][c] += p[h][j] * rows[j][c]` for every head `h < H` and row `j` in order: each element
 /// gets exactly the sequence of unfused multiply-adds that `axpy(out[h], p[h][j], rows[j])` for
 /// `j = 0, 1, ...` gives it, but the sums stay in registers across rows and each row is loaded once
@@ -538,6 +657,49 @@ mod tests {
             for o in 0..r {
                 let want = dot_reference(w.row(o), &x[t * c..(t + 1) * c]);
                 assert_eq!(y[t * r + o].to_bits(), want.to_bits(), "t{t} o{o}");
+            }
+        }
+    }
+
+    /// [`entry_scores`] against [`dots`] per head and half, at splits and lengths that leave
+    /// every tail, with signed zeros among the values (a zero tail must still be added).
+    #[test]
+    fn entry_scores_are_dots_bit_for_bit() {
+        for (split, len) in [
+            (0, 8),
+            (8, 8),
+            (16, 24),
+            (13, 20),
+            (128, 160),
+            (67, 99),
+            (512, 576),
+        ] {
+            for heads in [1, 2, 3, 5] {
+                let mut es: Vec<Vec<f32>> = (0..8).map(|i| lcg(i + 400, len)).collect();
+                es[3].iter_mut().step_by(3).for_each(|v| *v = -0.0);
+                let qs: Vec<Vec<f32>> = (0..heads).map(|h| lcg(h + 500, len)).collect();
+                let e: [&[f32]; 8] = std::array::from_fn(|i| &es[i][..]);
+                let a: Vec<&[f32]> = qs.iter().map(|q| &q[..split]).collect();
+                let b: Vec<&[f32]> = qs.iter().map(|q| &q[split..]).collect();
+                let mut got = vec![[0.0f32; 8]; heads as usize];
+                entry_scores(e, split, &a, &b, 0.125, &mut got);
+                let mut twin = vec![[0.0f32; 8]; heads as usize];
+                entry_scores_body(e, split, &a, &b, 0.125, &mut twin);
+                let bits =
+                    |v: &[[f32; 8]]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&twin), "{split}/{len}, {heads} heads");
+                for h in 0..heads as usize {
+                    let l = dots(e.map(|e| &e[..split]), a[h]);
+                    let r = dots(e.map(|e| &e[split..]), b[h]);
+                    for i in 0..8 {
+                        let want = (l[i] + r[i]) * 0.125;
+                        assert_eq!(
+                            got[h][i].to_bits(),
+                            want.to_bits(),
+                            "{split}/{len} h{h} e{i}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -8,6 +8,7 @@
 //! - [`colibri`]: directories made by colibrì's converter (`out-*.safetensors`, `.qs` scales).
 //! - [`checkpoint`]: a Hugging Face model directory (shards, index, FP8 block scales).
 //! - [`container`]: the converted charm container (manifest, dense file, expert records).
+//! - [`aligned`]: a growable f32 buffer on a 64-byte boundary (the KV cache's storage).
 //! - [`dtype`]: storage dtypes and exact conversion to f32.
 //! - [`kernels`]: f32 matmul, norms, activations.
 //! - [`linear`]: a linear layer (f32 or quantized weight) and the SwiGLU block.
@@ -21,6 +22,7 @@
 //! - [`wire`]: the cluster's typed messages, their framing and the checks they pass on receipt.
 //! - [`error`]: load errors that name the file and tensor.
 
+pub mod aligned;
 pub mod arch;
 pub mod checkpoint;
 pub mod colibri;

@@ -2,17 +2,18 @@
 //! (`kv_lora_rank + qk_rope_head_dim` floats per token: 576 for GLM-5.2); GQA layers keep K and V;
 //! DSA `full` layers also keep their indexer keys.
 
+use charm_shared::aligned::AlignedVec;
 use charm_shared::config::{AttentionSpec, IndexerKind, ModelSpec};
 
 /// Cache of one decoder layer.
 #[derive(Debug, Clone, Default)]
 pub struct LayerCache {
     /// Per token: MLA `[latent (kv_lora_rank, normed), k_rope (roped)]`, or GQA `[k, v]`.
-    pub kv: Vec<f32>,
+    pub kv: AlignedVec,
     /// Floats per token in `kv`.
     pub width: usize,
     /// Per token `[index_head_dim]` indexer keys (normed, roped); empty unless a `full` DSA layer.
-    pub index_keys: Vec<f32>,
+    pub index_keys: AlignedVec,
 }
 
 impl LayerCache {

@@ -5,7 +5,7 @@
 
 use charm_shared::config::{AttentionSpec, IndexerKind, MlaSpec};
 use charm_shared::expert::{ExpertBatch, ExpertError, LookaheadPolicy};
-use charm_shared::kernels::{axpy, dot, dots, rms_norm, softmax, weighted_rows};
+use charm_shared::kernels::{axpy, dot, dots, entry_scores, rms_norm, softmax, weighted_rows};
 use charm_shared::linear::{matmul_each, Linear};
 use charm_shared::routing::route;
 
@@ -782,17 +782,14 @@ fn attend_latent(
     let kvr = ctx.len() / q_abs.len().max(1);
     let mut scores = vec![Vec::with_capacity(keys.len()); q_abs.len()];
     // eight keys at a time (the same dot products, interleaved), every head against each cached
-    // latent while it is in cache
+    // entry while it is in L1
+    let mut block = vec![[0.0f32; 8]; q_abs.len()];
     let mut kc = keys.chunks_exact(8);
     for k8 in &mut kc {
         let e: [&[f32]; 8] = std::array::from_fn(|i| cache.entry(k8[i]));
-        let (lat_e, rot_e) = (e.map(|e| &e[..kvr]), e.map(|e| &e[kvr..]));
-        for (k, sk) in scores.iter_mut().enumerate() {
-            let lat = dots(lat_e, q_abs[k]);
-            let rot = dots(rot_e, q_rope[k]);
-            for i in 0..8 {
-                sk.push((lat[i] + rot[i]) * scale);
-            }
+        entry_scores(e, kvr, q_abs, q_rope, scale, &mut block);
+        for (sk, b) in scores.iter_mut().zip(&block) {
+            sk.extend_from_slice(b);
         }
     }
     for &j in kc.remainder() {
