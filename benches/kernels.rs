@@ -395,28 +395,34 @@ fn avx2_step_ceiling<const SIGNED: bool>(steps: usize) -> (f64, i32) {
 
 /// Attention's f32 kernels over cached latents at the yardstick's shapes (latent 128, rotary 32,
 /// 512 keys: 320 KB, cache-resident), one thread, as `attend_latent` runs them for four heads of
-/// one query: the scores (`dots` of 8 keys' latents and rotary parts against each head) and the
-/// weighted latents (`weighted_rows` of 4 heads), in multiply-adds per second beside the f32
-/// multiply-then-add peak ([`f32_step_ceiling`]).
+/// one query: the scores (`entry_scores` of 8 keys' latents and rotary parts against the four
+/// heads) and the weighted latents (`weighted_rows` of 4 heads), in multiply-adds per second
+/// beside the f32 multiply-then-add peak ([`f32_step_ceiling`]); then the scores again over
+/// 2,048 keys (1.3 MB) read from memory, the caches flushed before each run, as a decode step
+/// finds them after its weights have streamed through.
 fn attention_summary() {
-    use charm_shared::kernels::{dots, weighted_rows};
+    use charm_shared::aligned::AlignedVec;
+    use charm_shared::kernels::{entry_scores, weighted_rows};
     let (keys, lat, rot, heads) = (512usize, 128usize, 32usize, 4usize);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build()
         .unwrap();
-    let cache = common::noise(keys * (lat + rot), 5);
+    // the KV cache's own storage: entries on 64-byte lines, as charm keeps them
+    let cache = AlignedVec::from(&common::noise(keys * (lat + rot), 5)[..]);
     let q = common::noise(heads * (lat + rot), 9);
     let entry = |j: usize| &cache[j * (lat + rot)..(j + 1) * (lat + rot)];
+    let q_abs: Vec<&[f32]> = (0..heads).map(|h| &q[h * (lat + rot)..][..lat]).collect();
+    let q_rope: Vec<&[f32]> = (0..heads)
+        .map(|h| &q[h * (lat + rot) + lat..(h + 1) * (lat + rot)])
+        .collect();
     let scores = pool.install(|| {
         time_it(|| {
+            let mut block = vec![[0.0f32; 8]; heads];
             for k0 in (0..keys).step_by(8) {
                 let e: [&[f32]; 8] = std::array::from_fn(|i| entry(k0 + i));
-                for h in 0..heads {
-                    let qh = &q[h * (lat + rot)..(h + 1) * (lat + rot)];
-                    black_box(dots(e.map(|e| &e[..lat]), &qh[..lat]));
-                    black_box(dots(e.map(|e| &e[lat..]), &qh[lat..]));
-                }
+                entry_scores(e, lat, &q_abs, &q_rope, 0.1, &mut block);
+                black_box(&block);
             }
         })
     });
@@ -432,6 +438,7 @@ fn attention_summary() {
             black_box(out);
         })
     });
+    let cold = pool.install(|| cold_scores(lat, rot, heads));
     let peak = f32_peak();
     println!("\nattention over cached latents, 1 thread, {keys} keys (latent {lat}, rotary {rot}), {heads} heads of one query");
     if let Some(p) = peak {
@@ -440,11 +447,16 @@ fn attention_summary() {
         );
     }
     for (name, secs, macs) in [
-        ("scores (dots)", scores, keys * heads * (lat + rot)),
+        ("scores (entry_scores)", scores, keys * heads * (lat + rot)),
         (
             "weighted latents (weighted_rows)",
             weighted,
             keys * heads * lat,
+        ),
+        (
+            "scores, 2048 keys from memory",
+            cold,
+            2048 * heads * (lat + rot),
         ),
     ] {
         let g = macs as f64 / secs / 1e9;
@@ -453,6 +465,34 @@ fn attention_summary() {
             peak.map_or(f64::NAN, |p| 100.0 * g / p)
         );
     }
+}
+
+/// Seconds of `entry_scores` over 2,048 keys for `heads` heads with the entries in memory, not
+/// in cache: the median of nine runs, each after reading 64 MB of other data.
+fn cold_scores(lat: usize, rot: usize, heads: usize) -> f64 {
+    use charm_shared::aligned::AlignedVec;
+    use charm_shared::kernels::entry_scores;
+    let (keys, w) = (2048, lat + rot);
+    let cache = AlignedVec::from(&common::noise(keys * w, 21)[..]);
+    let q = common::noise(heads * w, 22);
+    let q_abs: Vec<&[f32]> = (0..heads).map(|h| &q[h * w..][..lat]).collect();
+    let q_rope: Vec<&[f32]> = (0..heads).map(|h| &q[h * w + lat..(h + 1) * w]).collect();
+    let other = vec![1u64; 8 << 20];
+    let mut runs: Vec<f64> = (0..9)
+        .map(|_| {
+            black_box(other.iter().step_by(8).sum::<u64>());
+            let t = Instant::now();
+            let mut block = vec![[0.0f32; 8]; heads];
+            for k0 in (0..keys).step_by(8) {
+                let e: [&[f32]; 8] = std::array::from_fn(|i| &cache[(k0 + i) * w..][..w]);
+                entry_scores(e, lat, &q_abs, &q_rope, 0.1, &mut block);
+                black_box(&block);
+            }
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    runs.sort_by(f64::total_cmp);
+    runs[runs.len() / 2]
 }
 
 /// [`f32_step_ceiling`]'s best of five, where the CPU has AVX2.

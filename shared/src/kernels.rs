@@ -365,6 +365,11 @@ unsafe fn dots8_avx2(entries: &[&[f32]; 8], from: usize, y: &[f32]) -> std::arch
         }
         j += 8;
     }
+    if full == n {
+        // no tails: their zeros added in a register (a stored array read back as one vector
+        // would wait on store forwarding)
+        return _mm256_add_ps(tree8(acc), _mm256_setzero_ps());
+    }
     let mut tails = [0.0f32; 8];
     for (i, t) in tails.iter_mut().enumerate() {
         for k in full..n {
