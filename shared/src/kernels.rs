@@ -301,6 +301,34 @@ pub fn entry_scores(
     entry_scores_body(entries, split, a, b, scale, out);
 }
 
+/// `out[h][i] = dot(entries[i], qs[h])` for every head `h` and each of eight entries, each with
+/// exactly [`dot`]'s arithmetic: a block of keys against every head of one query, the block
+/// staying in L1 across the heads (the DSA indexer's scores).
+pub fn dots_heads(entries: [&[f32]; 8], qs: &[&[f32]], out: &mut [[f32; 8]]) {
+    let len = entries[0].len();
+    assert!(entries.iter().all(|e| e.len() == len) && qs.iter().all(|q| q.len() == len));
+    assert_eq!(qs.len(), out.len());
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present; the lengths are checked above.
+        return unsafe { dots_heads_avx2(entries, qs, out) };
+    }
+    for (o, q) in out.iter_mut().zip(qs) {
+        *o = dots_body(entries, q);
+    }
+}
+
+/// [`dots_heads`] in AVX2: [`dots8_avx2`] per head. The caller has checked the lengths.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn dots_heads_avx2(entries: [&[f32]; 8], qs: &[&[f32]], out: &mut [[f32; 8]]) {
+    use std::arch::x86_64::*;
+    for (o, q) in out.iter_mut().zip(qs) {
+        // SAFETY: every entry holds `q.len()` floats (checked by the caller); `o` has room for 8.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), dots8_avx2(&entries, 0, q)) };
+    }
+}
+
 /// [`entry_scores`]' portable twin: [`dots_body`] per head and half.
 fn entry_scores_body(
     entries: [&[f32]; 8],
@@ -704,6 +732,30 @@ mod tests {
                             "{split}/{len} h{h} e{i}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// [`dots_heads`] against [`dots`] per head, at lengths that leave every tail.
+    #[test]
+    fn dots_heads_are_dots_bit_for_bit() {
+        for len in [0, 3, 8, 13, 64, 67, 128] {
+            let es: Vec<Vec<f32>> = (0..8).map(|i| lcg(i + 600, len)).collect();
+            let e: [&[f32]; 8] = std::array::from_fn(|i| &es[i][..]);
+            let qs: Vec<Vec<f32>> = (0..3).map(|h| lcg(h + 700, len)).collect();
+            let q: Vec<&[f32]> = qs.iter().map(|q| &q[..]).collect();
+            let mut got = vec![[0.0f32; 8]; 3];
+            dots_heads(e, &q, &mut got);
+            for h in 0..3 {
+                let want = dots(e, q[h]);
+                for i in 0..8 {
+                    assert_eq!(
+                        got[h][i].to_bits(),
+                        want[i].to_bits(),
+                        "len {len} h{h} e{i}"
+                    );
+                    assert_eq!(got[h][i].to_bits(), dot(q[h], e[i]).to_bits());
                 }
             }
         }

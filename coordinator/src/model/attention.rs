@@ -2,7 +2,7 @@
 //! each query's keys, and grouped-query attention (Qwen3).
 
 use charm_shared::config::GqaSpec;
-use charm_shared::kernels::{axpy, dot, dots, layer_norm, rms_norm, softmax};
+use charm_shared::kernels::{axpy, dot, dots_heads, layer_norm, rms_norm, softmax};
 use charm_shared::linear::matmul_each;
 use charm_shared::routing::top_k_set;
 
@@ -14,6 +14,10 @@ use crate::model::{GqaWeights, IndexerWeights};
 
 /// LayerNorm epsilon of the DSA indexer's key norm.
 const INDEXER_KEY_EPS: f32 = 1e-6;
+
+/// Multiply-adds of one query's indexer scores from which its keys are split among the threads
+/// (about 5 us of one thread's work, a few times a hand-off).
+const INDEXER_PAR_MACS: usize = 1 << 17;
 
 /// DSA lightning indexer: scores every causal key for each new query and keeps the top
 /// `index_topk` (all causal keys when there are fewer). Ties, which arise when the ReLU zeroes
@@ -55,40 +59,63 @@ pub(super) fn indexer_select(
     let hw = w.weights_proj.matmul(a, n); // [n, ih]
     let head_scale = (ih as f32).powf(-0.5);
     let sm = (ihd as f32).powf(-0.5);
-    // per head, the terms of four keys (reused by every query)
-    let mut terms = vec![[0.0f32; 4]; ih];
     (0..n)
         .map(|t| {
             let (p, cache) = (rows.pos[t], &*caches[rows.seq[t]]);
             if p < d.topk {
                 return (0..=p as u32).collect();
             }
-            let qh = |hh: usize| &q[(t * ih + hh) * ihd..(t * ih + hh + 1) * ihd];
+            let qs: Vec<&[f32]> = (0..ih)
+                .map(|hh| &q[(t * ih + hh) * ihd..(t * ih + hh + 1) * ihd])
+                .collect();
             let term = |hh: usize, d: f32| hw[t * ih + hh] * head_scale * (d * sm).max(0.0);
-            let key = |j: usize| &cache.index_keys[j * ihd..(j + 1) * ihd];
-            // four keys at a time against each head (the same dot products), each key's head
-            // terms summed in head order as one at a time
-            let mut scores: Vec<f32> = Vec::with_capacity(p + 1);
-            let full = (p + 1) / 4 * 4;
-            for j0 in (0..full).step_by(4) {
-                let ks: [&[f32]; 4] = std::array::from_fn(|i| key(j0 + i));
-                for (hh, th) in terms.iter_mut().enumerate() {
-                    let d = dots(ks, qh(hh));
-                    *th = std::array::from_fn(|i| term(hh, d[i]));
-                }
-                for i in 0..4 {
-                    scores.push(terms.iter().map(|th| th[i]).sum());
-                }
-            }
-            for j in full..=p {
-                scores.push((0..ih).map(|hh| term(hh, dot(qh(hh), key(j)))).sum());
-            }
+            let keys = &cache.index_keys[..(p + 1) * ihd];
+            let split = (p + 1) * ih * ihd >= INDEXER_PAR_MACS;
+            let scores = index_scores(&qs, keys, term, split);
             top_k_set(&scores, d.topk)
                 .into_iter()
                 .map(|j| j as u32)
                 .collect()
         })
         .collect()
+}
+
+/// The indexer's score of each key in `keys` (`[keys, head_dim]`) for one query: its heads'
+/// `term(head, q[head] . key)` summed in head order, eight keys at a time against every head (the
+/// same dot products), the last ones one by one. With `split`, the threads take ranges of keys:
+/// each score is its own, so the split changes no bit.
+fn index_scores(
+    qs: &[&[f32]],
+    keys: &[f32],
+    term: impl Fn(usize, f32) -> f32 + Sync,
+    split: bool,
+) -> Vec<f32> {
+    let hd = qs.first().map_or(1, |q| q.len().max(1));
+    let key = |j: usize| &keys[j * hd..(j + 1) * hd];
+    // key j0 + i's score into out[i]
+    let score_keys = |j0: usize, out: &mut [f32]| {
+        let mut d8 = vec![[0.0f32; 8]; qs.len()];
+        let full = out.len() / 8 * 8;
+        for b in (0..full).step_by(8) {
+            dots_heads(std::array::from_fn(|i| key(j0 + b + i)), qs, &mut d8);
+            for (i, o) in out[b..b + 8].iter_mut().enumerate() {
+                *o = d8.iter().enumerate().map(|(hh, dh)| term(hh, dh[i])).sum();
+            }
+        }
+        for (i, o) in out[full..].iter_mut().enumerate() {
+            let j = j0 + full + i;
+            *o = (0..qs.len()).map(|hh| term(hh, dot(qs[hh], key(j)))).sum();
+        }
+    };
+    let mut scores = vec![0.0f32; keys.len() / hd];
+    let threads = charm_shared::par::threads();
+    if split && threads > 1 {
+        let per = scores.len().div_ceil(2 * threads).next_multiple_of(8);
+        charm_shared::par::for_each_chunk_mut(&mut scores, per, |c, out| score_keys(c * per, out));
+    } else {
+        score_keys(0, &mut scores);
+    }
+    scores
 }
 
 /// Grouped-query attention with per-head q/k RMSNorm (Qwen3).
@@ -164,4 +191,37 @@ pub(super) fn gqa(
         out
     });
     timed(Phase::OutProjection, || w.o.matmul(&out, n))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::index_scores;
+    use charm_shared::kernels::dot;
+
+    /// Keys split among the threads, eight at a time or one by one: each score has the bits of
+    /// its heads' terms summed in head order, one key at a time.
+    #[test]
+    fn index_scores_have_the_bits_of_one_key_at_a_time() {
+        let val = |i: usize| ((i * 7919 % 1013) as f32 - 506.0) / 97.0;
+        for (heads, hd, n) in [(1, 8, 5), (3, 13, 40), (8, 64, 203), (4, 16, 1000)] {
+            let keys: Vec<f32> = (0..n * hd).map(|i| val(i + 11)).collect();
+            let q: Vec<f32> = (0..heads * hd).map(|i| val(3 * i + 2)).collect();
+            let qs: Vec<&[f32]> = q.chunks(hd).collect();
+            let term = |h: usize, d: f32| (h as f32 - 1.5) * (d * 0.3).max(0.0);
+            let want: Vec<u32> = (0..n)
+                .map(|j| {
+                    let k = &keys[j * hd..(j + 1) * hd];
+                    let s: f32 = (0..heads).map(|h| term(h, dot(qs[h], k))).sum();
+                    s.to_bits()
+                })
+                .collect();
+            for split in [false, true] {
+                let got: Vec<u32> = index_scores(&qs, &keys, term, split)
+                    .iter()
+                    .map(|s| s.to_bits())
+                    .collect();
+                assert_eq!(got, want, "{heads} heads of {hd}, {n} keys, split {split}");
+            }
+        }
+    }
 }
