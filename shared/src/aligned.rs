@@ -102,11 +102,18 @@ impl Extend<f32> for AlignedVec {
     fn extend<I: IntoIterator<Item = f32>>(&mut self, iter: I) {
         let iter = iter.into_iter();
         self.reserve_exact(iter.size_hint().0);
+        // a line at a time: a KV log restores gigabytes through here
+        let mut line = [0.0f32; 16];
+        let mut n = 0;
         for x in iter {
-            let at = self.len;
-            self.grow_to(at + 1);
-            self[at] = x;
+            line[n] = x;
+            n += 1;
+            if n == line.len() {
+                self.extend_from_slice(&line);
+                n = 0;
+            }
         }
+        self.extend_from_slice(&line[..n]);
     }
 }
 
