@@ -402,7 +402,7 @@ fn avx2_step_ceiling<const SIGNED: bool>(steps: usize) -> (f64, i32) {
 /// finds them after its weights have streamed through.
 fn attention_summary() {
     use charm_shared::aligned::AlignedVec;
-    use charm_shared::kernels::{entry_scores, weighted_rows};
+    use charm_shared::kernels::{entry_scores, weighted_rows, HeadQueries};
     let (keys, lat, rot, heads) = (512usize, 128usize, 32usize, 4usize);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
@@ -416,12 +416,18 @@ fn attention_summary() {
     let q_rope: Vec<&[f32]> = (0..heads)
         .map(|h| &q[h * (lat + rot) + lat..(h + 1) * (lat + rot)])
         .collect();
+    let hq = HeadQueries {
+        a: &q_abs,
+        b: &q_rope,
+        split: lat,
+        scale: 0.1,
+    };
     let scores = pool.install(|| {
         time_it(|| {
             let mut block = vec![[0.0f32; 8]; heads];
             for k0 in (0..keys).step_by(8) {
                 let e: [&[f32]; 8] = std::array::from_fn(|i| entry(k0 + i));
-                entry_scores(e, lat, &q_abs, &q_rope, 0.1, &mut block);
+                entry_scores(e, hq, &mut block);
                 black_box(&block);
             }
         })
@@ -471,12 +477,18 @@ fn attention_summary() {
 /// in cache: the median of nine runs, each after reading 64 MB of other data.
 fn cold_scores(lat: usize, rot: usize, heads: usize) -> f64 {
     use charm_shared::aligned::AlignedVec;
-    use charm_shared::kernels::entry_scores;
+    use charm_shared::kernels::{entry_scores, HeadQueries};
     let (keys, w) = (2048, lat + rot);
     let cache = AlignedVec::from(&common::noise(keys * w, 21)[..]);
     let q = common::noise(heads * w, 22);
     let q_abs: Vec<&[f32]> = (0..heads).map(|h| &q[h * w..][..lat]).collect();
     let q_rope: Vec<&[f32]> = (0..heads).map(|h| &q[h * w + lat..(h + 1) * w]).collect();
+    let hq = HeadQueries {
+        a: &q_abs,
+        b: &q_rope,
+        split: lat,
+        scale: 0.1,
+    };
     let other = vec![1u64; 8 << 20];
     let mut runs: Vec<f64> = (0..9)
         .map(|_| {
@@ -485,7 +497,7 @@ fn cold_scores(lat: usize, rot: usize, heads: usize) -> f64 {
             let mut block = vec![[0.0f32; 8]; heads];
             for k0 in (0..keys).step_by(8) {
                 let e: [&[f32]; 8] = std::array::from_fn(|i| &cache[(k0 + i) * w..][..w]);
-                entry_scores(e, lat, &q_abs, &q_rope, 0.1, &mut block);
+                entry_scores(e, hq, &mut block);
                 black_box(&block);
             }
             t.elapsed().as_secs_f64()

@@ -275,30 +275,34 @@ fn dots_body<const N: usize>(xs: [&[f32]; N], y: &[f32]) -> [f32; N] {
     })
 }
 
-/// Attention scores of eight cached entries against several heads of one query: for head `h`
-/// and entry `i`, `out[h][i]` is `(dot(entries[i][..split], a[h]) + dot(entries[i][split..],
-/// b[h])) * scale`, each `dot` with exactly [`dot`]'s arithmetic (MLA: `a` the absorbed queries
-/// against the latents, `b` the rotary queries against the rope keys). One call serves a block of
-/// keys for every head, so the entries stay in L1 across heads and the eight sums of each half
-/// reduce together.
-pub fn entry_scores(
-    entries: [&[f32]; 8],
-    split: usize,
-    a: &[&[f32]],
-    b: &[&[f32]],
-    scale: f32,
-    out: &mut [[f32; 8]],
-) {
+/// One query's heads as [`entry_scores`] takes them: per head, the part scored against the
+/// entries' first `split` floats (`a`: MLA's absorbed queries against the latents) and the part
+/// against the rest (`b`: the rotary queries against the rope keys), and the factor each score
+/// is multiplied by.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadQueries<'a> {
+    pub a: &'a [&'a [f32]],
+    pub b: &'a [&'a [f32]],
+    pub split: usize,
+    pub scale: f32,
+}
+
+/// Attention scores of eight cached entries against every head of one query: for head `h` and
+/// entry `i`, `out[h][i]` is `(dot(entries[i][..split], a[h]) + dot(entries[i][split..], b[h]))`
+/// times `scale`, each `dot` with exactly [`dot`]'s arithmetic. One call serves a block of keys
+/// for every head, so the entries stay in L1 across heads and the eight sums of each half reduce
+/// together.
+pub fn entry_scores(entries: [&[f32]; 8], q: HeadQueries<'_>, out: &mut [[f32; 8]]) {
     let len = entries[0].len();
-    assert!(split <= len && entries.iter().all(|e| e.len() == len));
-    assert!(a.len() == out.len() && b.len() == out.len());
-    assert!(a.iter().all(|q| q.len() == split) && b.iter().all(|q| q.len() == len - split));
+    assert!(q.split <= len && entries.iter().all(|e| e.len() == len));
+    assert!(q.a.len() == out.len() && q.b.len() == out.len());
+    assert!(q.a.iter().all(|x| x.len() == q.split) && q.b.iter().all(|x| x.len() == len - q.split));
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 is present; the lengths are checked above.
-        return unsafe { entry_scores_avx2(entries, split, a, b, scale, out) };
+        return unsafe { entry_scores_avx2(entries, q, out) };
     }
-    entry_scores_body(entries, split, a, b, scale, out);
+    entry_scores_body(entries, q, out);
 }
 
 /// `out[h][i] = dot(entries[i], qs[h])` for every head `h` and each of eight entries, each with
@@ -330,18 +334,14 @@ fn dots_heads_avx2(entries: [&[f32]; 8], qs: &[&[f32]], out: &mut [[f32; 8]]) {
 }
 
 /// [`entry_scores`]' portable twin: [`dots_body`] per head and half.
-fn entry_scores_body(
-    entries: [&[f32]; 8],
-    split: usize,
-    a: &[&[f32]],
-    b: &[&[f32]],
-    scale: f32,
-    out: &mut [[f32; 8]],
-) {
-    let (lo, hi) = (entries.map(|e| &e[..split]), entries.map(|e| &e[split..]));
-    for (o, (qa, qb)) in out.iter_mut().zip(a.iter().zip(b)) {
+fn entry_scores_body(entries: [&[f32]; 8], q: HeadQueries<'_>, out: &mut [[f32; 8]]) {
+    let (lo, hi) = (
+        entries.map(|e| &e[..q.split]),
+        entries.map(|e| &e[q.split..]),
+    );
+    for (o, (qa, qb)) in out.iter_mut().zip(q.a.iter().zip(q.b)) {
         let (l, r) = (dots_body(lo, qa), dots_body(hi, qb));
-        *o = std::array::from_fn(|i| (l[i] + r[i]) * scale);
+        *o = std::array::from_fn(|i| (l[i] + r[i]) * q.scale);
     }
 }
 
@@ -349,19 +349,17 @@ fn entry_scores_body(
 /// lengths.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn entry_scores_avx2(
-    entries: [&[f32]; 8],
-    split: usize,
-    a: &[&[f32]],
-    b: &[&[f32]],
-    scale: f32,
-    out: &mut [[f32; 8]],
-) {
+fn entry_scores_avx2(entries: [&[f32]; 8], q: HeadQueries<'_>, out: &mut [[f32; 8]]) {
     use std::arch::x86_64::*;
-    let sc = _mm256_set1_ps(scale);
-    for (o, (qa, qb)) in out.iter_mut().zip(a.iter().zip(b)) {
+    let sc = _mm256_set1_ps(q.scale);
+    for (o, (qa, qb)) in out.iter_mut().zip(q.a.iter().zip(q.b)) {
         // SAFETY: every entry holds `split + qb.len()` floats (checked by the caller).
-        let (l, r) = unsafe { (dots8_avx2(&entries, 0, qa), dots8_avx2(&entries, split, qb)) };
+        let (l, r) = unsafe {
+            (
+                dots8_avx2(&entries, 0, qa),
+                dots8_avx2(&entries, q.split, qb),
+            )
+        };
         let s = _mm256_mul_ps(_mm256_add_ps(l, r), sc);
         // SAFETY: `o` has room for 8 floats.
         unsafe { _mm256_storeu_ps(o.as_mut_ptr(), s) };
@@ -715,9 +713,15 @@ mod tests {
                 let a: Vec<&[f32]> = qs.iter().map(|q| &q[..split]).collect();
                 let b: Vec<&[f32]> = qs.iter().map(|q| &q[split..]).collect();
                 let mut got = vec![[0.0f32; 8]; heads as usize];
-                entry_scores(e, split, &a, &b, 0.125, &mut got);
+                let q = HeadQueries {
+                    a: &a,
+                    b: &b,
+                    split,
+                    scale: 0.125,
+                };
+                entry_scores(e, q, &mut got);
                 let mut twin = vec![[0.0f32; 8]; heads as usize];
-                entry_scores_body(e, split, &a, &b, 0.125, &mut twin);
+                entry_scores_body(e, q, &mut twin);
                 let bits =
                     |v: &[[f32; 8]]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&got), bits(&twin), "{split}/{len}, {heads} heads");

@@ -5,7 +5,9 @@
 
 use charm_shared::config::{AttentionSpec, IndexerKind, MlaSpec};
 use charm_shared::expert::{ExpertBatch, ExpertError, LookaheadPolicy};
-use charm_shared::kernels::{axpy, dot, dots, entry_scores, rms_norm, softmax, weighted_rows};
+use charm_shared::kernels::{
+    axpy, dot, dots, entry_scores, rms_norm, softmax, weighted_rows, HeadQueries,
+};
 use charm_shared::linear::{matmul_each, Linear};
 use charm_shared::routing::route;
 
@@ -784,10 +786,16 @@ fn attend_latent(
     // eight keys at a time (the same dot products, interleaved), every head against each cached
     // entry while it is in L1
     let mut block = vec![[0.0f32; 8]; q_abs.len()];
+    let heads = HeadQueries {
+        a: q_abs,
+        b: q_rope,
+        split: kvr,
+        scale,
+    };
     let mut kc = keys.chunks_exact(8);
     for k8 in &mut kc {
         let e: [&[f32]; 8] = std::array::from_fn(|i| cache.entry(k8[i]));
-        entry_scores(e, kvr, q_abs, q_rope, scale, &mut block);
+        entry_scores(e, heads, &mut block);
         for (sk, b) in scores.iter_mut().zip(&block) {
             sk.extend_from_slice(b);
         }
