@@ -449,6 +449,21 @@ pub fn weighted_rows<const H: usize>(out: [&mut [f32]; H], p: [&[f32]; H], rows:
     }
 }
 
+/// [`weighted_rows`] for any number of heads (`out[h]` with `p[h]`), four at a time: each row
+/// loaded once per four heads, every element the additions of `axpy` row after row.
+pub fn weighted_rows_heads(out: &mut [&mut [f32]], p: &[&[f32]], rows: &[&[f32]]) {
+    assert_eq!(out.len(), p.len(), "one weight vector per head");
+    for (o4, p4) in out.chunks_mut(4).zip(p.chunks(4)) {
+        if let ([a, b, c, d], [pa, pb, pc, pd]) = (&mut *o4, p4) {
+            weighted_rows([a, b, c, d].map(|x| &mut **x), [pa, pb, pc, pd], rows);
+        } else {
+            for (o, ph) in o4.iter_mut().zip(p4) {
+                weighted_rows([&mut **o], [ph], rows);
+            }
+        }
+    }
+}
+
 /// [`weighted_rows`] in AVX2: column tiles of 8 x `V` lanes, `V` wide enough for eight
 /// independent accumulators (one head: 64 columns a tile; two: 32; more: 16), so the adders'
 /// latency is hidden. The caller has checked the lengths.

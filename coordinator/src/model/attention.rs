@@ -2,7 +2,7 @@
 //! each query's keys, and grouped-query attention (Qwen3).
 
 use charm_shared::config::GqaSpec;
-use charm_shared::kernels::{axpy, dot, dots_heads, layer_norm, rms_norm, softmax};
+use charm_shared::kernels::{dot, dots_heads, layer_norm, rms_norm, softmax, weighted_rows_heads};
 use charm_shared::linear::matmul_each;
 use charm_shared::routing::top_k_set;
 
@@ -168,26 +168,47 @@ pub(super) fn gqa(
     }
     let group = nh / nkv;
     let out = timed(Phase::Attend, || {
+        // Units of one query's heads that share a KV head run in parallel: each unit reads its
+        // keys and values once for all its heads, eight keys at a time against every head (the
+        // same dot products) and four heads a pass over the values (`weighted_rows`: the
+        // additions of `axpy` key after key), so every head keeps the bits it has alone.
         let mut out = vec![0.0f32; n * nh * hd];
-        let mut scores = Vec::new();
-        for t in 0..n {
+        charm_shared::par::for_each_chunk_mut(&mut out, group * hd, |u, og| {
+            let (t, kvh) = (u / nkv, u % nkv);
             let (p, cache) = (rows.pos[t], &*caches[rows.seq[t]]);
-            for hh in 0..nh {
-                let kvh = hh / group;
-                let qh = &q[(t * nh + hh) * hd..(t * nh + hh + 1) * hd];
-                scores.clear();
-                for j in 0..=p {
-                    let e = cache.entry(j);
-                    scores.push(dot(qh, &e[kvh * hd..(kvh + 1) * hd]) * scale);
-                }
-                softmax(&mut scores);
-                let o = &mut out[(t * nh + hh) * hd..(t * nh + hh + 1) * hd];
-                for (j, &pj) in scores.iter().enumerate() {
-                    let e = cache.entry(j);
-                    axpy(o, pj, &e[nkv * hd + kvh * hd..nkv * hd + (kvh + 1) * hd]);
+            let qs: Vec<&[f32]> = (0..group)
+                .map(|g| {
+                    let hh = kvh * group + g;
+                    &q[(t * nh + hh) * hd..(t * nh + hh + 1) * hd]
+                })
+                .collect();
+            let key = |j: usize| &cache.entry(j)[kvh * hd..(kvh + 1) * hd];
+            let value = |j: usize| &cache.entry(j)[(nkv + kvh) * hd..(nkv + kvh + 1) * hd];
+            let nk = p + 1;
+            let mut scores = vec![0.0f32; group * nk]; // [heads of the unit, keys]
+            let mut d8 = vec![[0.0f32; 8]; group];
+            let full = nk / 8 * 8;
+            for j0 in (0..full).step_by(8) {
+                dots_heads(std::array::from_fn(|i| key(j0 + i)), &qs, &mut d8);
+                for (g, dg) in d8.iter().enumerate() {
+                    for (s, d) in scores[g * nk + j0..g * nk + j0 + 8].iter_mut().zip(dg) {
+                        *s = d * scale;
+                    }
                 }
             }
-        }
+            for j in full..nk {
+                for (g, qg) in qs.iter().enumerate() {
+                    scores[g * nk + j] = dot(qg, key(j)) * scale;
+                }
+            }
+            for sg in scores.chunks_mut(nk) {
+                softmax(sg);
+            }
+            let values: Vec<&[f32]> = (0..nk).map(value).collect();
+            let ps: Vec<&[f32]> = scores.chunks(nk).collect();
+            let mut os: Vec<&mut [f32]> = og.chunks_mut(hd).collect();
+            weighted_rows_heads(&mut os, &ps, &values);
+        });
         out
     });
     timed(Phase::OutProjection, || w.o.matmul(&out, n))

@@ -6,7 +6,8 @@
 use charm_shared::config::{AttentionSpec, IndexerKind, MlaSpec};
 use charm_shared::expert::{ExpertBatch, ExpertError, LookaheadPolicy};
 use charm_shared::kernels::{
-    axpy, dot, dots, entry_scores, rms_norm, softmax, weighted_rows, HeadQueries,
+    axpy, dot, dots, entry_scores, rms_norm, softmax, weighted_rows, weighted_rows_heads,
+    HeadQueries,
 };
 use charm_shared::linear::{matmul_each, Linear};
 use charm_shared::routing::route;
@@ -812,15 +813,8 @@ fn attend_latent(
     }
     let lats: Vec<&[f32]> = keys.iter().map(|&j| &cache.entry(j)[..kvr]).collect();
     let mut cs: Vec<&mut [f32]> = ctx.chunks_mut(kvr).collect();
-    for (c4, s4) in cs.chunks_mut(4).zip(scores.chunks(4)) {
-        if let ([a, b, c, d], [pa, pb, pc, pd]) = (&mut *c4, s4) {
-            weighted_rows([a, b, c, d].map(|x| &mut **x), [pa, pb, pc, pd], &lats);
-        } else {
-            for (c, sk) in c4.iter_mut().zip(s4) {
-                weighted_rows([&mut **c], [sk], &lats);
-            }
-        }
-    }
+    let ps: Vec<&[f32]> = scores.iter().map(|s| &s[..]).collect();
+    weighted_rows_heads(&mut cs, &ps, &lats);
 }
 
 /// `W_uv` applied to latent contexts: `out[t][i] = kv_b[first + i] . ctx[t]`, eight rows of
