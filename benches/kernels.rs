@@ -395,14 +395,14 @@ fn avx2_step_ceiling<const SIGNED: bool>(steps: usize) -> (f64, i32) {
 
 /// Attention's f32 kernels over cached latents at the yardstick's shapes (latent 128, rotary 32,
 /// 512 keys: 320 KB, cache-resident), one thread, as `attend_latent` runs them for four heads of
-/// one query: the scores (`entry_scores` of 8 keys' latents and rotary parts against the four
-/// heads) and the weighted latents (`weighted_rows` of 4 heads), in multiply-adds per second
+/// one query: the scores (`dots_heads` of 8 keys' latents, then of their rotary parts, against
+/// the four heads) and the weighted latents (`weighted_rows` of 4 heads), in multiply-adds per second
 /// beside the f32 multiply-then-add peak ([`f32_step_ceiling`]); then the scores again over
 /// 2,048 keys (1.3 MB) read from memory, the caches flushed before each run, as a decode step
 /// finds them after its weights have streamed through.
 fn attention_summary() {
     use charm_shared::aligned::AlignedVec;
-    use charm_shared::kernels::{entry_scores, weighted_rows, HeadQueries};
+    use charm_shared::kernels::weighted_rows;
     let (keys, lat, rot, heads) = (512usize, 128usize, 32usize, 4usize);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
@@ -416,19 +416,13 @@ fn attention_summary() {
     let q_rope: Vec<&[f32]> = (0..heads)
         .map(|h| &q[h * (lat + rot) + lat..(h + 1) * (lat + rot)])
         .collect();
-    let hq = HeadQueries {
-        a: &q_abs,
-        b: &q_rope,
-        split: lat,
-        scale: 0.1,
-    };
     let scores = pool.install(|| {
         time_it(|| {
-            let mut block = vec![[0.0f32; 8]; heads];
+            let (mut l, mut r) = (vec![[0.0f32; 8]; heads], vec![[0.0f32; 8]; heads]);
             for k0 in (0..keys).step_by(8) {
                 let e: [&[f32]; 8] = std::array::from_fn(|i| entry(k0 + i));
-                entry_scores(e, hq, &mut block);
-                black_box(&block);
+                score_block(e, (&q_abs, &q_rope), &mut l, &mut r);
+                black_box(&l);
             }
         })
     });
@@ -453,7 +447,7 @@ fn attention_summary() {
         );
     }
     for (name, secs, macs) in [
-        ("scores (entry_scores)", scores, keys * heads * (lat + rot)),
+        ("scores (dots_heads)", scores, keys * heads * (lat + rot)),
         (
             "weighted latents (weighted_rows)",
             weighted,
@@ -473,38 +467,49 @@ fn attention_summary() {
     }
 }
 
-/// Seconds of `entry_scores` over 2,048 keys for `heads` heads with the entries in memory, not
+/// Seconds of the scores ([`score_block`]) over 2,048 keys for `heads` heads with the entries in memory, not
 /// in cache: the median of nine runs, each after reading 64 MB of other data.
 fn cold_scores(lat: usize, rot: usize, heads: usize) -> f64 {
     use charm_shared::aligned::AlignedVec;
-    use charm_shared::kernels::{entry_scores, HeadQueries};
     let (keys, w) = (2048, lat + rot);
     let cache = AlignedVec::from(&common::noise(keys * w, 21)[..]);
     let q = common::noise(heads * w, 22);
     let q_abs: Vec<&[f32]> = (0..heads).map(|h| &q[h * w..][..lat]).collect();
     let q_rope: Vec<&[f32]> = (0..heads).map(|h| &q[h * w + lat..(h + 1) * w]).collect();
-    let hq = HeadQueries {
-        a: &q_abs,
-        b: &q_rope,
-        split: lat,
-        scale: 0.1,
-    };
     let other = vec![1u64; 8 << 20];
     let mut runs: Vec<f64> = (0..9)
         .map(|_| {
             black_box(other.iter().step_by(8).sum::<u64>());
             let t = Instant::now();
-            let mut block = vec![[0.0f32; 8]; heads];
+            let (mut l, mut r) = (vec![[0.0f32; 8]; heads], vec![[0.0f32; 8]; heads]);
             for k0 in (0..keys).step_by(8) {
                 let e: [&[f32]; 8] = std::array::from_fn(|i| &cache[(k0 + i) * w..][..w]);
-                entry_scores(e, hq, &mut block);
-                black_box(&block);
+                score_block(e, (&q_abs, &q_rope), &mut l, &mut r);
+                black_box(&l);
             }
             t.elapsed().as_secs_f64()
         })
         .collect();
     runs.sort_by(f64::total_cmp);
     runs[runs.len() / 2]
+}
+
+/// One block of eight entries' scores into `l`, as `attend_latent` computes them: `dots_heads`
+/// over the latents (the entries' first `q_abs[h].len()` floats), then over the rotary parts into
+/// `r`, the two added and scaled.
+fn score_block(
+    e: [&[f32]; 8],
+    (q_abs, q_rope): (&[&[f32]], &[&[f32]]),
+    l: &mut [[f32; 8]],
+    r: &mut [[f32; 8]],
+) {
+    use charm_shared::kernels::dots_heads;
+    let lat = q_abs[0].len();
+    dots_heads(e.map(|e| &e[..lat]), q_abs, l);
+    dots_heads(e.map(|e| &e[lat..]), q_rope, r);
+    for (l, r) in l.iter_mut().zip(r.iter()) {
+        *l = std::array::from_fn(|i| (l[i] + r[i]) * 0.1);
+    }
 }
 
 /// [`f32_step_ceiling`]'s best of five, where the CPU has AVX2.

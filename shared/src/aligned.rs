@@ -57,20 +57,14 @@ impl AlignedVec {
         }
     }
 
-    pub fn clear(&mut self) {
-        self.truncate(0);
-    }
-
-    /// `len` floats, the new ones zero.
+    /// `len` floats; the new ones are whatever the lines held (zero, or floats truncated away),
+    /// for the caller to overwrite.
     fn grow_to(&mut self, len: usize) {
         let lines = len.div_ceil(16);
         if lines > self.lines.len() {
             self.lines.resize(lines, Line::default());
         }
-        // the last line's padding may hold floats of a longer past: new floats start at zero
-        let from = self.len;
         self.len = len;
-        self[from..].fill(0.0);
     }
 }
 

@@ -275,39 +275,9 @@ fn dots_body<const N: usize>(xs: [&[f32]; N], y: &[f32]) -> [f32; N] {
     })
 }
 
-/// One query's heads as [`entry_scores`] takes them: per head, the part scored against the
-/// entries' first `split` floats (`a`: MLA's absorbed queries against the latents) and the part
-/// against the rest (`b`: the rotary queries against the rope keys), and the factor each score
-/// is multiplied by.
-#[derive(Clone, Copy, Debug)]
-pub struct HeadQueries<'a> {
-    pub a: &'a [&'a [f32]],
-    pub b: &'a [&'a [f32]],
-    pub split: usize,
-    pub scale: f32,
-}
-
-/// Attention scores of eight cached entries against every head of one query: for head `h` and
-/// entry `i`, `out[h][i]` is `(dot(entries[i][..split], a[h]) + dot(entries[i][split..], b[h]))`
-/// times `scale`, each `dot` with exactly [`dot`]'s arithmetic. One call serves a block of keys
-/// for every head, so the entries stay in L1 across heads and the eight sums of each half reduce
-/// together.
-pub fn entry_scores(entries: [&[f32]; 8], q: HeadQueries<'_>, out: &mut [[f32; 8]]) {
-    let len = entries[0].len();
-    assert!(q.split <= len && entries.iter().all(|e| e.len() == len));
-    assert!(q.a.len() == out.len() && q.b.len() == out.len());
-    assert!(q.a.iter().all(|x| x.len() == q.split) && q.b.iter().all(|x| x.len() == len - q.split));
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 is present; the lengths are checked above.
-        return unsafe { entry_scores_avx2(entries, q, out) };
-    }
-    entry_scores_body(entries, q, out);
-}
-
 /// `out[h][i] = dot(entries[i], qs[h])` for every head `h` and each of eight entries, each with
 /// exactly [`dot`]'s arithmetic: a block of keys against every head of one query, the block
-/// staying in L1 across the heads (the DSA indexer's scores).
+/// staying in L1 across the heads and its eight sums reduced together.
 pub fn dots_heads(entries: [&[f32]; 8], qs: &[&[f32]], out: &mut [[f32; 8]]) {
     let len = entries[0].len();
     assert!(entries.iter().all(|e| e.len() == len) && qs.iter().all(|q| q.len() == len));
@@ -329,56 +299,44 @@ fn dots_heads_avx2(entries: [&[f32]; 8], qs: &[&[f32]], out: &mut [[f32; 8]]) {
     use std::arch::x86_64::*;
     for (o, q) in out.iter_mut().zip(qs) {
         // SAFETY: every entry holds `q.len()` floats (checked by the caller); `o` has room for 8.
-        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), dots8_avx2(&entries, 0, q)) };
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), dots8_avx2(&entries, q)) };
     }
 }
 
-/// [`entry_scores`]' portable twin: [`dots_body`] per head and half.
-fn entry_scores_body(entries: [&[f32]; 8], q: HeadQueries<'_>, out: &mut [[f32; 8]]) {
-    let (lo, hi) = (
-        entries.map(|e| &e[..q.split]),
-        entries.map(|e| &e[q.split..]),
-    );
-    for (o, (qa, qb)) in out.iter_mut().zip(q.a.iter().zip(q.b)) {
-        let (l, r) = (dots_body(lo, qa), dots_body(hi, qb));
-        *o = std::array::from_fn(|i| (l[i] + r[i]) * q.scale);
+/// `out[h * n + j] = dot(key(j), qs[h])` for `j < n` and every head (`out`: `[heads, n]`): eight
+/// keys at a time against every head ([`dots_heads`]), the last ones one by one, each product
+/// with exactly [`dot`]'s arithmetic.
+pub fn key_dots<'a>(n: usize, key: impl Fn(usize) -> &'a [f32], qs: &[&[f32]], out: &mut [f32]) {
+    assert_eq!(out.len(), qs.len() * n, "one score per head and key");
+    let mut d8 = vec![[0.0f32; 8]; qs.len()];
+    let full = n / 8 * 8;
+    for j0 in (0..full).step_by(8) {
+        dots_heads(std::array::from_fn(|i| key(j0 + i)), qs, &mut d8);
+        for (h, dh) in d8.iter().enumerate() {
+            out[h * n + j0..h * n + j0 + 8].copy_from_slice(dh);
+        }
+    }
+    for j in full..n {
+        let k = key(j);
+        for (h, q) in qs.iter().enumerate() {
+            out[h * n + j] = dot(q, k);
+        }
     }
 }
 
-/// [`entry_scores`] in AVX2: per head and half, [`dots8_avx2`]. The caller has checked the
-/// lengths.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn entry_scores_avx2(entries: [&[f32]; 8], q: HeadQueries<'_>, out: &mut [[f32; 8]]) {
-    use std::arch::x86_64::*;
-    let sc = _mm256_set1_ps(q.scale);
-    for (o, (qa, qb)) in out.iter_mut().zip(q.a.iter().zip(q.b)) {
-        // SAFETY: every entry holds `split + qb.len()` floats (checked by the caller).
-        let (l, r) = unsafe {
-            (
-                dots8_avx2(&entries, 0, qa),
-                dots8_avx2(&entries, q.split, qb),
-            )
-        };
-        let s = _mm256_mul_ps(_mm256_add_ps(l, r), sc);
-        // SAFETY: `o` has room for 8 floats.
-        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), s) };
-    }
-}
-
-/// `dot(entries[i][from..from + y.len()], y)` for the eight entries, lane `i` of the result: the
-/// accumulators of [`dots_avx2`], their trees side by side ([`tree8`]), plus the tails.
+/// `dot(entries[i], y)` for the eight entries, lane `i` of the result: the accumulators of
+/// [`dots_avx2`], their trees side by side ([`tree8`]), plus the tails.
 ///
 /// # Safety
-/// AVX2 is present and every entry holds at least `from + y.len()` floats.
+/// AVX2 is present and every entry holds at least `y.len()` floats.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn dots8_avx2(entries: &[&[f32]; 8], from: usize, y: &[f32]) -> std::arch::x86_64::__m256 {
+unsafe fn dots8_avx2(entries: &[&[f32]; 8], y: &[f32]) -> std::arch::x86_64::__m256 {
     use std::arch::x86_64::*;
     let n = y.len();
     let full = n - n % 8;
-    let p: [*const f32; 8] = std::array::from_fn(|i| unsafe { entries[i].as_ptr().add(from) });
+    let p: [*const f32; 8] = entries.map(|e| e.as_ptr());
     let mut acc = [_mm256_setzero_ps(); 8];
     let mut j = 0;
     while j < full {
@@ -707,49 +665,41 @@ mod tests {
         }
     }
 
-    /// [`entry_scores`] against [`dots`] per head and half, at splits and lengths that leave
-    /// every tail, with signed zeros among the values (a zero tail must still be added).
+    /// [`key_dots`] against [`dot`] per head and key, and its blocks against the portable
+    /// [`dots_body`], at key counts with and without whole blocks and lengths that leave every
+    /// tail, with signed zeros among the values (a zero tail must still be added).
     #[test]
-    fn entry_scores_are_dots_bit_for_bit() {
-        for (split, len) in [
-            (0, 8),
-            (8, 8),
+    fn key_dots_are_dots_bit_for_bit() {
+        for (n, len) in [
+            (5, 8),
+            (8, 0),
             (16, 24),
             (13, 20),
-            (128, 160),
-            (67, 99),
-            (512, 576),
+            (21, 160),
+            (9, 99),
+            (8, 576),
         ] {
             for heads in [1, 2, 3, 5] {
-                let mut es: Vec<Vec<f32>> = (0..8).map(|i| lcg(i + 400, len)).collect();
-                es[3].iter_mut().step_by(3).for_each(|v| *v = -0.0);
+                let mut ks: Vec<Vec<f32>> = (0..n as u64).map(|i| lcg(i + 400, len)).collect();
+                ks[3].iter_mut().step_by(3).for_each(|v| *v = -0.0);
                 let qs: Vec<Vec<f32>> = (0..heads).map(|h| lcg(h + 500, len)).collect();
-                let e: [&[f32]; 8] = std::array::from_fn(|i| &es[i][..]);
-                let a: Vec<&[f32]> = qs.iter().map(|q| &q[..split]).collect();
-                let b: Vec<&[f32]> = qs.iter().map(|q| &q[split..]).collect();
-                let mut got = vec![[0.0f32; 8]; heads as usize];
-                let q = HeadQueries {
-                    a: &a,
-                    b: &b,
-                    split,
-                    scale: 0.125,
-                };
-                entry_scores(e, q, &mut got);
-                let mut twin = vec![[0.0f32; 8]; heads as usize];
-                entry_scores_body(e, q, &mut twin);
-                let bits =
-                    |v: &[[f32; 8]]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&got), bits(&twin), "{split}/{len}, {heads} heads");
+                let q: Vec<&[f32]> = qs.iter().map(|q| &q[..]).collect();
+                let mut got = vec![0.0f32; heads as usize * n];
+                key_dots(n, |j| &ks[j][..], &q, &mut got);
                 for h in 0..heads as usize {
-                    let l = dots(e.map(|e| &e[..split]), a[h]);
-                    let r = dots(e.map(|e| &e[split..]), b[h]);
-                    for i in 0..8 {
-                        let want = (l[i] + r[i]) * 0.125;
+                    for j in 0..n {
+                        let want = dot(q[h], &ks[j]);
                         assert_eq!(
-                            got[h][i].to_bits(),
+                            got[h * n + j].to_bits(),
                             want.to_bits(),
-                            "{split}/{len} h{h} e{i}"
+                            "{n}x{len} h{h} k{j}"
                         );
+                    }
+                    for j0 in (0..n / 8 * 8).step_by(8) {
+                        let twin: [f32; 8] =
+                            dots_body(std::array::from_fn(|i| &ks[j0 + i][..]), q[h]);
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&got[h * n + j0..h * n + j0 + 8]), bits(&twin));
                     }
                 }
             }

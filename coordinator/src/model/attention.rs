@@ -2,7 +2,7 @@
 //! each query's keys, and grouped-query attention (Qwen3).
 
 use charm_shared::config::GqaSpec;
-use charm_shared::kernels::{dot, dots_heads, layer_norm, rms_norm, softmax, weighted_rows_heads};
+use charm_shared::kernels::{key_dots, layer_norm, rms_norm, softmax, weighted_rows_heads};
 use charm_shared::linear::matmul_each;
 use charm_shared::routing::top_k_set;
 
@@ -81,9 +81,8 @@ pub(super) fn indexer_select(
 }
 
 /// The indexer's score of each key in `keys` (`[keys, head_dim]`) for one query: its heads'
-/// `term(head, q[head] . key)` summed in head order, eight keys at a time against every head (the
-/// same dot products), the last ones one by one. With `split`, the threads take ranges of keys:
-/// each score is its own, so the split changes no bit.
+/// `term(head, q[head] . key)` summed in head order ([`key_dots`] for the products). With
+/// `split`, the threads take ranges of keys: each score is its own, so the split changes no bit.
 fn index_scores(
     qs: &[&[f32]],
     keys: &[f32],
@@ -91,20 +90,13 @@ fn index_scores(
     split: bool,
 ) -> Vec<f32> {
     let hd = qs.first().map_or(1, |q| q.len().max(1));
-    let key = |j: usize| &keys[j * hd..(j + 1) * hd];
-    // key j0 + i's score into out[i]
+    // keys j0.. scored into out: their dot products with every head, then each key's terms
     let score_keys = |j0: usize, out: &mut [f32]| {
-        let mut d8 = vec![[0.0f32; 8]; qs.len()];
-        let full = out.len() / 8 * 8;
-        for b in (0..full).step_by(8) {
-            dots_heads(std::array::from_fn(|i| key(j0 + b + i)), qs, &mut d8);
-            for (i, o) in out[b..b + 8].iter_mut().enumerate() {
-                *o = d8.iter().enumerate().map(|(hh, dh)| term(hh, dh[i])).sum();
-            }
-        }
-        for (i, o) in out[full..].iter_mut().enumerate() {
-            let j = j0 + full + i;
-            *o = (0..qs.len()).map(|hh| term(hh, dot(qs[hh], key(j)))).sum();
+        let n = out.len();
+        let mut d = vec![0.0f32; qs.len() * n]; // [heads, keys]
+        key_dots(n, |j| &keys[(j0 + j) * hd..(j0 + j + 1) * hd], qs, &mut d);
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = (0..qs.len()).map(|hh| term(hh, d[hh * n + j])).sum();
         }
     };
     let mut scores = vec![0.0f32; keys.len() / hd];
@@ -169,9 +161,9 @@ pub(super) fn gqa(
     let group = nh / nkv;
     let out = timed(Phase::Attend, || {
         // Units of one query's heads that share a KV head run in parallel: each unit reads its
-        // keys and values once for all its heads, eight keys at a time against every head (the
-        // same dot products) and four heads a pass over the values (`weighted_rows`: the
-        // additions of `axpy` key after key), so every head keeps the bits it has alone.
+        // keys and values once for all its heads (`key_dots`: the same dot products;
+        // `weighted_rows_heads`: the additions of `axpy` key after key), so every head keeps the
+        // bits it has alone.
         let mut out = vec![0.0f32; n * nh * hd];
         charm_shared::par::for_each_chunk_mut(&mut out, group * hd, |u, og| {
             let (t, kvh) = (u / nkv, u % nkv);
@@ -186,20 +178,9 @@ pub(super) fn gqa(
             let value = |j: usize| &cache.entry(j)[(nkv + kvh) * hd..(nkv + kvh + 1) * hd];
             let nk = p + 1;
             let mut scores = vec![0.0f32; group * nk]; // [heads of the unit, keys]
-            let mut d8 = vec![[0.0f32; 8]; group];
-            let full = nk / 8 * 8;
-            for j0 in (0..full).step_by(8) {
-                dots_heads(std::array::from_fn(|i| key(j0 + i)), &qs, &mut d8);
-                for (g, dg) in d8.iter().enumerate() {
-                    for (s, d) in scores[g * nk + j0..g * nk + j0 + 8].iter_mut().zip(dg) {
-                        *s = d * scale;
-                    }
-                }
-            }
-            for j in full..nk {
-                for (g, qg) in qs.iter().enumerate() {
-                    scores[g * nk + j] = dot(qg, key(j)) * scale;
-                }
+            key_dots(nk, key, &qs, &mut scores);
+            for s in &mut scores {
+                *s *= scale;
             }
             for sg in scores.chunks_mut(nk) {
                 softmax(sg);

@@ -6,8 +6,7 @@
 use charm_shared::config::{AttentionSpec, IndexerKind, MlaSpec};
 use charm_shared::expert::{ExpertBatch, ExpertError, LookaheadPolicy};
 use charm_shared::kernels::{
-    axpy, dot, dots, entry_scores, rms_norm, softmax, weighted_rows, weighted_rows_heads,
-    HeadQueries,
+    axpy, dot, dots, dots_heads, rms_norm, softmax, weighted_rows, weighted_rows_heads,
 };
 use charm_shared::linear::{matmul_each, Linear};
 use charm_shared::routing::route;
@@ -786,19 +785,17 @@ fn attend_latent(
     let mut scores = vec![Vec::with_capacity(keys.len()); q_abs.len()];
     // eight keys at a time (the same dot products, interleaved), every head against each cached
     // entry while it is in L1
-    let mut block = vec![[0.0f32; 8]; q_abs.len()];
-    let heads = HeadQueries {
-        a: q_abs,
-        b: q_rope,
-        split: kvr,
-        scale,
-    };
+    let (mut lat, mut rot) = (
+        vec![[0.0f32; 8]; q_abs.len()],
+        vec![[0.0f32; 8]; q_abs.len()],
+    );
     let mut kc = keys.chunks_exact(8);
     for k8 in &mut kc {
         let e: [&[f32]; 8] = std::array::from_fn(|i| cache.entry(k8[i]));
-        entry_scores(e, heads, &mut block);
-        for (sk, b) in scores.iter_mut().zip(&block) {
-            sk.extend_from_slice(b);
+        dots_heads(e.map(|e| &e[..kvr]), q_abs, &mut lat);
+        dots_heads(e.map(|e| &e[kvr..]), q_rope, &mut rot);
+        for (sk, (l, r)) in scores.iter_mut().zip(lat.iter().zip(&rot)) {
+            sk.extend((0..8).map(|i| (l[i] + r[i]) * scale));
         }
     }
     for &j in kc.remainder() {
