@@ -3,8 +3,8 @@
 //! The KV cache lives in these. Attention reads it eight floats at a time, and an entry is a
 //! multiple of 32 bytes, so on an aligned base no 32-byte load straddles a cache line. A
 //! `Vec<f32>` gives no such promise: a large one from the system allocator starts 16 bytes past a
-//! page, and every other load of an entry then touches two lines (a quarter to a third of the
-//! scores kernel's rate, `cargo bench --bench kernels -- --compute`).
+//! page, and every other load of an entry then touches two lines (3-56% of the scores kernel's
+//! rate in a model of its loop: docs/benchmarks.md, attention's kernels).
 
 use std::ops::{Deref, DerefMut};
 
