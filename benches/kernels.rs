@@ -10,10 +10,12 @@
 //! multiply-add peak (its int8 multiply-add step over registers only: `vpdpbusd` on AVX-512
 //! VNNI, `vpsignb` + `vpmaddubsw` + `vpmaddwd` + `vpaddd` on AVX2), then attention's f32 kernels
 //! over cache-resident latents beside the f32 multiply-then-add peak; `-- --experts [--tokens
-//! 1,2,4,8]` runs one MoE layer's routed experts at the yardstick's shapes as the expert store
-//! computes them (8 of 256 experts, hidden 1024, width 512, one expert per thread at a time),
-//! with the weights from DRAM (its share of the memory probe) and cache-resident (its share of
-//! the multiply-add peak).
+//! 1,2,4,8] [--top 8] [--glm52]` runs one MoE layer's routed experts at the yardstick's shapes as
+//! the expert store computes them (8 of 256 experts, hidden 1024, width 512, one expert per
+//! thread at a time), with the weights from DRAM (its share of the memory probe) and
+//! cache-resident (its share of the multiply-add peak); `--glm52`: at GLM-5.2's (of 32 experts,
+//! hidden 6144, width 2048), from DRAM only, beside the same experts run whole, one a thread;
+//! `--top`: experts a layer (a worker holding some of a layer's eight computes fewer).
 
 use std::time::{Duration, Instant};
 
@@ -278,13 +280,20 @@ fn compute_summary(tokens: &[usize]) {
     }
 }
 
-/// One MoE layer's routed experts at the yardstick's shapes (`--experts`): 8 experts a step,
-/// each `SwiGlu::forward` on one thread as the expert store runs them (`par::map`), int4 and int8
-/// weights in the layout the loader gives them, int8 activations. Cold: the 8 come in turn from
-/// 256 (over 200 MB, so from DRAM); resident: the same 8 every time (in cache).
-fn experts_summary(tokens: &[usize]) {
-    use charm_shared::linear::{Linear, SwiGlu};
-    let (hidden, width, count, top) = (1024, 512, 256, 8);
+/// One MoE layer's routed experts (`--experts`): `top` experts a step (default 8), int4 and int8
+/// weights in the layout the loader gives them, int8 activations, run as the expert store runs
+/// them (`linear::map_blocks`: one expert a thread, or, for experts big enough to split, the
+/// ones left over after full rounds each over every thread). At the yardstick's shapes, cold: the
+/// experts come in turn from 256 (over 200 MB, so from DRAM); resident: the same ones every time
+/// (in cache). With `glm52`, GLM-5.2's shapes (hidden 6144, width 2048: 20-40 MB an expert) from
+/// 32 experts, cold only, and beside each row the same experts whole, one a thread (`whole`).
+fn experts_summary(tokens: &[usize], glm52: bool, top: usize) {
+    use charm_shared::linear::{map_blocks, Linear, SwiGlu};
+    let (hidden, width, count) = if glm52 {
+        (6144, 2048, 32)
+    } else {
+        (1024, 512, 256)
+    };
     let isa = charm_shared::quant::active_isa();
     let threads = charm_shared::par::threads();
     let probe = Probe::new();
@@ -293,8 +302,17 @@ fn experts_summary(tokens: &[usize]) {
          {isa:?}, {threads} threads, int8 activations"
     );
     println!(
-        "{:<6} {:<9} {:>6} {:>10} {:>8} {:>7} {:>7} {:>8} {:>8}",
-        "format", "weights", "tokens", "us/layer", "GB/s", "probe", "of bw", "GMAC/s", "of peak"
+        "{:<6} {:<9} {:<8} {:>6} {:>10} {:>8} {:>7} {:>7} {:>8} {:>8}",
+        "format",
+        "weights",
+        "schedule",
+        "tokens",
+        "us/layer",
+        "GB/s",
+        "probe",
+        "of bw",
+        "GMAC/s",
+        "of peak"
     );
     for kind in [QuantKind::Int4, QuantKind::Int8] {
         let peak = mac_peak(isa, kind);
@@ -321,7 +339,13 @@ fn experts_summary(tokens: &[usize]) {
         let experts: Vec<SwiGlu> = (0..count).map(|e| distinct[e % 4].clone()).collect();
         let bytes = (top * experts[0].bytes()) as f64;
         let params = (top * experts[0].params()) as f64;
-        for (label, cold) in [("DRAM", true), ("resident", false)] {
+        let splits = experts[0].splits();
+        let modes: &[(&str, bool, bool)] = if glm52 {
+            &[("DRAM", true, true), ("DRAM", true, false)]
+        } else {
+            &[("DRAM", true, true), ("resident", false, true)]
+        };
+        for &(label, cold, as_charm) in modes {
             for &n in tokens {
                 let x = common::noise(n * hidden, 5);
                 let turn = std::sync::atomic::AtomicUsize::new(0);
@@ -332,14 +356,19 @@ fn experts_summary(tokens: &[usize]) {
                     } else {
                         0
                     };
-                    let ys =
-                        charm_shared::par::map(top, |k| experts[(at + k) % count].forward(&x, n));
+                    let one = |k: usize| experts[(at + k) % count].forward(&x, n);
+                    let ys = if as_charm {
+                        map_blocks(top, splits, one)
+                    } else {
+                        charm_shared::par::map(top, one)
+                    };
                     drop(black_box(ys));
                 });
                 let bw = before.max(probe.measure(2));
                 let (gbs, gmac) = (bytes / secs / 1e9, params * n as f64 / secs / 1e9);
+                let schedule = if as_charm { "charm" } else { "whole" };
                 println!(
-                    "{:<6} {label:<9} {n:>6} {:>10.1} {gbs:>8.2} {bw:>7.1} {:>6.0}% {gmac:>8.1} {:>7.0}%",
+                    "{:<6} {label:<9} {schedule:<8} {n:>6} {:>10.1} {gbs:>8.2} {bw:>7.1} {:>6.0}% {gmac:>8.1} {:>7.0}%",
                     kind.name(),
                     secs * 1e6,
                     100.0 * gbs / bw,
@@ -673,7 +702,14 @@ fn main() {
         return;
     }
     if std::env::args().any(|a| a == "--experts") {
-        experts_summary(&tokens_arg(&[1, 2, 4, 8]));
+        let glm52 = std::env::args().any(|a| a == "--glm52");
+        let args: Vec<String> = std::env::args().collect();
+        let top = args
+            .iter()
+            .position(|a| a == "--top")
+            .and_then(|i| args.get(i + 1))
+            .map_or(8, |t| t.parse().expect("--top N"));
+        experts_summary(&tokens_arg(&[1, 2, 4, 8]), glm52, top);
         return;
     }
     if std::env::args().any(|a| a == "--summary") {

@@ -501,8 +501,8 @@ pub fn run_rows(
 }
 
 /// Runs `batch` with `expert(id)` giving each expert's weights: each expert runs once per batch
-/// (experts in parallel, each with the same arithmetic as alone), then the per-token sum in
-/// ascending expert order.
+/// (experts in parallel as [`crate::linear::map_blocks`] spreads them, each with the same
+/// arithmetic as alone), then the per-token sum in ascending expert order.
 pub fn run_grouped<'e>(
     hidden: usize,
     batch: ExpertBatch<'_>,
@@ -514,7 +514,8 @@ pub fn run_grouped<'e>(
         .iter()
         .map(|(id, _)| expert(*id))
         .collect::<Result<_, _>>()?;
-    let ys: Vec<Vec<f32>> = crate::par::map(runs.len(), |i| {
+    let splits = experts.iter().all(|e| e.splits());
+    let ys: Vec<Vec<f32>> = crate::linear::map_blocks(runs.len(), splits, |i| {
         let slots = &runs[i].1;
         experts[i].forward(&gather(&batch, slots, hidden), slots.len())
     });
@@ -595,6 +596,68 @@ mod tests {
         let (tx, p) = PendingExperts::channel_polled(|| true);
         drop(tx);
         assert_eq!(p.wait().unwrap_err().class(), ErrorClass::Internal);
+    }
+
+    #[test]
+    fn experts_spread_over_the_threads_give_the_bits_of_experts_run_alone() {
+        use crate::kernels::Matrix;
+        use crate::linear::{Linear, SwiGlu};
+        use crate::quant::{Activations, QMatrix, QuantKind};
+        let noise = |seed: u64, n: usize| -> Vec<f32> {
+            let mut s = seed;
+            (0..n)
+                .map(|_| {
+                    s = s
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+                })
+                .collect()
+        };
+        let (hidden, inter) = (2048, 1024);
+        let lin = |r: usize, c: usize, seed: u64, int4: bool| {
+            let m = Matrix::new(r, c, noise(seed, r * c));
+            if int4 {
+                let q = QMatrix::quantize(&m, QuantKind::Int4, 64).unwrap();
+                Linear::Quant(q).prepared(Activations::Int8)
+            } else {
+                Linear::F32(m)
+            }
+        };
+        for int4 in [true, false] {
+            let experts: Vec<SwiGlu> = (0..3u64)
+                .map(|e| SwiGlu {
+                    gate: lin(inter, hidden, 3 * e + 1, int4),
+                    up: lin(inter, hidden, 3 * e + 2, int4),
+                    down: lin(hidden, inter, 3 * e + 3, int4),
+                })
+                .collect();
+            // big enough to spread: the leftover experts' matmuls split over the threads
+            assert!(experts.iter().all(|e| e.splits()));
+            let one = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .build()
+                .unwrap();
+            for (n, top_k) in [(1, 1), (1, 3), (2, 3), (3, 2)] {
+                let x = noise(99, n * hidden);
+                let ids: Vec<u32> = (0..n * top_k).map(|i| (i % 3) as u32).collect();
+                let weights = noise(7, n * top_k);
+                let batch = || ExpertBatch {
+                    step: 0,
+                    layer: 0,
+                    x: &x,
+                    n_tokens: n,
+                    ids: &ids,
+                    weights: &weights,
+                    top_k,
+                };
+                let get = |id: u32| Ok(&experts[id as usize]);
+                let spread = run_grouped(hidden, batch(), get).unwrap();
+                let alone = one.install(|| run_grouped(hidden, batch(), get)).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&spread), bits(&alone), "int4 {int4}, {n} x {top_k}");
+            }
+        }
     }
 
     #[test]

@@ -183,6 +183,27 @@ impl SwiGlu {
     pub fn bytes(&self) -> usize {
         self.gate.bytes() + self.up.bytes() + self.down.bytes()
     }
+
+    /// Whether each of its matrices is big enough to stream faster split over the threads than
+    /// whole on one ([`SMALL_MATMUL_BYTES`]): a GLM-5.2 expert's are, the yardstick's are not.
+    pub fn splits(&self) -> bool {
+        [&self.gate, &self.up, &self.down]
+            .iter()
+            .all(|w| w.bytes() >= SMALL_MATMUL_BYTES)
+    }
+}
+
+/// `f(i)` for `i < count`, each a block's forward ([`SwiGlu::forward`], which starts loops of its
+/// own), in parallel and in order. Blocks that [`SwiGlu::splits`] run whole side by side only
+/// while a round fills every thread, the rest one after another over all of them
+/// ([`crate::par::map_spread`]: one expert on a 16-thread machine reads with 16 threads, not
+/// one); small ones run whole, one per thread ([`crate::par::map`]).
+pub fn map_blocks<R: Send>(count: usize, splits: bool, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    if splits {
+        crate::par::map_spread(count, f)
+    } else {
+        crate::par::map(count, f)
+    }
 }
 
 #[cfg(test)]

@@ -454,6 +454,20 @@ pub fn map<R: Send>(count: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
         .collect()
 }
 
+/// [`map`] for items that start loops of their own, each big enough to spread over every thread
+/// (an expert's matmuls): whole items run side by side for as many rounds as fill every thread,
+/// then the `count % threads` left over run one after another, each with the whole pool for its
+/// own loops. With 3 items on 2 threads, [`map`] takes two items' time; this, one and a half.
+/// Results are [`map`]'s: an item's result never depends on where its loops run.
+pub fn map_spread<R: Send>(count: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    let inline = IN_ITEM.with(|c| c.get()) || threads() == 1 || rayon::current_num_threads() == 1;
+    let width = if inline { 1 } else { threads() };
+    let whole = count - count % width;
+    let mut out = map(whole, &f);
+    out.extend((whole..count).map(&f));
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -510,6 +524,27 @@ mod tests {
         assert!(v.iter().enumerate().all(|(i, &x)| i == x));
         assert_eq!(map(7, |i| i * i), vec![0, 1, 4, 9, 16, 25, 36]);
         assert!(map(0, |i| i).is_empty());
+    }
+
+    #[test]
+    fn map_spread_is_map_and_runs_the_leftover_items_outside_the_loop() {
+        let t = threads();
+        for count in 0..3 * t + 2 {
+            let inner: Vec<AtomicUsize> = (0..count * 4).map(|_| AtomicUsize::new(0)).collect();
+            let got = map_spread(count, |i| {
+                for_each(4, |k| {
+                    inner[i * 4 + k].fetch_add(1, SeqCst);
+                });
+                (i * i, IN_ITEM.with(|c| c.get()))
+            });
+            let squares: Vec<usize> = got.iter().map(|g| g.0).collect();
+            assert_eq!(squares, (0..count).map(|i| i * i).collect::<Vec<_>>());
+            assert!(inner.iter().all(|h| h.load(SeqCst) == 1), "count {count}");
+            // the last `count % t` items ran outside any loop, so their own loops may spread
+            for (i, g) in got.iter().enumerate() {
+                assert_eq!(!g.1, i >= count - count % t, "count {count}, item {i}");
+            }
+        }
     }
 
     #[test]

@@ -465,8 +465,8 @@ impl StreamingExperts {
 }
 
 impl StreamingExperts {
-    /// Runs `items` (run index, expert) in parallel into `outs`, then releases them; returns
-    /// the seconds spent. `local` (the caller's shared expert, see
+    /// Runs `items` (run index, expert) in parallel (as `map_blocks` spreads them) into `outs`,
+    /// then releases them; returns the seconds spent. `local` (the caller's shared expert, see
     /// [`ExpertExecutor::start_beside`]) runs as the loop's first item, its result into its slot
     /// (and its time into the seconds: the loop's are one wall time).
     fn compute(
@@ -484,8 +484,9 @@ impl StreamingExperts {
             Some((f, out)) => (Some(f), Some(out)),
             None => (None, None),
         };
+        let splits = items.iter().all(|(_, w)| w.splits());
         let mut ys: Vec<(usize, Vec<f32>)> =
-            charm_shared::par::map(first + items.len(), |k| match (k, local_f) {
+            charm_shared::linear::map_blocks(first + items.len(), splits, |k| match (k, local_f) {
                 (0, Some(f)) => (usize::MAX, f()),
                 _ => {
                     let (i, w) = &items[k - first];

@@ -4,8 +4,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::model::{
-    ModelCost, Node, NodeGpu, Setup, GIB, GPU_EFFICIENCY, GPU_HEADROOM_GIB, GPU_SUBMIT_S,
-    PCIE_BYTES_S,
+    ModelCost, Node, NodeGpu, Setup, EXPERT_EFFICIENCY, GIB, GPU_EFFICIENCY, GPU_HEADROOM_GIB,
+    GPU_SUBMIT_S, PCIE_BYTES_S,
 };
 use crate::model::engine::DenseDevice;
 
@@ -65,7 +65,7 @@ fn default_dense_eff() -> f64 {
     0.8
 }
 fn default_expert_eff() -> f64 {
-    0.5
+    EXPERT_EFFICIENCY
 }
 fn default_reserve() -> f64 {
     4.0
@@ -85,7 +85,8 @@ pub struct Described {
     /// hand-offs), ms: measured 0.15 ms on loopback (docs/benchmarks.md, pinned).
     #[serde(default = "default_overhead")]
     pub request_overhead_ms: f64,
-    /// Share of the memory bandwidth the kernels read weights at: dense (int8) and experts.
+    /// Share of the memory bandwidth the kernels read weights at: dense (int8) and experts
+    /// (default [`EXPERT_EFFICIENCY`], measured).
     #[serde(default = "default_dense_eff")]
     pub dense_efficiency: f64,
     #[serde(default = "default_expert_eff")]
