@@ -8,12 +8,15 @@
 
 mod common;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use charm_coordinator::model::cache::KvCache;
 use charm_coordinator::model::engine::DenseDevice;
 use charm_coordinator::model::forward::Step;
-use charm_coordinator::{Engine, EngineOptions, ForwardOptions, MlaMode, Model, Trace};
+use charm_coordinator::{
+    Engine, EngineOptions, ForwardOptions, HistoryPolicy, MlaMode, Model, Trace,
+};
+use charm_shared::expert::{ExpertBatch, ExpertError, ExpertExecutor, LookaheadPolicy};
 use charm_shared::quant::Activations;
 use charm_worker::gpu::Gpu;
 use common::{fixture, oracle_ids, scratch};
@@ -226,6 +229,127 @@ fn a_cache_written_on_one_device_continues_on_the_other() {
 
 /// A container with int4 experts and int8 dense weights, loaded with int8 activations: the
 /// dense matrices on the integer path.
+/// The real executor, with every prediction the forward pass hands it recorded: as a streaming
+/// store that wants them (`lookahead` answers a policy), whatever `inner` is.
+#[derive(Debug)]
+struct Predictions {
+    inner: Arc<dyn ExpertExecutor>,
+    /// (early guess, layer, ids, sure)
+    seen: Mutex<Vec<(bool, usize, Vec<u32>, usize)>>,
+}
+
+impl ExpertExecutor for Predictions {
+    fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
+        self.inner.run(batch)
+    }
+    fn lookahead(&self) -> Option<LookaheadPolicy> {
+        Some(LookaheadPolicy {
+            sure_num: 5,
+            sure_den: 8,
+            early_max_tokens: 4,
+            early_rank_div: 4,
+        })
+    }
+    fn prefetch(&self, layer: usize, ids: &[u32], sure: usize) {
+        let mut s = self.seen.lock().unwrap();
+        s.push((false, layer, ids.to_vec(), sure));
+    }
+    fn prefetch_early(&self, layer: usize, ids: &[u32]) {
+        let mut s = self.seen.lock().unwrap();
+        s.push((true, layer, ids.to_vec(), 0));
+    }
+}
+
+#[test]
+fn the_router_lookahead_predicts_what_the_cpu_pass_predicts_with_the_dense_skeleton_on_the_gpu() {
+    if device().is_none() {
+        return;
+    }
+    // a dense first layer (early guesses at the next MoE layer, up to four rows), then MoE
+    // layers; MLA, and DSA
+    for name in ["deepseek3-tiny", "glm5-tiny"] {
+        let ids = oracle_ids(name, "tf_input_ids");
+        let run = |dense| {
+            let mut e = Engine::load(
+                &fixture(name),
+                &EngineOptions {
+                    dense_device: dense,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let rec = Arc::new(Predictions {
+                inner: e.model.experts.clone(),
+                seen: Mutex::new(Vec::new()),
+            });
+            e.model.experts = rec.clone();
+            let m = &e.model;
+            assert_eq!(m.dense_gpu.is_some(), dense == DenseDevice::Gpu);
+            // prefills of 3 and of 13 rows (no early guess past four), then decode
+            let mut cache = KvCache::new(&m.spec);
+            let mut logits = step(m, &ids[..3], &mut cache);
+            logits.extend(step(m, &ids[3..16], &mut cache));
+            for t in &ids[16..20] {
+                logits.extend(step(m, &[*t], &mut cache));
+            }
+            let seen = std::mem::take(&mut *rec.seen.lock().unwrap());
+            (logits, seen)
+        };
+        let (cl, cs) = run(DenseDevice::Cpu);
+        let (gl, gs) = run(DenseDevice::Gpu);
+        same(&gl, &cl, name);
+        assert!(
+            cs.iter().any(|p| p.0) && cs.iter().any(|p| !p.0),
+            "{name}: {cs:?}"
+        );
+        assert_eq!(
+            gs, cs,
+            "{name}: the GPU pass's predictions against the CPU pass's"
+        );
+    }
+    // and a streaming store wanting them gets them: as many of the experts used had a
+    // prediction, and as many were predicted, as on the CPU
+    let name = "deepseek3-tiny";
+    let dir = scratch("dense-gpu-stream");
+    let (ok, err) = common::convert(&fixture(name), &dir, &["--experts", "int8"], None);
+    assert!(ok, "{err}");
+    let ids = oracle_ids(name, "tf_input_ids");
+    let ctx = ids.len() + 8;
+    let opts = |ram: u64, dense| EngineOptions {
+        ram: Some(ram),
+        context: ctx,
+        batch_tokens: Some(ctx),
+        history: HistoryPolicy::Off,
+        dense_device: dense,
+        ..Default::default()
+    };
+    let plan = Engine::load(&dir, &opts(1 << 40, DenseDevice::Cpu))
+        .unwrap()
+        .plan
+        .expect("a container is planned");
+    let ram = plan.resident_bytes + 2 * plan.expert_layers as u64 * plan.expert_bytes;
+    let run = |dense| {
+        let e = Engine::load(&dir, &opts(ram, dense)).unwrap();
+        let m = &e.model;
+        let mut cache = KvCache::new(&m.spec);
+        let mut logits = step(m, &ids[..8], &mut cache);
+        for t in &ids[8..] {
+            logits.extend(step(m, &[*t], &mut cache));
+        }
+        (logits, m.experts.stats().expect("a streaming store"))
+    };
+    let (cl, cs) = run(DenseDevice::Cpu);
+    let (gl, gs) = run(DenseDevice::Gpu);
+    same(&gl, &cl, "streaming");
+    assert!(gs.lookahead_used > 0, "{gs:?}");
+    assert_eq!(
+        (gs.lookahead_used, gs.lookahead_predicted_used),
+        (cs.lookahead_used, cs.lookahead_predicted_used),
+        "GPU {gs:?} against CPU {cs:?}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 fn int8_container() -> std::path::PathBuf {
     let out = scratch("dense-gpu-int8");
     let (ok, err) = common::convert(

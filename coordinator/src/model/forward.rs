@@ -339,12 +339,7 @@ impl Model {
         // while attention computes.
         timed(Phase::Lookahead, || {
             if let Some((ids, policy)) = self.predict_experts(layer, x, n) {
-                let k = ids.len() / n.max(1);
-                self.experts.prefetch(
-                    layer.index,
-                    &by_rank(&ids, n, usize::MAX),
-                    n * policy.sure_ranks(k),
-                );
+                self.hand_prediction(layer.index, &ids, n, policy, false);
             } else {
                 // a dense layer: guess at the next MoE layer already (read while the disk idles)
                 self.guess_next_moe(layer, x, n);
@@ -456,15 +451,42 @@ impl Model {
         Ok(())
     }
 
+    /// Hands the executor the experts predicted for MoE layer `layer` (`ids`, `[n, k]`): its
+    /// lookahead (the first `sure_ranks` of each token read for sure), or with `early` a guess a
+    /// layer or more ahead, read only while the disk would otherwise idle. Both by rank: every
+    /// token's first choice, then every token's second, ...
+    pub(crate) fn hand_prediction(
+        &self,
+        layer: usize,
+        ids: &[u32],
+        n: usize,
+        policy: LookaheadPolicy,
+        early: bool,
+    ) {
+        let k = ids.len() / n.max(1);
+        if early {
+            self.experts
+                .prefetch_early(layer, &by_rank(ids, n, policy.early_ranks(k)));
+        } else {
+            self.experts.prefetch(
+                layer,
+                &by_rank(ids, n, usize::MAX),
+                n * policy.sure_ranks(k),
+            );
+        }
+    }
+
+    /// Whether a layer without routed experts guesses at the next MoE layer's for `n` rows: the
+    /// executor's policy, when it wants predictions at all.
+    pub(crate) fn early_policy(&self, n: usize) -> Option<LookaheadPolicy> {
+        self.experts.lookahead().filter(|p| n <= p.early_max_tokens)
+    }
+
     /// An early guess at the experts of the next MoE layer after `layer`: its router on `x`, the
     /// residual stream a layer or more before it, read by a streaming store only while its disk
     /// would otherwise idle (between this layer's reads and that layer's own lookahead).
     fn guess_next_moe(&self, layer: &LayerWeights, x: &[f32], n: usize) {
-        if self
-            .experts
-            .lookahead()
-            .is_none_or(|p| n > p.early_max_tokens)
-        {
+        if self.early_policy(n).is_none() {
             return;
         }
         let Some(next) = self
@@ -475,11 +497,7 @@ impl Model {
             return;
         };
         if let Some((ids, policy)) = self.predict_experts(next, x, n) {
-            // by rank: every token's first choice, then every token's second, ... down to the
-            // ranks the executor's policy keeps
-            let k = ids.len() / n.max(1);
-            self.experts
-                .prefetch_early(next.index, &by_rank(&ids, n, policy.early_ranks(k)));
+            self.hand_prediction(next.index, &ids, n, policy, true);
         }
     }
 

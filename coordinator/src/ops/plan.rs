@@ -130,6 +130,8 @@ pub struct Plan {
     /// Dense + KV + I/O + working set: what must fit before any expert is cached.
     pub resident_bytes: u64,
     pub moe_layers: usize,
+    /// Decoder layers with a dense feed-forward (no routed experts).
+    pub dense_layers: usize,
     /// Layers with routed experts in the container (the MoE layers, plus the MTP layer's).
     pub expert_layers: usize,
     pub experts_per_layer: usize,
@@ -433,6 +435,7 @@ impl Stored<'_> {
             working_bytes,
             resident_bytes,
             moe_layers,
+            dense_layers: spec.layers.len() - moe_layers,
             expert_layers: layers.len(),
             experts_per_layer: spec.router.as_ref().map_or(0, |r| r.n_experts),
             top_k,

@@ -307,14 +307,23 @@ impl Described {
                 let bps = g.mem_gb_s * 1e9 * self.gpu_efficiency;
                 let pcie = g.pcie_gb_s.map_or(PCIE_BYTES_S, |p| p * 1e9);
                 let per_layer = m.pcie_bytes / m.gpu_round_trips.max(1) as f64 / pcie;
+                // one machine streaming experts its RAM does not hold: the router's lookahead
+                // comes back from the GPU before each layer's attention (a draft's one layer too)
+                let lookahead = self.machines.len() == 1
+                    && (nodes[0].ram_bytes as f64) < m.experts_total_bytes as f64;
+                let (ahead, ahead_draft) = if lookahead {
+                    (m.lookahead_round_trips as f64, 1.0)
+                } else {
+                    (0.0, 0.0)
+                };
                 (
                     m.dense_read_bytes as f64 / bps
-                        + m.gpu_round_trips as f64 * GPU_SUBMIT_S
+                        + (m.gpu_round_trips as f64 + ahead) * GPU_SUBMIT_S
                         + m.pcie_bytes / pcie,
                     // the shared expert runs on the GPU while the routed experts compute
                     m.shared_read_bytes as f64 / bps,
                     // a draft: the MTP layer and its head, one MoE layer's round trip
-                    m.mtp_read_bytes as f64 / bps + 2.0 * GPU_SUBMIT_S + per_layer,
+                    m.mtp_read_bytes as f64 / bps + (2.0 + ahead_draft) * GPU_SUBMIT_S + per_layer,
                 )
             }
             None => (
@@ -398,6 +407,22 @@ mod tests {
         // f32 activations: the card runs the dense pass but holds no experts
         let no_experts = d.setup_with(&m, DenseDevice::Gpu, false).unwrap();
         assert!(no_experts.nodes[0].gpu.is_none() && no_experts.dense_device == "gpu");
+        // one machine: its store reads experts ahead when its RAM does not hold them all, and
+        // each layer's lookahead comes back from the GPU first (the test model's experts are
+        // 0.6 GB: 64 GiB holds them, 1.2 GiB less the skeleton's share does not)
+        let one = |ram: f64| {
+            Described::parse(&format!(
+                r#"{{"machines": [{{"name": "c", "ram_gib": {ram}, "mem_gb_s": 50,
+                    "gpu": {{"vram_gib": 8, "mem_gb_s": 1000, "pcie_gb_s": 10}}}}],
+                    "reserve_gib": 0}}"#
+            ))
+            .unwrap()
+            .setup_with(&m, DenseDevice::Gpu, true)
+            .unwrap()
+        };
+        let (fits, streams) = (one(64.0), one(1.2));
+        assert!((streams.dense_s - fits.dense_s - 12.0 * GPU_SUBMIT_S).abs() < 1e-9);
+        assert!((streams.mtp_s - fits.mtp_s - GPU_SUBMIT_S).abs() < 1e-9);
     }
 
     #[test]

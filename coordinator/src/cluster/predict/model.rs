@@ -36,6 +36,10 @@ pub struct ModelCost {
     /// full DSA layer's scores up), and the submissions that wait for them.
     pub pcie_bytes: f64,
     pub gpu_round_trips: usize,
+    /// Read-backs a decoded token adds to the dense pass on a GPU when its executor wants the
+    /// router's lookahead (one machine whose RAM does not hold every expert): one per MoE layer,
+    /// two per dense layer (its guesses at the next MoE layer before and after attention).
+    pub lookahead_round_trips: usize,
 }
 
 impl ModelCost {
@@ -71,6 +75,7 @@ impl ModelCost {
             kv_bytes: p.kv_bytes,
             pcie_bytes: p.moe_layers as f64 * (2.0 * h + p.experts_per_layer as f64) * 4.0,
             gpu_round_trips: p.moe_layers + 1,
+            lookahead_round_trips: p.moe_layers + 2 * p.dense_layers,
         }
     }
 
@@ -624,6 +629,7 @@ pub(super) mod tests {
             kv_bytes: 100_000_000,
             pcie_bytes: 10.0 * 3.0 * 4096.0,
             gpu_round_trips: 11,
+            lookahead_round_trips: 12,
         }
     }
 

@@ -350,6 +350,8 @@ struct Regions {
     o: u32,
     f: u32,
     logits: u32,
+    /// The router logits of an early guess at the next MoE layer.
+    guess: u32,
     g: u32,
     u: u32,
     h: u32,
@@ -466,6 +468,7 @@ impl DenseGpu {
             o: take(n * h),
             f: take(n * h),
             logits: take(n * experts),
+            guess: take(n * experts),
             g: take(n * inter),
             u: take(n * inter),
             h: take(n * inter),
@@ -1174,6 +1177,7 @@ impl Model {
         };
         let mut sel: Option<Selection> = None;
         for (li, &(layer, gl)) in pass.layers.iter().enumerate() {
+            self.gpu_lookahead(&mut run, pass, li)?;
             // --- attention ---
             let (rx, ra) = (run.r.x, run.r.a);
             run.rec.rmsnorm(&gl.input_norm, rx, n, h, ra, eps);
@@ -1185,7 +1189,16 @@ impl Model {
             }
             let r = &run.r;
             run.rec.add(r.x, r.o, n * h, r.x);
+            // the CPU pass's guess at the next MoE layer after attention: an MoE layer's comes
+            // back with its rows, a dense layer's at once
+            let guess = self.gpu_guess(&mut run, pass, li);
+            let moe = matches!(layer.ffn, FfnWeights::Moe { .. });
+            if let (Some((next, g)), false) = (guess, moe) {
+                let back = run.flush(&[g])?;
+                self.hand_guess(next, &back[0], n);
+            }
             // --- feed-forward ---
+            let r = &run.r;
             run.rec.rmsnorm(&gl.post_norm, r.x, n, h, r.f, eps);
             match (&gl.ffn, &layer.ffn) {
                 (GFfn::Dense(sw), _) => {
@@ -1204,7 +1217,9 @@ impl Model {
                     let r = &run.r;
                     run.rec.linear(router, r.f, n, r.logits, r.qx);
                     let (f, lg, fl) = (r.f, r.logits, r.flags);
-                    let back = run.flush(&[(f, n * h), (lg, n * e), (fl, li)])?;
+                    let mut reads = vec![(f, n * h), (lg, n * e), (fl, li)];
+                    reads.extend(guess.map(|g| g.1));
+                    let back = run.flush(&reads)?;
                     // the shared expert runs on the device while the CPU routes and the routed
                     // experts compute (it is added after their sum, as everywhere)
                     if let Some(sw) = shared {
@@ -1214,6 +1229,9 @@ impl Model {
                         gpu.submit_program(&dg.kernels, &arena, &ops)?;
                     }
                     flags_of(&back[2])?;
+                    if let Some((next, _)) = guess {
+                        self.hand_guess(next, &back[3], n);
+                    }
                     let (f, logits) = (&back[0], &back[1]);
                     let k = rs.top_k;
                     let (mut ids, mut weights) =
@@ -1315,6 +1333,111 @@ impl Model {
         let normed = back.next().expect("the rows");
         let hidden = back.nth(1).expect("the rows before the norm");
         Ok((normed, hidden))
+    }
+}
+
+impl Model {
+    /// The router lookahead of the CPU pass (`layer_forward`) for layer `li` of `pass`, before
+    /// its attention: an MoE layer's router on the residual stream normed by the layer's
+    /// post-attention norm, handed to the executor as its lookahead; a layer without routed
+    /// experts guesses at the next MoE layer of the pass the same way ([`Self::gpu_guess`]). The
+    /// router runs on the device with the CPU's bits and its logits come back at once, so the
+    /// executor gets the CPU pass's predictions and starts their reads while attention runs.
+    /// Only while the executor wants predictions (a streaming store): the read-back is one more
+    /// wait a layer.
+    fn gpu_lookahead(
+        &self,
+        run: &mut Run<'_>,
+        pass: &Pass<'_>,
+        li: usize,
+    ) -> Result<(), ForwardError> {
+        let n = run.rows.n();
+        let (layer, gl) = pass.layers[li];
+        if !matches!(layer.ffn, FfnWeights::Moe { .. }) {
+            if let Some((next, g)) = self.gpu_guess(run, pass, li) {
+                let back = run.flush(&[g])?;
+                self.hand_guess(next, &back[0], n);
+            }
+            return Ok(());
+        }
+        let Some(policy) = self.experts.lookahead() else {
+            return Ok(());
+        };
+        let (f, lg) = (run.r.f, run.r.logits);
+        // (the feed-forward's regions: the layer writes them again after attention)
+        if let Some(read) = self.record_router(run, gl, f, lg) {
+            let back = run.flush(&[read])?;
+            let ids = self.route_rows(layer, &back[0]);
+            self.hand_prediction(layer.index, &ids, n, policy, false);
+        }
+        Ok(())
+    }
+
+    /// The CPU pass's early guess after layer `li` of `pass` (before it, or after its attention,
+    /// as the residual stream `x` stands): the next MoE layer of the pass routes `x`. Recorded
+    /// into the attention input's and the guess's regions (free until the next layer); returns
+    /// that layer and the read of its logits, `None` when no guess is wanted (more rows than the
+    /// executor's policy guesses for, or no MoE layer follows).
+    fn gpu_guess<'p>(
+        &self,
+        run: &mut Run<'_>,
+        pass: &Pass<'p>,
+        li: usize,
+    ) -> Option<(&'p LayerWeights, (u32, usize))> {
+        self.early_policy(run.rows.n())?;
+        let &(next, gnext) = pass.layers[li + 1..]
+            .iter()
+            .find(|(l, _)| matches!(l.ffn, FfnWeights::Moe { .. }))?;
+        let (a, g) = (run.r.a, run.r.guess);
+        let read = self.record_router(run, gnext, a, g)?;
+        Some((next, read))
+    }
+
+    /// Records MoE layer `gl`'s router on the residual stream normed by its post-attention norm
+    /// (into `normed`), its logits into `logits`; returns the read of the logits.
+    fn record_router(
+        &self,
+        run: &mut Run<'_>,
+        gl: &super::GLayer,
+        normed: u32,
+        logits: u32,
+    ) -> Option<(u32, usize)> {
+        let GFfn::Moe { router, .. } = &gl.ffn else {
+            return None;
+        };
+        let rs = self.spec.router.as_ref()?;
+        let (n, h) = (run.rows.n(), self.spec.hidden_size);
+        let (x, qx) = (run.r.x, run.r.qx);
+        run.rec
+            .rmsnorm(&gl.post_norm, x, n, h, normed, self.spec.rms_norm_eps);
+        run.rec.linear(router, normed, n, logits, qx);
+        Some((logits, n * rs.n_experts))
+    }
+
+    /// The experts MoE layer `layer` chooses from its router's `logits` (`[n, experts]`), as
+    /// `route` picks them, `[n, top_k]`.
+    fn route_rows(&self, layer: &LayerWeights, logits: &[f32]) -> Vec<u32> {
+        let (
+            FfnWeights::Moe {
+                correction_bias, ..
+            },
+            Some(rs),
+        ) = (&layer.ffn, self.spec.router.as_ref())
+        else {
+            return Vec::new();
+        };
+        logits
+            .chunks_exact(rs.n_experts)
+            .flat_map(|l| route(l, correction_bias.as_deref(), rs).ids)
+            .collect()
+    }
+
+    /// Hands an early guess at MoE layer `next` (its router's `logits`) to the executor.
+    fn hand_guess(&self, next: &LayerWeights, logits: &[f32], n: usize) {
+        if let Some(policy) = self.early_policy(n) {
+            let ids = self.route_rows(next, logits);
+            self.hand_prediction(next.index, &ids, n, policy, true);
+        }
     }
 }
 
