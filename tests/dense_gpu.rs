@@ -229,13 +229,15 @@ fn a_cache_written_on_one_device_continues_on_the_other() {
 
 /// A container with int4 experts and int8 dense weights, loaded with int8 activations: the
 /// dense matrices on the integer path.
+/// A prediction handed to the executor: (early guess, layer, ids, how many are sure).
+type Prediction = (bool, usize, Vec<u32>, usize);
+
 /// The real executor, with every prediction the forward pass hands it recorded: as a streaming
 /// store that wants them (`lookahead` answers a policy), whatever `inner` is.
 #[derive(Debug)]
 struct Predictions {
     inner: Arc<dyn ExpertExecutor>,
-    /// (early guess, layer, ids, sure)
-    seen: Mutex<Vec<(bool, usize, Vec<u32>, usize)>>,
+    seen: Mutex<Vec<Prediction>>,
 }
 
 impl ExpertExecutor for Predictions {
