@@ -113,19 +113,7 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
             // tier (`--vram`) runs; otherwise neither
             let int_path = act == Activations::Int8 && quantized;
             let group = if int_path { p.formats.group } else { 0 };
-            let full_dsa = spec
-                .layers
-                .iter()
-                .filter(|l| l.indexer == Some(charm_shared::config::IndexerKind::Full))
-                .count();
-            // a full DSA layer's choice waits for the CPU once its queries see more than
-            // `index_topk` keys
-            let full_dsa = match &spec.dsa {
-                Some(d) if p.context_tokens > d.topk => full_dsa,
-                _ => 0,
-            };
-            let m = ClusterCost::from_plan(&p, spec.hidden_size, group)
-                .with_dsa(full_dsa, p.context_tokens / 2);
+            let m = ClusterCost::from_plan(&p, spec.hidden_size, group);
             let d = d.clone();
             let gpus: Vec<&str> = d
                 .machines

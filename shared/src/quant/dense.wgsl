@@ -27,6 +27,8 @@
 //   keys (max, `exp(v - max)` with charm's exp, the sum in key order, then each divided by it);
 //   `gqa_values`: the value rows added in key order, `o += p * v` unfused from `o = +0`.
 // - `finite`: sets a flag word when any value is NaN or infinite.
+// - `dsa_topk`: `routing::top_k_set` (no arithmetic): a query's `k` best scores by `rank_bits`,
+//   ties to the lower key, as its ascending key list.
 
 struct Params {
     n: u32,
@@ -606,4 +608,127 @@ fn dsa_scores(@builtin(global_invocation_id) gid: vec3<u32>) {
         s = sf_add(s, term);
     }
     arena[p.out0 + t * p.ctx + j] = s;
+}
+
+// `routing::rank_bits`: an integer in the scores' order, NaN as negative infinity, -0 as +0.
+fn rank_key(b: u32) -> u32 {
+    var v = b;
+    if ((v & 0x7fffffffu) > 0x7f800000u) {
+        v = 0xff800000u;
+    } else if ((v & 0x7fffffffu) == 0u) {
+        v = 0u;
+    }
+    if ((v >> 31u) == 1u) {
+        return ~v;
+    }
+    return v | 0x80000000u;
+}
+
+var<workgroup> topk_hist: array<atomic<u32>, 256>;
+var<workgroup> topk_lane: array<vec2<u32>, 64>;
+var<workgroup> topk_at: vec2<u32>;
+
+// One workgroup per query row t of a span (`n` rows from position `pos0`): its `k` (`rows`)
+// best keys of the `pos0 + t + 1` it sees, by their scores at `in0 + t * ctx`, written as the
+// key list MLA reads (`[count, keys...]` at `out0 + t * (ctx + 1)`, ascending): `top_k_set`'s
+// choice, exactly. The k-th best rank is found a byte at a time from the top (a histogram of
+// the ranks that share the bytes found so far); every key above it is taken, and of those equal
+// to it the lowest, as many as are left.
+@compute @workgroup_size(64)
+fn dsa_topk(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
+    let t = wg.x;
+    if (t >= p.n) {
+        return;
+    }
+    let len = p.pos0 + t + 1u;
+    let k = p.rows;
+    let src = p.in0 + t * p.ctx;
+    let dst = p.out0 + t * (p.ctx + 1u);
+    if (len <= k) {
+        for (var i = lane; i < len; i += 64u) {
+            arena[dst + 1u + i] = i;
+        }
+        if (lane == 0u) {
+            arena[dst] = len;
+        }
+        return;
+    }
+    var found = 0u;
+    var left = k;
+    for (var byte = 0u; byte < 4u; byte++) {
+        let shift = 24u - 8u * byte;
+        for (var b = lane; b < 256u; b += 64u) {
+            atomicStore(&topk_hist[b], 0u);
+        }
+        workgroupBarrier();
+        for (var i = lane; i < len; i += 64u) {
+            let key = rank_key(arena[src + i]);
+            if (byte == 0u || (key >> (shift + 8u)) == found) {
+                atomicAdd(&topk_hist[(key >> shift) & 255u], 1u);
+            }
+        }
+        workgroupBarrier();
+        if (lane == 0u) {
+            // the byte where the ranks above it, counted from the top, reach the `left` wanted
+            var b = 255u;
+            var above = 0u;
+            loop {
+                let c = atomicLoad(&topk_hist[b]);
+                if (above + c >= left || b == 0u) {
+                    break;
+                }
+                above += c;
+                b -= 1u;
+            }
+            topk_at = vec2<u32>((found << 8u) | b, left - above);
+        }
+        workgroupBarrier();
+        found = topk_at.x;
+        left = topk_at.y;
+        workgroupBarrier();
+    }
+    // `found` is the k-th best rank; `left` keys of that rank are taken, the lowest first. Each
+    // lane takes a run of keys: it counts its keys above and at that rank, lane 0 turns the
+    // counts into where each run starts in the list, then each lane writes its chosen keys.
+    let per = (len + 63u) / 64u;
+    let lo = min(lane * per, len);
+    let hi = min(lo + per, len);
+    var above = 0u;
+    var at = 0u;
+    for (var i = lo; i < hi; i++) {
+        let key = rank_key(arena[src + i]);
+        if (key > found) {
+            above += 1u;
+        } else if (key == found) {
+            at += 1u;
+        }
+    }
+    topk_lane[lane] = vec2<u32>(above, at);
+    workgroupBarrier();
+    if (lane == 0u) {
+        var out = 0u;
+        var ties = 0u;
+        for (var j = 0u; j < 64u; j++) {
+            let c = topk_lane[j];
+            topk_lane[j] = vec2<u32>(out, ties);
+            out += c.x + min(c.y, left - min(ties, left));
+            ties += c.y;
+        }
+        arena[dst] = k;
+    }
+    workgroupBarrier();
+    var o = topk_lane[lane].x;
+    var tie = topk_lane[lane].y;
+    for (var i = lo; i < hi; i++) {
+        let key = rank_key(arena[src + i]);
+        var take = key > found;
+        if (key == found) {
+            take = tie < left;
+            tie += 1u;
+        }
+        if (take) {
+            arena[dst + 1u + o] = i;
+            o += 1u;
+        }
+    }
 }

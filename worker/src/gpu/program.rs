@@ -33,7 +33,7 @@ impl std::fmt::Debug for Kernels {
 }
 
 /// The entry points of the dense shader.
-const DENSE_ENTRIES: [&str; 19] = [
+const DENSE_ENTRIES: [&str; 20] = [
     "linear",
     "rmsnorm",
     "add",
@@ -53,6 +53,7 @@ const DENSE_ENTRIES: [&str; 19] = [
     "mla_naive_scores",
     "mla_naive_values",
     "dsa_scores",
+    "dsa_topk",
 ];
 
 /// One dispatch: a kernel, the buffers it binds, its parameter block and its workgroups.

@@ -24,8 +24,8 @@
 //!
 //! With the dense pass on the coordinator's GPU (`--dense-device gpu`, or `auto` where the
 //! skeleton and the KV cache fit its VRAM) it reads the skeleton at the GPU's bandwidth times
-//! `gpu_efficiency`, and a token adds one submission per MoE layer and per full DSA layer
-//! ([`GPU_SUBMIT_S`] each) and the rows over PCIe ([`PCIE_BYTES_S`] unless the machine's `gpu`
+//! `gpu_efficiency`, and a token adds one submission per MoE layer ([`GPU_SUBMIT_S`] each;
+//! DSA's top-k runs on the device) and the rows over PCIe ([`PCIE_BYTES_S`] unless the machine's `gpu`
 //! gives `pcie_gb_s`); the shared expert runs there while the routed experts compute, the MTP
 //! drafts run there too, and the coordinator's VRAM beyond the skeleton and the KV cache holds
 //! experts.

@@ -32,8 +32,8 @@ pub struct ModelCost {
     pub dense_bytes: u64,
     pub kv_bytes: u64,
     /// Bytes a token moves between the coordinator's GPU and its CPU when the dense pass runs
-    /// there (each MoE layer's normed row and router logits up, the experts' sum down; each
-    /// full DSA layer's scores up), and the submissions that wait for them.
+    /// there (each MoE layer's normed row and router logits up, the experts' sum down), and the
+    /// submissions that wait for them.
     pub pcie_bytes: f64,
     pub gpu_round_trips: usize,
     /// Read-backs a decoded token adds to the dense pass on a GPU when its executor wants the
@@ -77,14 +77,6 @@ impl ModelCost {
             gpu_round_trips: p.moe_layers + 1,
             lookahead_round_trips: p.moe_layers + 2 * p.dense_layers,
         }
-    }
-
-    /// [`Self::pcie_bytes`] and [`Self::gpu_round_trips`] with `full` DSA layers whose
-    /// queries see `context` keys: each sends its scores up and waits for the choice.
-    pub fn with_dsa(mut self, full: usize, context: usize) -> Self {
-        self.pcie_bytes += full as f64 * (4.0 * context as f64 + 4.0 * context.min(2048) as f64);
-        self.gpu_round_trips += full;
-        self
     }
 }
 

@@ -15,7 +15,6 @@ use crate::model::forward::{ForwardError, ForwardOptions, MlaMode, Step, Trace};
 use crate::model::rows::{Rows, Selection};
 use crate::model::{FfnWeights, LayerWeights, Model};
 use charm_shared::config::{AttentionSpec, IndexerKind};
-use charm_shared::routing::top_k_set;
 
 impl From<GpuError> for ForwardError {
     fn from(e: GpuError) -> Self {
@@ -332,6 +331,14 @@ impl Rec {
         self.push("silu_mul", None, None, p, flat_groups(len));
         self.linear(&s.down, r.h, n, y, r.qx);
     }
+}
+
+/// The keys a DSA layer's queries attend: every causal key (no query sees more than
+/// `index_topk`), or the lists the indexer chose on the device, in the arena's key region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Keys {
+    All,
+    Listed,
 }
 
 /// Word offsets of a step's activations in the arena.
@@ -678,7 +685,7 @@ impl Run<'_> {
         layer: &LayerWeights,
         at: &GMla,
         m: &Model,
-        sel: &mut Option<Selection>,
+        sel: &mut Option<Keys>,
         opts: ForwardOptions,
         trace: Option<&mut Trace>,
     ) -> Result<(), ForwardError> {
@@ -731,26 +738,13 @@ impl Run<'_> {
             if let (IndexerKind::Full, Some(iw), true) = (kind, &at.indexer, q_resid) {
                 let chosen = self.indexer(li, iw, dsa, m)?;
                 if let Some(tr) = trace {
-                    tr.dsa.push(chosen.clone());
+                    tr.dsa.push(self.selection(chosen)?);
                 }
                 *sel = Some(chosen);
             }
         }
-        // key lists
-        let with_keys = sel.is_some();
-        if let Some(chosen) = sel.as_ref() {
-            let mut lists = vec![0.0f32; n * (self.ctx + 1)];
-            for (t, keys) in chosen.iter().enumerate() {
-                let row = &mut lists[t * (self.ctx + 1)..(t + 1) * (self.ctx + 1)];
-                row[0] = f32::from_bits(keys.len() as u32);
-                for (o, &k) in row[1..].iter_mut().zip(keys) {
-                    *o = f32::from_bits(k);
-                }
-            }
-            // lands before the next submission, after what is recorded so far runs: flush first
-            self.flush(&[])?;
-            self.dg.gpu.write(&self.arena, self.r.keys as u64, &lists);
-        }
+        // the key lists the indexer left in the arena (a shared layer reads its full layer's)
+        let with_keys = *sel == Some(Keys::Listed);
         let naive = opts.mla == MlaMode::Naive;
         for si in 0..self.rows.spans.len() {
             let span = self.rows.spans[si].clone();
@@ -882,7 +876,7 @@ impl Run<'_> {
         iw: &super::GIndexer,
         d: &charm_shared::config::DsaSpec,
         m: &Model,
-    ) -> Result<Selection, ForwardError> {
+    ) -> Result<Keys, ForwardError> {
         const KEY_EPS: f32 = 1e-6;
         let (s, n) = (self.s, self.rows.n());
         let r = &self.r;
@@ -912,9 +906,8 @@ impl Run<'_> {
             self.rec
                 .append_kv(&buf, ibase, s.iw, x, span.len(), ihd, ihd, self.cached[si]);
         }
-        let all = |p: usize| (0..=p as u32).collect::<Vec<u32>>();
         if self.rows.pos.iter().all(|&p| p < d.topk) {
-            return Ok(self.rows.pos.iter().map(|&p| all(p)).collect());
+            return Ok(Keys::All);
         }
         let r = &self.r;
         self.rec.linear(&iw.wq_b, r.qr, n, r.iq, r.qx);
@@ -952,22 +945,49 @@ impl Run<'_> {
                 grid(self.ctx, span.len(), 1),
             );
         }
-        let dsa = self.r.dsa;
-        let scores = self.flush(&[(dsa, n * self.ctx)])?.remove(0);
-        Ok(self
-            .rows
-            .pos
-            .iter()
-            .enumerate()
-            .map(|(t, &p)| {
-                if p < d.topk {
-                    all(p)
-                } else {
-                    top_k_set(&scores[t * self.ctx..t * self.ctx + p + 1], d.topk)
-                        .into_iter()
-                        .map(|j| j as u32)
-                        .collect()
-                }
+        // each query's top keys, chosen on the device into the key lists
+        for si in 0..self.rows.spans.len() {
+            let span = self.rows.spans[si].clone();
+            if span.is_empty() {
+                continue;
+            }
+            let r = &self.r;
+            let p = P {
+                n: span.len(),
+                rows: d.topk,
+                ctx: self.ctx,
+                pos0: self.cached[si],
+                in0: r.dsa + (span.start * self.ctx) as u32,
+                out0: r.keys + (span.start * (self.ctx + 1)) as u32,
+                ..Default::default()
+            };
+            self.rec
+                .push("dsa_topk", None, None, p, [span.len() as u32, 1, 1]);
+        }
+        Ok(Keys::Listed)
+    }
+
+    /// Each query's keys as `indexer_select` gives them, for a trace: every causal key, or the
+    /// lists read back from the arena.
+    fn selection(&mut self, keys: Keys) -> Result<Selection, ForwardError> {
+        let (n, stride) = (self.rows.n(), self.ctx + 1);
+        if keys == Keys::All {
+            return Ok(self
+                .rows
+                .pos
+                .iter()
+                .map(|&p| (0..=p as u32).collect())
+                .collect());
+        }
+        let lists = self.flush(&[(self.r.keys, n * stride)])?.remove(0);
+        Ok(lists
+            .chunks_exact(stride)
+            .map(|row| {
+                let count = row[0].to_bits() as usize;
+                row[1..=count.min(stride - 1)]
+                    .iter()
+                    .map(|k| k.to_bits())
+                    .collect()
             })
             .collect())
     }
@@ -1175,7 +1195,7 @@ impl Model {
                 None => Ok(()),
             }
         };
-        let mut sel: Option<Selection> = None;
+        let mut sel: Option<Keys> = None;
         for (li, &(layer, gl)) in pass.layers.iter().enumerate() {
             self.gpu_lookahead(&mut run, pass, li)?;
             // --- attention ---
@@ -1461,4 +1481,108 @@ enum Input<'a> {
         g: &'a super::GMtp,
         embed: &'a charm_shared::linear::Linear,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use charm_shared::routing::top_k_set;
+    use charm_worker::gpu::Gpu;
+
+    /// `dsa_topk` against `top_k_set` on rows of ties, signed zeros, NaNs, infinities,
+    /// subnormals and random bit patterns, with lists shorter and longer than `k`.
+    #[test]
+    fn the_device_top_k_is_top_k_set() {
+        let gpu = match Gpu::open(None) {
+            Ok(g) => g,
+            Err(e) => {
+                assert!(
+                    std::env::var("CHARM_REQUIRE_GPU").as_deref() != Ok("1"),
+                    "CHARM_REQUIRE_GPU=1 but no GPU opened: {e}"
+                );
+                eprintln!("no GPU here ({e}): skipped");
+                return;
+            }
+        };
+        let kernels = gpu.dense_kernels().unwrap();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 32) as u32
+        };
+        let pool = [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            2.5,
+            1e-40,
+            -1e-40,
+            3.0,
+        ];
+        for case in 0..40 {
+            let ctx = 1 + (next() % 700) as usize;
+            let n = 1 + (next() as usize % 4).min(ctx - 1);
+            let pos0 = ctx - n;
+            let topk = [1, 2, 8, 64, ctx / 2, ctx.saturating_sub(1), ctx, ctx + 3][case % 8].max(1);
+            let scores: Vec<f32> = (0..n * ctx)
+                .map(|_| match case % 3 {
+                    0 => pool[next() as usize % pool.len()],
+                    1 => f32::from_bits(next()),
+                    _ => (next() % 5) as f32 - 2.0,
+                })
+                .collect();
+            let keys = n * ctx;
+            let arena = gpu
+                .storage((keys + n * (ctx + 1)) as u64 * 4, "test")
+                .unwrap();
+            gpu.write(&arena, 0, &scores);
+            let p = P {
+                n,
+                rows: topk,
+                ctx,
+                pos0,
+                in0: 0,
+                out0: keys as u32,
+                ..Default::default()
+            };
+            let op = Dispatch {
+                entry: "dsa_topk",
+                w: None,
+                kv: None,
+                params: p.words(),
+                groups: [n as u32, 1, 1],
+            };
+            let back = gpu
+                .run_program(
+                    &kernels,
+                    &arena,
+                    &[op],
+                    &[(&arena, keys as u64, n * (ctx + 1))],
+                )
+                .unwrap();
+            for (t, row) in back[0].chunks_exact(ctx + 1).enumerate() {
+                let len = pos0 + t + 1;
+                let want: Vec<u32> = top_k_set(&scores[t * ctx..t * ctx + len], topk)
+                    .into_iter()
+                    .map(|j| j as u32)
+                    .collect();
+                let count = row[0].to_bits() as usize;
+                let got: Vec<u32> = row[1..=count.min(ctx)]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                assert_eq!(
+                    got, want,
+                    "case {case}: row {t} of {n}, {len} keys, k {topk}"
+                );
+            }
+        }
+    }
 }
