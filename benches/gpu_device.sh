@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks on a lent machine with a real adapter (an NVIDIA GPU through Vulkan): a release
 # build, the bit-identity tests (`tests/gpu.rs`, a missing adapter counting as a failure), then
-# the full GPU bench (`benches/gpu.rs`: copy bandwidth, int4/int8 expert kernels at GLM-5.2's
-# shape, the demo model end to end). Everything goes to stdout; about 8 minutes in all.
+# the dense skeleton's (`tests/dense_gpu.rs`), then the full GPU bench (`benches/gpu.rs`: copy
+# bandwidth, int4/int8 expert kernels at GLM-5.2's shape, the demo model end to end, the dense
+# pass on the GPU and on the CPU). Everything goes to stdout; about 10 minutes in all.
 #
 # usage: benches/gpu_device.sh
 # Offline: cargo must find every crate already (a carried CARGO_HOME or vendored sources), and a
@@ -36,12 +37,15 @@ step() { # label seconds command..: runs a step under a time limit, printing its
 
 # 1. build everything the two steps run (release: the test binary, charm, the bench)
 step build 300 bash -c 'cargo build --release --bin charm &&
-  cargo test --release --test gpu --no-run && cargo bench --bench gpu --no-run' || exit 1
-# 2. the kernels and the VRAM tier against the CPU, bit for bit, on the first adapter in order
+  cargo test --release --test gpu --test dense_gpu --no-run && cargo bench --bench gpu --no-run' || exit 1
+# 2. the kernels and the VRAM tier against the CPU, bit for bit, on the first adapter in order;
+# then the dense skeleton on the device (every oracle fixture, the demo, the gateway, workers)
 step "cargo test --release --test gpu" 100 cargo test --release --test gpu
 tests=$?
+step "cargo test --release --test dense_gpu" 120 cargo test --release --test dense_gpu
+dense=$?
 # 3. the bench at full shapes (its own MISMATCH lines and exit 1 if the GPU differs)
 step "cargo bench --bench gpu" 80 cargo bench --bench gpu
 bench=$?
-echo "tests exit $tests, bench exit $bench"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+echo "tests exit $tests, dense tests exit $dense, bench exit $bench"
+[ "$tests" -eq 0 ] && [ "$dense" -eq 0 ] && [ "$bench" -eq 0 ]
