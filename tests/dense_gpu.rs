@@ -3,7 +3,8 @@
 //! with f32 weights and activations and with a container on the integer path (int8
 //! activations), with routed experts on the CPU and in VRAM; a KV cache written by one device
 //! resumed on the other; the CLI's tokens; models the GPU path does not take yet refused by
-//! `gpu` and left on the CPU by `auto`. On a machine without a Vulkan or Metal adapter these tests
+//! `gpu` and left on the CPU by `auto`; the router lookahead's predictions, equal to the CPU
+//! pass's. On a machine without a Vulkan or Metal adapter these tests
 //! say so and pass, unless `CHARM_REQUIRE_GPU=1` (CI, on Mesa's lavapipe) makes that a failure.
 
 mod common;

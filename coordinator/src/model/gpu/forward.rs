@@ -2,7 +2,8 @@
 //! `model::forward`, each CPU kernel replaced by its GPU twin. One submission runs from one MoE
 //! layer's routed experts to the next's: at each MoE layer the normed rows and the router's logits
 //! come back, the CPU routes them and the model's executor computes the routed experts (RAM, a
-//! streaming store, the VRAM tier or workers), and their sum goes back down.
+//! streaming store, the VRAM tier or workers), and their sum goes back down. Where the executor
+//! reads experts ahead, each layer's router lookahead comes back before its attention too.
 
 use charm_shared::expert::ExpertBatch;
 use charm_shared::quant::gpu::{nibble_block, KernelParams};
@@ -869,7 +870,8 @@ impl Run<'_> {
     }
 
     /// The DSA lightning indexer of layer `li` (`indexer_select`): its keys into the cache, the
-    /// scores on the GPU, each query's top keys chosen on the CPU from them.
+    /// scores, and each query's top keys chosen from them into the key lists (`dsa_topk`), all
+    /// on the device.
     fn indexer(
         &mut self,
         li: usize,
