@@ -603,17 +603,7 @@ mod tests {
         use crate::kernels::Matrix;
         use crate::linear::{Linear, SwiGlu};
         use crate::quant::{Activations, QMatrix, QuantKind};
-        let noise = |seed: u64, n: usize| -> Vec<f32> {
-            let mut s = seed;
-            (0..n)
-                .map(|_| {
-                    s = s
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-                })
-                .collect()
-        };
+        let noise = crate::kernels::tests::lcg;
         let (hidden, inter) = (2048, 1024);
         let lin = |r: usize, c: usize, seed: u64, int4: bool| {
             let m = Matrix::new(r, c, noise(seed, r * c));

@@ -588,10 +588,11 @@ pub fn silu_mul(h: &mut [f32], u: &[f32]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn lcg(seed: u64, n: usize) -> Vec<f32> {
+    /// `n` values in [-0.5, 0.5) from a linear congruential generator seeded with `seed`.
+    pub(crate) fn lcg(seed: u64, n: usize) -> Vec<f32> {
         let mut s = seed;
         (0..n)
             .map(|_| {
