@@ -353,6 +353,60 @@ fn the_router_lookahead_predicts_what_the_cpu_pass_predicts_with_the_dense_skele
     std::fs::remove_dir_all(&dir).ok();
 }
 
+#[test]
+fn the_dense_weights_leave_ram_for_the_expert_cache_once_the_gpu_holds_them() {
+    if device().is_none() {
+        return;
+    }
+    let name = "glm5-tiny";
+    let dir = scratch("dense-gpu-release");
+    let (ok, err) = common::convert(&fixture(name), &dir, &["--experts", "int8"], None);
+    assert!(ok, "{err}");
+    let ids = oracle_ids(name, "tf_input_ids");
+    let opts = |ram: Option<u64>, dense| EngineOptions {
+        ram,
+        context: ids.len(),
+        batch_tokens: Some(ids.len()),
+        history: HistoryPolicy::Off,
+        dense_device: dense,
+        ..Default::default()
+    };
+    let probe = Engine::load(&dir, &opts(Some(1 << 40), DenseDevice::Cpu)).unwrap();
+    let plan = probe.plan.clone().expect("a container is planned");
+    let want = logits(&probe.model, &ids);
+    drop(probe);
+    // one expert per layer: the dense weights' room is more than the cache had
+    let ram = plan.resident_bytes + plan.expert_layers as u64 * plan.expert_bytes;
+    let mut e = Engine::load(&dir, &opts(Some(ram), DenseDevice::Gpu)).unwrap();
+    assert!(e.model.cpu_dense_released);
+    let cap = e.stats().unwrap().cache_capacity_bytes;
+    let freed = cap - e.plan.as_ref().unwrap().cache_bytes;
+    assert!(
+        freed > plan.dense_bytes / 2 && freed < plan.dense_bytes,
+        "the cache grew by {freed} bytes of a {}-byte skeleton (the embedding stays)",
+        plan.dense_bytes
+    );
+    same(&logits(&e.model, &ids), &want, "released CPU copies");
+    // a CPU pass without them is an error, not a panic
+    e.model.dense_gpu = None;
+    let err = e
+        .model
+        .forward(
+            &ids[..2],
+            &mut KvCache::new(&e.model.spec),
+            ForwardOptions::default(),
+            None,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("GPU only"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Logits of a prefill of `ids`.
+fn logits(m: &Model, ids: &[u32]) -> Vec<f32> {
+    step(m, ids, &mut KvCache::new(&m.spec))
+}
+
 fn int8_container() -> std::path::PathBuf {
     let out = scratch("dense-gpu-int8");
     let (ok, err) = common::convert(

@@ -196,6 +196,12 @@ impl Engine {
             Self::load_local(dir, opts)?
         };
         attach_dense(dir, opts, &mut e.model, &mut e.warnings)?;
+        // a GPU holds the dense weights now: their CPU copies go, and the expert cache takes
+        // the room they leave
+        let freed = e.model.release_cpu_dense();
+        if let Some(store) = &e.store {
+            store.grow_cache(freed);
+        }
         let hidden = e.model.spec.hidden_size;
         e.vram = attach_vram(dir, opts, hidden, &mut e.model.experts, &mut e.warnings)?;
         let Some(c) = &opts.cluster else {

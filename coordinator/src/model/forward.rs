@@ -161,6 +161,7 @@ impl Model {
         if let Some(dg) = &self.dense_gpu {
             return self.forward_batch_gpu(dg, steps, opts, trace);
         }
+        self.cpu_dense()?;
         let rows = Rows::new(&lens, &cached);
         let n = rows.n();
         let (x, rope) = timed(Phase::Embed, || -> Result<_, ForwardError> {
@@ -212,15 +213,28 @@ impl Model {
     pub fn logits(&self, normed: &[f32], n: usize) -> Result<Vec<f32>, ForwardError> {
         let l = match &self.dense_gpu {
             Some(dg) => dg.logits(normed, n)?,
-            None => timed(Phase::Head, || {
-                self.lm_head
-                    .as_ref()
-                    .unwrap_or(&self.embed)
-                    .matmul(normed, n)
-            }),
+            None => {
+                self.cpu_dense()?;
+                timed(Phase::Head, || {
+                    self.lm_head
+                        .as_ref()
+                        .unwrap_or(&self.embed)
+                        .matmul(normed, n)
+                })
+            }
         };
         check_finite(&l, || "the logits".into())?;
         Ok(l)
+    }
+
+    /// `Ok` while the dense weights' CPU copies are here ([`Model::release_cpu_dense`]).
+    fn cpu_dense(&self) -> Result<(), ForwardError> {
+        if self.cpu_dense_released {
+            return Err(ForwardError::Gpu(
+                "the dense weights live on the GPU only (their CPU copies were freed)".into(),
+            ));
+        }
+        Ok(())
     }
 
     pub(crate) fn embed_tokens(

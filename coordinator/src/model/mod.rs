@@ -147,6 +147,56 @@ pub struct Model {
     /// Bytes of routed experts the model holds in RAM itself (a checkpoint's; 0 when another
     /// executor holds them).
     pub ram_expert_bytes: u64,
+    /// Set once the dense weights' CPU copies are freed ([`Model::release_cpu_dense`]): the
+    /// dense forward then runs on the GPU only.
+    pub cpu_dense_released: bool,
+}
+
+/// Frees a weight's memory, leaving an empty one in its place; returns the bytes it held.
+fn release(w: &mut Linear) -> u64 {
+    let empty = Linear::F32(Matrix::new(0, 0, Vec::new()));
+    std::mem::replace(w, empty).bytes() as u64
+}
+
+fn release_matrix(m: &mut Matrix) -> u64 {
+    4 * std::mem::replace(m, Matrix::new(0, 0, Vec::new()))
+        .data
+        .len() as u64
+}
+
+/// Frees one layer's dense weights but its norms, biases and router correction (small; the
+/// router's choice is made on the CPU).
+fn release_layer(l: &mut LayerWeights) -> u64 {
+    let mut freed = 0;
+    match &mut l.attn {
+        AttnWeights::Mla(w) => {
+            if let Some(q_a) = &mut w.q_a {
+                freed += release(q_a);
+            }
+            for m in [&mut w.q_b, &mut w.kv_a, &mut w.kv_b, &mut w.o] {
+                freed += release(m);
+            }
+        }
+        AttnWeights::Gqa(w) => {
+            for m in [&mut w.q, &mut w.k, &mut w.v, &mut w.o] {
+                freed += release(m);
+            }
+        }
+    }
+    if let Some(ix) = &mut l.indexer {
+        freed += release(&mut ix.wq_b) + release(&mut ix.wk) + release_matrix(&mut ix.weights_proj);
+    }
+    let swiglu = |s: &mut SwiGlu| release(&mut s.gate) + release(&mut s.up) + release(&mut s.down);
+    match &mut l.ffn {
+        FfnWeights::Dense(s) => freed += swiglu(s),
+        FfnWeights::Moe { router, shared, .. } => {
+            freed += release_matrix(router);
+            if let Some(s) = shared {
+                freed += swiglu(s);
+            }
+        }
+    }
+    freed
 }
 
 /// A directory made by colibrì's converter (see [`charm_shared::colibri`]).
@@ -631,6 +681,7 @@ impl Model {
             mtp,
             dense_gpu: None,
             ram_expert_bytes,
+            cpu_dense_released: false,
         })
     }
 
@@ -645,6 +696,33 @@ impl Model {
             }),
             None => serde_json::json!({ "device": "cpu" }),
         }
+    }
+
+    /// Frees the CPU copies of the dense weights the GPU holds (every layer's projections,
+    /// shared experts and routers, the head, and the MTP layer's where the device runs it),
+    /// once [`Model::attach_dense_gpu`] has checked the device: the dense forward then runs
+    /// there only, and a CPU path that would need them answers an error. The embedding table,
+    /// the norms and the biases stay (the token lookup and the routing run on the CPU). Returns
+    /// the bytes freed (0 without a GPU).
+    pub fn release_cpu_dense(&mut self) -> u64 {
+        let Some(dg) = &self.dense_gpu else {
+            return 0;
+        };
+        let with_mtp = dg.has_mtp();
+        let mut freed: u64 = self.layers.iter_mut().map(release_layer).sum();
+        // (an MTP layer left to the CPU may share the main head)
+        let cpu_mtp = self.mtp.is_some() && !with_mtp;
+        if let (Some(h), false) = (&mut self.lm_head, cpu_mtp) {
+            freed += release(h);
+        }
+        if let (Some(m), true) = (&mut self.mtp, with_mtp) {
+            freed += release(&mut m.eh_proj) + release_layer(&mut m.layer);
+            if let Some(h) = &mut m.head {
+                freed += release(h);
+            }
+        }
+        self.cpu_dense_released = true;
+        freed
     }
 
     /// Moves the dense forward to `gpu` (`--dense-device gpu`): the dense weights are copied to

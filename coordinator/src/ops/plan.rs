@@ -121,8 +121,10 @@ pub struct Plan {
     /// `"--ram"` or `"MemAvailable"`.
     pub budget_source: &'static str,
     pub mem_available_bytes: Option<u64>,
-    /// Dense skeleton as held in RAM (decoded formats).
+    /// Dense skeleton as held in RAM (decoded formats), and of it the embedding table (what
+    /// stays in RAM when the dense pass runs on a GPU: the token lookup is the CPU's).
     pub dense_bytes: u64,
+    pub embed_bytes: u64,
     pub kv_bytes: u64,
     pub context_tokens: usize,
     pub io_bytes: u64,
@@ -429,6 +431,7 @@ impl Stored<'_> {
             budget_source: source,
             mem_available_bytes: mem.map(|m| m.available),
             dense_bytes,
+            embed_bytes: embed,
             kv_bytes,
             context_tokens: input.context,
             io_bytes: io,

@@ -156,7 +156,9 @@ struct Inner {
     hidden: usize,
     inter: usize,
     layers: BTreeMap<usize, LayerSrc>,
-    capacity: u64,
+    /// Cache bytes allowed (grown once at most, when the dense weights leave RAM:
+    /// [`StreamingExperts::grow_cache`]).
+    capacity: std::sync::atomic::AtomicU64,
     overflow: u64,
     opts: StoreOptions,
     /// Decoded bytes of one expert (all layers share the shape).
@@ -241,7 +243,7 @@ impl StreamingExperts {
             hidden,
             inter,
             layers,
-            capacity: opts.cache_bytes,
+            capacity: opts.cache_bytes.into(),
             overflow: readers as u64 * expert_bytes,
             expert_bytes,
             total_bytes,
@@ -284,7 +286,7 @@ impl StreamingExperts {
         // one mapping, so that small experts sit on huge pages too.
         {
             let n = inner
-                .capacity
+                .capacity()
                 .checked_div(inner.expert_bytes)
                 .unwrap_or(0)
                 .min(inner.layers.values().map(|l| l.meta.count as u64).sum());
@@ -312,6 +314,40 @@ impl StreamingExperts {
             })
             .collect();
         Ok(Self { inner, threads })
+    }
+
+    /// Gives the cache `bytes` more room (the dense weights' CPU copies freed once a GPU holds
+    /// them): the buffers for the experts it adds are mapped now, and the pinned set is chosen
+    /// again for the larger cache.
+    pub fn grow_cache(&self, bytes: u64) {
+        if bytes == 0 {
+            return;
+        }
+        let inner = &*self.inner;
+        let total: u64 = inner.layers.values().map(|l| l.meta.count as u64).sum();
+        let fit = |cap: u64| cap.checked_div(inner.expert_bytes).unwrap_or(0).min(total);
+        let mut st = lock(&inner.state);
+        let old = inner
+            .capacity
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+        st.stats.cache_capacity_bytes = old + bytes;
+        let more = fit(old + bytes) - fit(old);
+        if let Some(rec) = inner
+            .layers
+            .values()
+            .map(|l| l.meta.payload_bytes.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64)
+            .max()
+        {
+            let mut free = inner.pool.free.lock().unwrap_or_else(|p| p.into_inner());
+            free.extend(AlignedBuf::populated_many(more as usize, rec as usize));
+        }
+        inner.repin(&mut st);
+        drop(st);
+        inner.cv.notify_all();
+        if inner.capacity() >= inner.total_bytes {
+            // every expert fits now: read them all, as a store that held them from the start
+            self.warm_all();
+        }
     }
 
     /// Why reads are buffered, per file, where `O_DIRECT` could not be used.
@@ -436,6 +472,11 @@ impl Drop for StreamingExperts {
 }
 
 impl Inner {
+    /// Cache bytes allowed now.
+    fn capacity(&self) -> u64 {
+        self.capacity.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn wait<'a>(&self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
         self.cv.wait(st).unwrap_or_else(|p| p.into_inner())
     }
@@ -690,7 +731,7 @@ impl StreamingExperts {
 impl ExpertExecutor for StreamingExperts {
     fn lookahead(&self) -> Option<LookaheadPolicy> {
         // Nothing to read ahead when the cache holds every expert.
-        (self.inner.capacity < self.inner.total_bytes).then_some(LOOKAHEAD)
+        (self.inner.capacity() < self.inner.total_bytes).then_some(LOOKAHEAD)
     }
 
     fn run(&self, batch: ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {

@@ -88,7 +88,7 @@ impl Inner {
             if st.shutdown {
                 return st;
             }
-            if st.bytes + bytes <= self.capacity {
+            if st.bytes + bytes <= self.capacity() {
                 break;
             }
             let score = if pinned {
@@ -107,7 +107,7 @@ impl Inner {
                 // A read-ahead nobody waits for yet, that would displace hotter experts: staged
                 // in the I/O allowance until its layer runs (dropped if it is not used then, or
                 // when a demanded expert needs the room), or dropped now if there is no room.
-                if st.bytes + bytes <= self.capacity + self.overflow {
+                if st.bytes + bytes <= self.capacity() + self.overflow {
                     transient = true;
                     break;
                 }
@@ -115,7 +115,7 @@ impl Inner {
                 self.wasted(&mut st, key);
                 return st;
             }
-            if st.bytes + bytes <= self.capacity + self.overflow {
+            if st.bytes + bytes <= self.capacity() + self.overflow {
                 transient = true;
                 st.stats.not_admitted += 1;
                 break;
@@ -252,7 +252,7 @@ impl Inner {
 
     /// Re-derives the pinned set from the history and queues reads of pinned experts not resident.
     pub(super) fn repin(&self, st: &mut State) {
-        let budget = (self.capacity as f64 * self.opts.pin_fraction.clamp(0.0, 1.0)) as u64;
+        let budget = (self.capacity() as f64 * self.opts.pin_fraction.clamp(0.0, 1.0)) as u64;
         let n = budget.checked_div(self.expert_bytes).unwrap_or(0) as usize;
         let new: HashSet<Key> = st
             .history

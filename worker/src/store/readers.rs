@@ -61,7 +61,7 @@ impl Inner {
                     // for it (not pinned, not in use, used no more often than it): read with no
                     // room, it would be dropped unused.
                     let room = |st: &State, k: &Key| {
-                        let limit = self.capacity + self.overflow;
+                        let limit = self.capacity() + self.overflow;
                         let need = st.bytes + st.inflight + self.layers[&k.0].meta.payload_bytes;
                         need <= limit || {
                             let score = Self::score(st, k);

@@ -250,7 +250,14 @@ impl Described {
         };
         let overhead = self.request_overhead_ms / 1e3;
         let mut nodes: Vec<Node> = Vec::new();
-        let coordinator_left = ram(c).saturating_sub(m.coordinator_resident_bytes + reserve);
+        // the dense weights' CPU copies are freed once the GPU holds them (the embedding stays)
+        let resident = match on_gpu {
+            Some(_) => m
+                .coordinator_resident_bytes
+                .saturating_sub(m.dense_bytes.saturating_sub(m.embed_bytes)),
+            None => m.coordinator_resident_bytes,
+        };
+        let coordinator_left = ram(c).saturating_sub(resident + reserve);
         if self.machines.len() == 1 {
             nodes.push(Node {
                 name: c.name.clone(),
@@ -409,7 +416,8 @@ mod tests {
         assert!(no_experts.nodes[0].gpu.is_none() && no_experts.dense_device == "gpu");
         // one machine: its store reads experts ahead when its RAM does not hold them all, and
         // each layer's lookahead comes back from the GPU first (the test model's experts are
-        // 0.6 GB: 64 GiB holds them, 1.2 GiB less the skeleton's share does not)
+        // 0.64 GB: 64 GiB holds them, 0.5 GiB does not; the dense weights' CPU copies are
+        // freed)
         let one = |ram: f64| {
             Described::parse(&format!(
                 r#"{{"machines": [{{"name": "c", "ram_gib": {ram}, "mem_gb_s": 50,
@@ -420,9 +428,21 @@ mod tests {
             .setup_with(&m, DenseDevice::Gpu, true)
             .unwrap()
         };
-        let (fits, streams) = (one(64.0), one(1.2));
+        let (fits, streams) = (one(64.0), one(0.5));
         assert!((streams.dense_s - fits.dense_s - 12.0 * GPU_SUBMIT_S).abs() < 1e-9);
         assert!((streams.mtp_s - fits.mtp_s - GPU_SUBMIT_S).abs() < 1e-9);
+        // the coordinator's RAM for experts: the dense weights' room, but for the embedding,
+        // once the GPU holds them
+        let left = |s: &Setup| s.nodes[0].ram_bytes;
+        let on_cpu = Described::parse(&text(8.0))
+            .unwrap()
+            .setup_with(&m, DenseDevice::Cpu, true)
+            .unwrap();
+        assert_eq!(
+            left(&gpu) - left(&on_cpu),
+            m.coordinator_resident_bytes
+                .min(m.dense_bytes - m.embed_bytes)
+        );
     }
 
     #[test]

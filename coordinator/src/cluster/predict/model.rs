@@ -31,6 +31,9 @@ pub struct ModelCost {
     /// the dense pass must hold), bytes.
     pub dense_bytes: u64,
     pub kv_bytes: u64,
+    /// Of the dense skeleton, what stays in the coordinator's RAM when the dense pass runs on
+    /// its GPU (the embedding table; the rest's CPU copies are freed).
+    pub embed_bytes: u64,
     /// Bytes a token moves between the coordinator's GPU and its CPU when the dense pass runs
     /// there (each MoE layer's normed row and router logits up, the experts' sum down), and the
     /// submissions that wait for them.
@@ -73,6 +76,7 @@ impl ModelCost {
             row_back_bytes: 4.0 * h,
             dense_bytes: p.dense_bytes,
             kv_bytes: p.kv_bytes,
+            embed_bytes: p.embed_bytes,
             pcie_bytes: p.moe_layers as f64 * (2.0 * h + p.experts_per_layer as f64) * 4.0,
             gpu_round_trips: p.moe_layers + 1,
             lookahead_round_trips: p.moe_layers + 2 * p.dense_layers,
@@ -619,6 +623,7 @@ pub(super) mod tests {
             row_back_bytes: 4096.0,
             dense_bytes: 2_000_000_000,
             kv_bytes: 100_000_000,
+            embed_bytes: 200_000_000,
             pcie_bytes: 10.0 * 3.0 * 4096.0,
             gpu_round_trips: 11,
             lookahead_round_trips: 12,

@@ -342,6 +342,11 @@ impl DenseGpu {
         self.bytes
     }
 
+    /// Whether the device runs the MTP layer too (else drafts run on the CPU).
+    pub fn has_mtp(&self) -> bool {
+        self.mtp.is_some()
+    }
+
     /// The device, as its driver names it.
     pub fn device_name(&self) -> &str {
         &self.gpu.name
