@@ -94,6 +94,7 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
     };
     let mut input = PlanInput {
         policy: formats.clone(),
+        dense_on_gpu: args.dense_device == common::DenseAt::Gpu,
         ..args.plan_input(dir, 4096)?
     };
     if let Some(d) = &described {

@@ -179,3 +179,37 @@ fn the_example_machines_file_plans_with_its_gpu() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_single_box_plan_with_the_dense_pass_on_the_gpu_gives_its_room_to_the_expert_cache() {
+    let dir = glm52("plan-dense-gpu-box");
+    let plan = |dense: &str| -> Value {
+        let (ok, out, err) = charm(&[
+            "plan",
+            "--model",
+            dir.to_str().unwrap(),
+            "--activations",
+            "int8",
+            "--dense",
+            "int4",
+            "--ram",
+            "120",
+            "--dense-device",
+            dense,
+            "--json",
+        ]);
+        assert!(ok, "{err}");
+        serde_json::from_str(&out).unwrap()
+    };
+    let (cpu, gpu) = (plan("cpu"), plan("gpu"));
+    let n = |v: &Value, k: &str| v[k].as_u64().unwrap();
+    assert_eq!(gpu["dense_on_gpu"], true);
+    // the dense weights load into RAM first: the floor is the same
+    assert_eq!(n(&gpu, "resident_bytes"), n(&cpu, "resident_bytes"));
+    assert_eq!(
+        n(&gpu, "cache_bytes") - n(&cpu, "cache_bytes"),
+        n(&cpu, "dense_bytes") - n(&cpu, "embed_bytes")
+    );
+    assert!(n(&gpu, "expected_cold_bytes_per_token") < n(&cpu, "expected_cold_bytes_per_token"));
+    std::fs::remove_dir_all(&dir).ok();
+}

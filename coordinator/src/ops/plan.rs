@@ -87,6 +87,11 @@ pub struct PlanInput {
     /// Storage formats assumed for a checkpoint directory (what `charm convert` would write); a
     /// container's own formats are used for a container.
     pub policy: Policy,
+    /// The dense pass runs on a GPU (`--dense-device gpu`): once loaded and checked there, the
+    /// dense weights' CPU copies are freed and the expert cache takes their room. The engine
+    /// opens its store without it and grows it after the move (the copies are in RAM while
+    /// they load).
+    pub dense_on_gpu: bool,
 }
 
 impl Default for PlanInput {
@@ -101,6 +106,7 @@ impl Default for PlanInput {
             disk_bytes_s: 2.0e9,
             mem_bytes_s: 20.0e9,
             policy: Policy::default(),
+            dense_on_gpu: false,
         }
     }
 }
@@ -140,8 +146,10 @@ pub struct Plan {
     pub top_k: usize,
     pub expert_bytes: u64,
     pub experts_total_bytes: u64,
-    /// RAM left for the expert cache (0 when the model does not fit).
+    /// RAM left for the expert cache (0 when the model does not fit); with `dense_on_gpu`, once
+    /// the dense weights' CPU copies are freed.
     pub cache_bytes: u64,
+    pub dense_on_gpu: bool,
     pub cache_experts: u64,
     pub cache_experts_per_layer: f64,
     pub pinned_experts: u64,
@@ -155,7 +163,7 @@ pub struct Plan {
     pub hit_rate_source: &'static str,
     pub expected_cold_bytes_per_token: u64,
     /// Bytes read from RAM per token (dense skeleton minus the embedding table, plus the cached
-    /// share of experts).
+    /// share of experts; with `dense_on_gpu` the experts only).
     pub resident_read_bytes_per_token: u64,
     /// Of the dense skeleton, bytes one token reads (all but the embedding table), of it one MoE
     /// layer's shared expert, and what one MTP draft reads (its layer, `top_k` of its experts,
@@ -332,14 +340,20 @@ impl Stored<'_> {
         // With no cache at all every expert streams through the I/O working set: slow, still exact.
         let min_budget_bytes = resident_bytes;
         let fits = budget >= min_budget_bytes;
+        // with the dense pass on a GPU, the room its CPU copies leave once they are freed
+        let freed = if input.dense_on_gpu {
+            dense_bytes.saturating_sub(embed)
+        } else {
+            0
+        };
         let cache_bytes = if fits {
-            (budget - resident_bytes).min(experts_total_bytes)
+            (budget - resident_bytes + freed).min(experts_total_bytes)
         } else {
             0
         };
         // Every expert fits when their bytes do (layers may differ in expert size: an MTP
         // layer's experts have its own format); otherwise count the cache in the largest experts.
-        let all_resident = fits && budget - resident_bytes >= experts_total_bytes;
+        let all_resident = fits && budget - resident_bytes + freed >= experts_total_bytes;
         let cache_experts = if all_resident {
             experts_total
         } else {
@@ -387,7 +401,9 @@ impl Stored<'_> {
         };
         let cold = (active as f64 * (1.0 - hit)) as u64;
         let dense_read = dense_bytes.saturating_sub(embed) + if tied { embed } else { 0 };
-        let resident_read = dense_read + (active as f64 * hit) as u64;
+        // (the dense pass on a GPU reads its weights from VRAM)
+        let dense_ram_read = if input.dense_on_gpu { 0 } else { dense_read };
+        let resident_read = dense_ram_read + (active as f64 * hit) as u64;
         let main_tensor = |n: &str| !names::classify(n, n_main).mtp;
         let shared: u64 = self
             .dense
@@ -445,6 +461,7 @@ impl Stored<'_> {
             expert_bytes,
             experts_total_bytes,
             cache_bytes,
+            dense_on_gpu: input.dense_on_gpu,
             cache_experts,
             cache_experts_per_layer: if layers.is_empty() {
                 0.0
@@ -562,13 +579,18 @@ impl Plan {
             return s;
         }
         s += &format!(
-            "expert cache     {} = {} experts ({:.1} per layer), {} pinned{}\n",
+            "expert cache     {} = {} experts ({:.1} per layer), {} pinned{}{}\n",
             g(self.cache_bytes),
             self.cache_experts,
             self.cache_experts_per_layer,
             self.pinned_experts,
             if self.all_resident {
                 "; every expert resident"
+            } else {
+                ""
+            },
+            if self.dense_on_gpu {
+                "; with the dense pass on the GPU (the dense weights leave RAM once loaded there, all but the embedding table)"
             } else {
                 ""
             }
