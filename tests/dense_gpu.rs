@@ -354,7 +354,7 @@ fn the_router_lookahead_predicts_what_the_cpu_pass_predicts_with_the_dense_skele
 }
 
 #[test]
-fn the_dense_weights_leave_ram_for_the_expert_cache_once_the_gpu_holds_them() {
+fn the_dense_weights_leave_ram_once_the_gpu_holds_them() {
     if device().is_none() {
         return;
     }
@@ -380,12 +380,17 @@ fn the_dense_weights_leave_ram_for_the_expert_cache_once_the_gpu_holds_them() {
     let mut e = Engine::load(&dir, &opts(Some(ram), DenseDevice::Gpu)).unwrap();
     assert!(e.model.cpu_dense_released);
     let cap = e.stats().unwrap().cache_capacity_bytes;
-    let freed = cap - e.plan.as_ref().unwrap().cache_bytes;
-    assert!(
-        freed > plan.dense_bytes / 2 && freed < plan.dense_bytes,
-        "the cache grew by {freed} bytes of a {}-byte skeleton (the embedding stays)",
-        plan.dense_bytes
-    );
+    let grown = cap - e.plan.as_ref().unwrap().cache_bytes;
+    if e.model.dense_gpu.as_ref().unwrap().dedicated_memory() {
+        assert!(
+            grown > plan.dense_bytes / 2 && grown < plan.dense_bytes,
+            "the cache grew by {grown} bytes of a {}-byte skeleton (the embedding stays)",
+            plan.dense_bytes
+        );
+    } else {
+        // the device's buffers are the host's RAM (lavapipe): they take the copies' room
+        assert_eq!(grown, 0);
+    }
     same(&logits(&e.model, &ids), &want, "released CPU copies");
     // a CPU pass without them is an error, not a panic
     e.model.dense_gpu = None;

@@ -1029,3 +1029,35 @@ fn the_shared_part_beside_the_experts_changes_no_bit() {
     drop(m);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_grown_cache_holds_more_experts_and_reads_them_all_once_they_fit() {
+    // what a store gets when the dense weights move to a GPU: a cache of 4 experts grows by 4,
+    // then by enough for every expert, which are then read without being asked for
+    let dir = scratch("stream-grow");
+    let (m, p, layer) = small_store(&dir, 4, 2);
+    let store = m.store.clone().expect("a container streams");
+    use charm_shared::expert::ExpertExecutor;
+    assert!(store.lookahead().is_some());
+    let cap = |s: &charm_worker::StreamingExperts| s.stats().unwrap().cache_capacity_bytes;
+    let before = cap(&store);
+    store.grow_cache(4 * p.expert_bytes);
+    assert_eq!(cap(&store), before + 4 * p.expert_bytes);
+    // eight experts of one layer, used twice: all stay (a cache of 4 would evict)
+    let ids: Vec<u32> = (0..8).collect();
+    one_token_step(&m, layer, &ids);
+    let first = store.stats().unwrap();
+    one_token_step(&m, layer, &ids);
+    let second = store.stats().unwrap().since(&first);
+    assert_eq!((second.hits, second.misses), (8, 0), "{second:?}");
+    // room for every expert: no more lookahead, and the rest are read in the background
+    store.grow_cache(p.experts_total_bytes);
+    assert!(store.lookahead().is_none());
+    let total = p.experts_total_bytes / p.expert_bytes;
+    let s = wait_for_stats(&store, "every expert read", |s| {
+        s.cache_bytes >= total * p.expert_bytes
+    });
+    assert!(s.cache_bytes <= s.cache_capacity_bytes, "{s:?}");
+    drop(m);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

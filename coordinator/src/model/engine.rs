@@ -196,11 +196,24 @@ impl Engine {
             Self::load_local(dir, opts)?
         };
         attach_dense(dir, opts, &mut e.model, &mut e.warnings)?;
-        // a GPU holds the dense weights now: their CPU copies go, and the expert cache takes
-        // the room they leave
+        // a GPU holds the dense weights now: their CPU copies go, and where its memory is its
+        // own (not the host's RAM, as an integrated GPU's is) the expert cache takes their room
+        let dedicated = e
+            .model
+            .dense_gpu
+            .as_ref()
+            .is_some_and(|d| d.dedicated_memory());
         let freed = e.model.release_cpu_dense();
-        if let Some(store) = &e.store {
-            store.grow_cache(freed);
+        if freed > 0 {
+            // (the weights under the mapping threshold were in the heap: hand back its holes)
+            #[cfg(all(target_os = "linux", target_env = "gnu"))]
+            // SAFETY: malloc_trim only returns free heap pages to the system.
+            unsafe {
+                libc::malloc_trim(0);
+            }
+            if let (Some(store), true) = (&e.store, dedicated) {
+                store.grow_cache(freed);
+            }
         }
         let hidden = e.model.spec.hidden_size;
         e.vram = attach_vram(dir, opts, hidden, &mut e.model.experts, &mut e.warnings)?;

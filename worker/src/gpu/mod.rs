@@ -141,6 +141,9 @@ pub struct Gpu {
     pub driver: String,
     /// Free device memory when it opened, bytes, where the driver says ([`memory`]).
     pub free_bytes: Option<u64>,
+    /// Whether the device has memory of its own (a discrete GPU); an integrated GPU, Apple's
+    /// unified memory or a CPU device (lavapipe) keeps its buffers in the host's RAM.
+    pub dedicated_memory: bool,
     /// Buffers reused between submissions (one submission at a time).
     scratch: Mutex<Scratch>,
     /// The first error the device reported since the last submission.
@@ -313,6 +316,7 @@ impl Gpu {
             name,
             driver,
             free_bytes: memory::free_bytes(&a),
+            dedicated_memory: info.device_type == wgpu::DeviceType::DiscreteGpu,
             scratch: Mutex::new(Scratch::default()),
             error,
         };

@@ -342,6 +342,11 @@ impl DenseGpu {
         self.bytes
     }
 
+    /// Whether the device's memory is its own, not the host's RAM ([`charm_worker::gpu::Gpu`]).
+    pub fn dedicated_memory(&self) -> bool {
+        self.gpu.dedicated_memory
+    }
+
     /// Whether the device runs the MTP layer too (else drafts run on the CPU).
     pub fn has_mtp(&self) -> bool {
         self.mtp.is_some()
