@@ -87,8 +87,8 @@ pub struct PlanInput {
     /// Storage formats assumed for a checkpoint directory (what `charm convert` would write); a
     /// container's own formats are used for a container.
     pub policy: Policy,
-    /// The dense pass runs on a GPU (`--dense-device gpu`): once loaded and checked there, the
-    /// dense weights' CPU copies are freed and the expert cache takes their room. The engine
+    /// The dense pass runs on a discrete GPU (`--dense-device gpu`): once loaded and checked
+    /// there, the dense weights' CPU copies are freed and the expert cache takes their room. The engine
     /// opens its store without it and grows it after the move (the copies are in RAM while
     /// they load).
     pub dense_on_gpu: bool,
