@@ -499,6 +499,43 @@ fn the_cli_generates_the_cpu_tokens_and_refuses_a_device_that_fails_its_self_che
     assert_eq!(v["ids"], gen("cpu"));
 }
 
+#[test]
+fn prompts_too_long_for_one_arena_run_in_several_passes_with_the_same_tokens() {
+    if device().is_none() {
+        return;
+    }
+    // a small arena (tests only) splits a prompt into passes of a few rows; on the demo model
+    // the MTP layer's pass over the prompt's states too, whose drafts then match the CPU's
+    let small = [("CHARM_GPU_TEST_ARENA_WORDS", "5000".to_string())];
+    let glm: Vec<String> = oracle_ids("glm5-tiny", "tf_input_ids")
+        .iter()
+        .map(|i| i.to_string())
+        .collect();
+    let demo: Vec<String> = (1..=24).map(|i| (i * 37 % 500).to_string()).collect();
+    let cases = [
+        (fixture("glm5-tiny"), glm.join(","), &[][..]),
+        (
+            common::server::demo(),
+            demo.join(","),
+            &["--draft", "3"][..],
+        ),
+    ];
+    for (model, prompt, extra) in &cases {
+        let run = |dense: &str, env: &[(&str, String)]| {
+            let args = [extra, &["--dense-device", dense][..]].concat();
+            let (ok, v, err) = common::generate_run(model, prompt, 12, &args, env);
+            assert!(ok, "{args:?}: {err}");
+            (v["ids"].clone(), v["speculation"].clone())
+        };
+        assert_eq!(
+            run("gpu", &small),
+            run("cpu", &[]),
+            "{} {extra:?}",
+            model.display()
+        );
+    }
+}
+
 /// `charm generate` of `tokens` tokens with `extra` flags: the ids.
 fn ids(model: &std::path::Path, prompt: &str, tokens: usize, extra: &[&str]) -> serde_json::Value {
     let (ok, v, err) = common::generate_run(model, prompt, tokens, extra, &[]);

@@ -155,6 +155,11 @@ impl Gpu {
         })
     }
 
+    /// The largest buffer one binding may hold, bytes (what [`Gpu::storage`] makes at most).
+    pub fn max_binding(&self) -> u64 {
+        self.max_binding
+    }
+
     /// A device buffer of `bytes` (a multiple of 4) that kernels read and write and copies
     /// fill and read; its contents start as zeros.
     pub fn storage(&self, bytes: u64, label: &str) -> Result<wgpu::Buffer, GpuError> {

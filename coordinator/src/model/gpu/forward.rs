@@ -502,6 +502,35 @@ impl DenseGpu {
         }
     }
 
+    /// Most rows one pass of `steps` may take: every region of the arena must fit one binding,
+    /// and those that grow with rows times keys (DSA scores, key lists, expanded naive
+    /// attention) bound it when the queries see many keys; a grid holds 65,535 rows.
+    pub(super) fn rows_per_pass(
+        &self,
+        m: &Model,
+        steps: &[Step<'_>],
+        opts: ForwardOptions,
+    ) -> usize {
+        let ctx = steps
+            .iter()
+            .map(|s| s.cache.len() + s.tokens.len())
+            .max()
+            .unwrap_or(0);
+        let naive = opts.mla == MlaMode::Naive && matches!(m.spec.attention, AttentionSpec::Mla(_));
+        let s = Shape::of(m);
+        let words = (self.gpu.max_binding() / 4) as usize;
+        let words = match std::env::var("CHARM_GPU_TEST_ARENA_WORDS") {
+            // (tests only: a smaller arena, so that short prompts take several passes)
+            Ok(w) => w.parse().unwrap_or(words).min(words),
+            Err(_) => words,
+        };
+        let mut n: usize = 65535;
+        while n > 1 && self.regions(m, &s, n, ctx, naive).end > words {
+            n = n.div_ceil(2);
+        }
+        n
+    }
+
     /// The step's arena, at least `words` long.
     fn arena(&self, words: usize) -> Result<wgpu::Buffer, GpuError> {
         let mut slot = self.arena.lock().expect("dense arena");
@@ -1011,7 +1040,28 @@ impl Model {
             input: Input::Embed,
             norm: &dg.norm,
         };
-        Ok(self.gpu_pass(dg, steps, &pass, opts, trace)?.0)
+        let per = dg.rows_per_pass(self, steps, opts);
+        if steps.iter().map(|s| s.tokens.len()).sum::<usize>() <= per {
+            return Ok(self.gpu_pass(dg, steps, &pass, opts, trace)?.0);
+        }
+        // more rows than one arena holds (its scores and key lists grow with rows times keys):
+        // each sequence on its own, `per` rows a pass (a row's values do not depend on which
+        // rows share its pass)
+        let mut trace = trace;
+        let mut out = Vec::new();
+        for st in steps.iter_mut() {
+            for chunk in st.tokens.chunks(per) {
+                let mut one = [Step {
+                    tokens: chunk,
+                    cache: &mut *st.cache,
+                }];
+                out.extend(
+                    self.gpu_pass(dg, &mut one, &pass, opts, trace.as_deref_mut())?
+                        .0,
+                );
+            }
+        }
+        Ok(out)
     }
 
     /// [`Model::mtp_forward_hidden`] on the GPU: `None` when the model has no MTP head there.
@@ -1023,25 +1073,45 @@ impl Model {
         cache: &mut crate::model::cache::KvCache,
     ) -> Option<Result<DraftOut, ForwardError>> {
         let (gm, m) = (dg.mtp.as_ref()?, self.mtp.as_ref()?);
-        let pass = Pass {
-            layers: vec![(&m.layer, &gm.layer)],
-            input: Input::Mtp {
-                main_normed,
-                g: gm,
-                embed: m.embed.as_ref().unwrap_or(&self.embed),
-            },
-            norm: &gm.head_norm,
+        let h = self.spec.hidden_size;
+        if main_normed.len() != next_tokens.len() * h {
+            return Some(Err(ForwardError::Shape(format!(
+                "mtp: {} hidden values for {} tokens",
+                main_normed.len(),
+                next_tokens.len()
+            ))));
+        }
+        let opts = ForwardOptions::default();
+        let per = {
+            let probe = [Step {
+                tokens: next_tokens,
+                cache: &mut *cache,
+            }];
+            dg.rows_per_pass(self, &probe, opts)
         };
-        let n = next_tokens.len();
-        let mut steps = [Step {
-            tokens: next_tokens,
-            cache,
-        }];
         Some((|| {
-            let (normed, hidden) =
-                self.gpu_pass(dg, &mut steps, &pass, ForwardOptions::default(), None)?;
-            let head = gm.head.as_ref().unwrap_or(&dg.head);
-            let l = dg.logits_with(head, &normed, n)?;
+            let (mut l, mut hidden) = (Vec::new(), Vec::new());
+            // (as the main pass: `per` rows at a time, the logits of each as it comes)
+            for (i, chunk) in next_tokens.chunks(per).enumerate() {
+                let rows = i * per * h..(i * per + chunk.len()) * h;
+                let pass = Pass {
+                    input: Input::Mtp {
+                        main_normed: main_normed.get(rows).unwrap_or_default(),
+                        g: gm,
+                        embed: m.embed.as_ref().unwrap_or(&self.embed),
+                    },
+                    layers: vec![(&m.layer, &gm.layer)],
+                    norm: &gm.head_norm,
+                };
+                let mut steps = [Step {
+                    tokens: chunk,
+                    cache: &mut *cache,
+                }];
+                let (normed, hid) = self.gpu_pass(dg, &mut steps, &pass, opts, None)?;
+                let head = gm.head.as_ref().unwrap_or(&dg.head);
+                l.extend(dg.logits_with(head, &normed, chunk.len())?);
+                hidden.extend(hid);
+            }
             if !l.iter().all(|v| v.is_finite()) {
                 return Err(ForwardError::NonFinite {
                     what: "the MTP logits".into(),
