@@ -624,8 +624,11 @@ fn rank_key(b: u32) -> u32 {
     return v | 0x80000000u;
 }
 
+// Lanes of a `dsa_topk` workgroup: one query's keys (up to the whole context) are a long pass.
+const TOPK_LANES: u32 = 256u;
+
 var<workgroup> topk_hist: array<atomic<u32>, 256>;
-var<workgroup> topk_lane: array<vec2<u32>, 64>;
+var<workgroup> topk_lane: array<vec2<u32>, TOPK_LANES>;
 var<workgroup> topk_at: vec2<u32>;
 
 // One workgroup per query row t of a span (`n` rows from position `pos0`): its `k` (`rows`)
@@ -634,7 +637,7 @@ var<workgroup> topk_at: vec2<u32>;
 // choice, exactly. The k-th best rank is found a byte at a time from the top (a histogram of
 // the ranks that share the bytes found so far); every key above it is taken, and of those equal
 // to it the lowest, as many as are left.
-@compute @workgroup_size(64)
+@compute @workgroup_size(TOPK_LANES)
 fn dsa_topk(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
     let t = wg.x;
     if (t >= p.n) {
@@ -645,7 +648,7 @@ fn dsa_topk(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
     let src = p.in0 + t * p.ctx;
     let dst = p.out0 + t * (p.ctx + 1u);
     if (len <= k) {
-        for (var i = lane; i < len; i += 64u) {
+        for (var i = lane; i < len; i += TOPK_LANES) {
             arena[dst + 1u + i] = i;
         }
         if (lane == 0u) {
@@ -657,11 +660,11 @@ fn dsa_topk(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
     var left = k;
     for (var byte = 0u; byte < 4u; byte++) {
         let shift = 24u - 8u * byte;
-        for (var b = lane; b < 256u; b += 64u) {
+        for (var b = lane; b < 256u; b += TOPK_LANES) {
             atomicStore(&topk_hist[b], 0u);
         }
         workgroupBarrier();
-        for (var i = lane; i < len; i += 64u) {
+        for (var i = lane; i < len; i += TOPK_LANES) {
             let key = rank_key(arena[src + i]);
             if (byte == 0u || (key >> (shift + 8u)) == found) {
                 atomicAdd(&topk_hist[(key >> shift) & 255u], 1u);
@@ -690,7 +693,7 @@ fn dsa_topk(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
     // `found` is the k-th best rank; `left` keys of that rank are taken, the lowest first. Each
     // lane takes a run of keys: it counts its keys above and at that rank, lane 0 turns the
     // counts into where each run starts in the list, then each lane writes its chosen keys.
-    let per = (len + 63u) / 64u;
+    let per = (len + TOPK_LANES - 1u) / TOPK_LANES;
     let lo = min(lane * per, len);
     let hi = min(lo + per, len);
     var above = 0u;
@@ -708,7 +711,7 @@ fn dsa_topk(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_inde
     if (lane == 0u) {
         var out = 0u;
         var ties = 0u;
-        for (var j = 0u; j < 64u; j++) {
+        for (var j = 0u; j < TOPK_LANES; j++) {
             let c = topk_lane[j];
             topk_lane[j] = vec2<u32>(out, ties);
             out += c.x + min(c.y, left - min(ties, left));
