@@ -682,41 +682,26 @@ fn criterion_benches(c: &mut Criterion) {
     }
 }
 
-/// `--tokens N,N,..` from the command line, or `default`.
-fn tokens_arg(default: &[usize]) -> Vec<usize> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == "--tokens")
-        .and_then(|i| args.get(i + 1))
-        .map_or(default.to_vec(), |s| {
-            s.split(',')
-                .map(|t| t.parse().expect("--tokens N,N,.."))
-                .collect()
-        })
-}
-
 fn main() {
-    if std::env::args().any(|a| a == "--compute") {
-        compute_summary(&tokens_arg(&[1, 4, 16, 64]));
+    let args = common::Args::from_env();
+    if args.has("--compute") {
+        compute_summary(&args.counts("--tokens", "1,4,16,64"));
         attention_summary();
         return;
     }
-    if std::env::args().any(|a| a == "--experts") {
-        let glm52 = std::env::args().any(|a| a == "--glm52");
-        let args: Vec<String> = std::env::args().collect();
-        let top = args
-            .iter()
-            .position(|a| a == "--top")
-            .and_then(|i| args.get(i + 1))
-            .map_or(8, |t| t.parse().expect("--top N"));
-        experts_summary(&tokens_arg(&[1, 2, 4, 8]), glm52, top);
+    if args.has("--experts") {
+        experts_summary(
+            &args.counts("--tokens", "1,2,4,8"),
+            args.has("--glm52"),
+            args.parsed("--top", 8),
+        );
         return;
     }
-    if std::env::args().any(|a| a == "--summary") {
+    if args.has("--summary") {
         summary(
-            std::env::args().any(|a| a == "--quick"),
-            std::env::args().any(|a| a == "--yardstick"),
-            &tokens_arg(&[1, 8]),
+            args.has("--quick"),
+            args.has("--yardstick"),
+            &args.counts("--tokens", "1,8"),
         );
         return;
     }

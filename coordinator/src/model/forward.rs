@@ -100,9 +100,18 @@ fn route_tokens(
     f: &[f32],
     n: usize,
 ) -> Vec<charm_shared::routing::Route> {
-    let logits = router.matmul(f, n); // [n, n_experts], f32
-    (0..n)
-        .map(|t| route(&logits[t * rs.n_experts..(t + 1) * rs.n_experts], bias, rs))
+    route_logits(&router.matmul(f, n), bias, rs) // [n, n_experts], f32
+}
+
+/// Each token's router choice from its logits (`[n, n_experts]`), on either device's logits.
+pub(crate) fn route_logits(
+    logits: &[f32],
+    bias: Option<&[f32]>,
+    rs: &charm_shared::config::RouterSpec,
+) -> Vec<charm_shared::routing::Route> {
+    logits
+        .chunks_exact(rs.n_experts)
+        .map(|l| route(l, bias, rs))
         .collect()
 }
 

@@ -7,12 +7,11 @@
 
 use charm_shared::expert::ExpertBatch;
 use charm_shared::quant::gpu::{nibble_block, KernelParams};
-use charm_shared::routing::route;
 use charm_worker::gpu::program::{flat_groups, grid, Dispatch, BLOCK_BYTES};
 use charm_worker::gpu::GpuError;
 
 use super::{DenseGpu, GAttn, GFfn, GGqa, GLinear, GMla, GSwiGlu, SeqKv};
-use crate::model::forward::{ForwardError, ForwardOptions, MlaMode, Step, Trace};
+use crate::model::forward::{route_logits, ForwardError, ForwardOptions, MlaMode, Step, Trace};
 use crate::model::rows::{Rows, Selection};
 use crate::model::{FfnWeights, LayerWeights, Model};
 use charm_shared::config::{AttentionSpec, IndexerKind};
@@ -502,30 +501,19 @@ impl DenseGpu {
         }
     }
 
-    /// Most rows one pass of `steps` may take: every region of the arena must fit one binding,
-    /// and those that grow with rows times keys (DSA scores, key lists, expanded naive
-    /// attention) bound it when the queries see many keys; a grid holds 65,535 rows.
-    pub(super) fn rows_per_pass(
-        &self,
-        m: &Model,
-        steps: &[Step<'_>],
-        opts: ForwardOptions,
-    ) -> usize {
-        let ctx = steps
-            .iter()
-            .map(|s| s.cache.len() + s.tokens.len())
-            .max()
-            .unwrap_or(0);
-        let naive = opts.mla == MlaMode::Naive && matches!(m.spec.attention, AttentionSpec::Mla(_));
+    /// Most rows of `rows` one pass may take when its queries see up to `ctx` keys: every
+    /// region of the arena must fit one binding, and those that grow with rows times keys (DSA
+    /// scores, key lists, expanded naive attention) bound it for long contexts; a grid holds
+    /// 65,535 rows.
+    pub(super) fn rows_per_pass(&self, m: &Model, rows: usize, ctx: usize, naive: bool) -> usize {
         let s = Shape::of(m);
-        let words = (self.gpu.max_binding() / 4) as usize;
-        let words = match std::env::var("CHARM_GPU_TEST_ARENA_WORDS") {
-            // (tests only: a smaller arena, so that short prompts take several passes)
-            Ok(w) => w.parse().unwrap_or(words).min(words),
-            Err(_) => words,
-        };
-        let mut n: usize = 65535;
-        while n > 1 && self.regions(m, &s, n, ctx, naive).end > words {
+        let fits =
+            |n: usize| n <= 65535 && self.regions(m, &s, n, ctx, naive).end <= self.arena_words;
+        if fits(rows) {
+            return rows;
+        }
+        let mut n = rows.min(65535);
+        while n > 1 && !fits(n) {
             n = n.div_ceil(2);
         }
         n
@@ -1040,8 +1028,16 @@ impl Model {
             input: Input::Embed,
             norm: &dg.norm,
         };
-        let per = dg.rows_per_pass(self, steps, opts);
-        if steps.iter().map(|s| s.tokens.len()).sum::<usize>() <= per {
+        let rows = steps.iter().map(|s| s.tokens.len()).sum::<usize>();
+        let ctx = steps
+            .iter()
+            .map(|s| s.cache.len() + s.tokens.len())
+            .max()
+            .unwrap_or(0);
+        let naive =
+            opts.mla == MlaMode::Naive && matches!(self.spec.attention, AttentionSpec::Mla(_));
+        let per = dg.rows_per_pass(self, rows, ctx, naive);
+        if rows <= per {
             return Ok(self.gpu_pass(dg, steps, &pass, opts, trace)?.0);
         }
         // more rows than one arena holds (its scores and key lists grow with rows times keys):
@@ -1082,13 +1078,8 @@ impl Model {
             ))));
         }
         let opts = ForwardOptions::default();
-        let per = {
-            let probe = [Step {
-                tokens: next_tokens,
-                cache: &mut *cache,
-            }];
-            dg.rows_per_pass(self, &probe, opts)
-        };
+        let n = next_tokens.len();
+        let per = dg.rows_per_pass(self, n, cache.len() + n, false);
         Some((|| {
             let (mut l, mut hidden) = (Vec::new(), Vec::new());
             // (as the main pass: `per` rows at a time, the logits of each as it comes)
@@ -1096,7 +1087,7 @@ impl Model {
                 let rows = i * per * h..(i * per + chunk.len()) * h;
                 let pass = Pass {
                     input: Input::Mtp {
-                        main_normed: main_normed.get(rows).unwrap_or_default(),
+                        main_normed: &main_normed[rows],
                         g: gm,
                         embed: m.embed.as_ref().unwrap_or(&self.embed),
                     },
@@ -1329,8 +1320,7 @@ impl Model {
                     let (mut ids, mut weights) =
                         (Vec::with_capacity(n * k), Vec::with_capacity(n * k));
                     let mut picks = Vec::with_capacity(n);
-                    for t in 0..n {
-                        let rt = route(&logits[t * e..(t + 1) * e], correction_bias.as_deref(), rs);
+                    for rt in route_logits(logits, correction_bias.as_deref(), rs) {
                         ids.extend_from_slice(&rt.ids);
                         weights.extend_from_slice(&rt.weights);
                         picks.push((rt.ids, rt.weights));
@@ -1518,9 +1508,9 @@ impl Model {
         else {
             return Vec::new();
         };
-        logits
-            .chunks_exact(rs.n_experts)
-            .flat_map(|l| route(l, correction_bias.as_deref(), rs).ids)
+        route_logits(logits, correction_bias.as_deref(), rs)
+            .into_iter()
+            .flat_map(|r| r.ids)
             .collect()
     }
 

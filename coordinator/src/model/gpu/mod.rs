@@ -130,6 +130,9 @@ pub struct DenseGpu {
     bytes: u64,
     /// The step's working memory, grown as steps need.
     arena: Mutex<Option<wgpu::Buffer>>,
+    /// Most words the arena may hold: one binding of the device (tests may ask for less with
+    /// `CHARM_GPU_TEST_ARENA_WORDS`, so that short prompts take several passes).
+    arena_words: usize,
 }
 
 impl std::fmt::Debug for DenseGpu {
@@ -243,6 +246,11 @@ impl DenseGpu {
             .collect();
         let weights: u64 = all.iter().map(|l| l.bytes()).sum();
         let widest = all.iter().map(|l| l.cols).max().unwrap_or(0);
+        let words = (gpu.max_binding() / 4) as usize;
+        let arena_words = std::env::var("CHARM_GPU_TEST_ARENA_WORDS")
+            .ok()
+            .and_then(|w| w.parse().ok())
+            .map_or(words, |w: usize| w.min(words));
         Ok(Self {
             kernels,
             widest,
@@ -253,6 +261,7 @@ impl DenseGpu {
             mtp,
             gpu,
             arena: Mutex::new(None),
+            arena_words,
         })
     }
 
