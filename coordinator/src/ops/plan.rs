@@ -88,9 +88,9 @@ pub struct PlanInput {
     /// container's own formats are used for a container.
     pub policy: Policy,
     /// The dense pass runs on a discrete GPU (`--dense-device gpu`): once loaded and checked
-    /// there, the dense weights' CPU copies are freed and the expert cache takes their room. The engine
-    /// opens its store without it and grows it after the move (the copies are in RAM while
-    /// they load).
+    /// there, the dense weights' CPU copies are freed and the expert cache takes their room.
+    /// The engine opens its store without it and grows it after the move (the copies are in RAM
+    /// while they load).
     pub dense_on_gpu: bool,
 }
 
@@ -149,6 +149,7 @@ pub struct Plan {
     /// RAM left for the expert cache (0 when the model does not fit); with `dense_on_gpu`, once
     /// the dense weights' CPU copies are freed.
     pub cache_bytes: u64,
+    /// Planned for the dense pass on a discrete GPU ([`PlanInput::dense_on_gpu`]).
     pub dense_on_gpu: bool,
     pub cache_experts: u64,
     pub cache_experts_per_layer: f64,
