@@ -53,8 +53,8 @@ pub fn worker(a: &WorkerArgs) -> Result<()> {
     let Some(cluster) = &args.cluster else {
         bail!("give --cluster (a cluster file or the directory `charm cluster init` made): workers only speak mutual TLS");
     };
-    if args.workers.is_some() || args.replicas.is_some() {
-        bail!("--workers and --replicas are the coordinator's");
+    if args.workers.is_some() || args.replicas.is_some() || args.hot_share.is_some() {
+        bail!("--workers, --replicas and --hot-share are the coordinator's");
     }
     let certs = ClusterOptions::load(cluster)
         .map_err(anyhow::Error::msg)?

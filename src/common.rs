@@ -117,6 +117,10 @@ pub struct StoreArgs {
     /// Copies of each hot expert on different workers (instead of the cluster file's).
     #[arg(long, requires = "cluster")]
     pub replicas: Option<usize>,
+    /// Share of each layer's experts, hottest first, that get `--replicas` copies (instead of
+    /// the cluster file's; default 0.25).
+    #[arg(long, requires = "cluster")]
+    pub hot_share: Option<f64>,
     /// VRAM in GiB for routed experts on each GPU, or `auto` (the device's free memory less
     /// 10%, at least 1 GiB); needs `--activations int8` and a container with int8/int4
     /// experts: the hottest experts run there with the CPU's bits, the rest stay in RAM or
@@ -202,7 +206,8 @@ impl StoreArgs {
         }
     }
 
-    /// The cluster to use: the cluster file, with `--workers` and `--replicas` applied.
+    /// The cluster to use: the cluster file, with `--workers`, `--replicas` and `--hot-share`
+    /// applied.
     pub fn cluster_options(&self) -> Result<Option<ClusterOptions>> {
         let Some(path) = &self.cluster else {
             return Ok(None);
@@ -218,6 +223,9 @@ impl StoreArgs {
         }
         if let Some(r) = self.replicas {
             o.replicas = r;
+        }
+        if let Some(h) = self.hot_share {
+            o.hot_share = h;
         }
         o.check().map_err(anyhow::Error::msg)?;
         Ok(Some(o))

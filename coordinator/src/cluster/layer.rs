@@ -12,7 +12,7 @@ use charm_shared::wire::{ComputeRequest, ResultView, Run};
 
 use super::inner::Inner;
 use super::link::{request, Answer, Sent};
-use crate::cluster::Placement;
+use crate::cluster::{spread, Placement};
 
 /// A layer's batch with owned buffers, for the task that serves it.
 pub(super) struct OwnedBatch {
@@ -53,8 +53,9 @@ impl OwnedBatch {
 /// Per worker, the runs (indices into the layer's runs) it is asked for.
 pub(super) type Assignment = Vec<(usize, Vec<usize>)>;
 
-/// Spreads `todo` runs over live holders (least rows first), skipping `avoid`; the rest is
-/// returned for local compute.
+/// Spreads `todo` runs over live holders ([`spread`]: the fewest holders first, each to the
+/// one with the fewest rows so far), skipping `avoid`: per worker, ascending, its runs
+/// ascending; the rest is returned for local compute.
 pub(super) fn assign(
     p: &Placement,
     live: &[bool],
@@ -63,28 +64,37 @@ pub(super) fn assign(
     runs: &[(u32, Vec<usize>)],
     todo: &[usize],
 ) -> (Assignment, Vec<usize>) {
-    let mut load = vec![0usize; live.len()];
+    let holders: Vec<Vec<usize>> = todo
+        .iter()
+        .map(|&r| {
+            p.holders(b.layer, runs[r].0)
+                .iter()
+                .copied()
+                .filter(|&w| live[w] && !avoid.contains(&w))
+                .collect()
+        })
+        .collect();
+    let asked: Vec<(&[usize], usize)> = todo
+        .iter()
+        .zip(&holders)
+        .map(|(&r, h)| (h.as_slice(), runs[r].1.len()))
+        .collect();
     let mut out: Assignment = Vec::new();
     let mut local = Vec::new();
-    for &r in todo {
-        let (id, slots) = &runs[r];
-        let best = p
-            .holders(b.layer, *id)
-            .iter()
-            .copied()
-            .filter(|&w| live[w] && !avoid.contains(&w))
-            .min_by_key(|&w| (load[w], w));
-        match best {
-            Some(w) => {
-                load[w] += slots.len();
-                match out.iter_mut().find(|(x, _)| *x == w) {
-                    Some((_, v)) => v.push(r),
-                    None => out.push((w, vec![r])),
-                }
-            }
+    for (&r, w) in todo.iter().zip(spread(live.len(), &asked)) {
+        match w {
+            Some(w) => match out.iter_mut().find(|(x, _)| *x == w) {
+                Some((_, v)) => v.push(r),
+                None => out.push((w, vec![r])),
+            },
             None => local.push(r),
         }
     }
+    out.sort_unstable_by_key(|(w, _)| *w);
+    for (_, v) in &mut out {
+        v.sort_unstable();
+    }
+    local.sort_unstable();
     (out, local)
 }
 
@@ -358,7 +368,46 @@ pub(super) async fn serve(
 
 #[cfg(test)]
 mod tests {
-    use super::token_ranges;
+    use super::{assign, token_ranges};
+    use crate::cluster::{Capacity, Placement};
+    use charm_shared::expert::ExpertBatch;
+
+    #[test]
+    fn assign_serves_single_holders_first_and_lists_each_workers_runs_ascending() {
+        // no history: experts 0 and 1 (the hot half) on both workers, 2 on worker 0, 3 on 1
+        let cap = Capacity {
+            ram_bytes: 0,
+            rate: 0.0,
+            holds: vec![(3, vec![0, 1, 2, 3])],
+        };
+        let p = Placement::compute(
+            &[(3, 4)],
+            &[Some(cap.clone()), Some(cap)],
+            &|_, _| 0,
+            2,
+            0.5,
+        );
+        assert_eq!((p.holders(3, 1), p.holders(3, 2)), (&[0, 1][..], &[0][..]));
+        let b = ExpertBatch {
+            step: 0,
+            layer: 3,
+            x: &[],
+            n_tokens: 1,
+            ids: &[],
+            weights: &[],
+            top_k: 2,
+        };
+        let runs = vec![(1, vec![0]), (2, vec![1])];
+        // in expert order, expert 1 would take worker 0 and expert 2 wait behind it
+        let (out, local) = assign(&p, &[true, true], &[], &b, &runs, &[0, 1]);
+        assert_eq!((out, local), (vec![(0, vec![1]), (1, vec![0])], vec![]));
+        // a worker down: its runs to the other holder, in ascending order
+        let (out, local) = assign(&p, &[true, false], &[], &b, &runs, &[1, 0]);
+        assert_eq!((out, local), (vec![(0, vec![0, 1])], vec![]));
+        // one avoided: what only it holds is computed here
+        let (out, local) = assign(&p, &[true, true], &[0], &b, &runs, &[0, 1]);
+        assert_eq!((out, local), (vec![(1, vec![0])], vec![1]));
+    }
 
     #[test]
     fn token_ranges_cover_the_batch_in_order_within_the_budget() {

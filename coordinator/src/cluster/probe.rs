@@ -412,7 +412,13 @@ fn busy(s: f64) {
 
 /// The predictor's input for a probed cluster: the dense pass as measured (`dense`: per token,
 /// per further token of a step), the shared expert and an MTP draft in proportion to their bytes.
-fn live_setup(dense: (f64, f64), m: &ModelCost, nodes: Vec<Node>, gpu: bool) -> Setup {
+fn live_setup(
+    dense: (f64, f64),
+    m: &ModelCost,
+    nodes: Vec<Node>,
+    gpu: bool,
+    (replicas, hot_share): (usize, f64),
+) -> Setup {
     Setup {
         source: "probed".into(),
         dense_device: if gpu { "gpu" } else { "cpu" }.into(),
@@ -422,6 +428,8 @@ fn live_setup(dense: (f64, f64), m: &ModelCost, nodes: Vec<Node>, gpu: bool) -> 
         mtp_s: dense.0 * m.dense_share(m.mtp_read_bytes),
         coordinator_bytes_s: f64::INFINITY,
         nodes,
+        replicas,
+        hot_share,
     }
 }
 
@@ -488,7 +496,13 @@ pub fn predict_live(
         );
     }
     Ok(predict(
-        live_setup(dense, &m, nodes, o.dense_gpu),
+        live_setup(
+            dense,
+            &m,
+            nodes,
+            o.dense_gpu,
+            (r.inner.shared.opts.replicas, r.inner.shared.opts.hot_share),
+        ),
         &m,
         o.draft,
         o.acceptance,

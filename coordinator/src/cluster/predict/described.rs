@@ -348,6 +348,8 @@ impl Described {
             mtp_s,
             coordinator_bytes_s: c.link_gbit_s * 1e9 / 8.0,
             nodes,
+            replicas: 1,
+            hot_share: 0.0,
         })
     }
 }

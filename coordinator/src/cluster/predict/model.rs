@@ -4,6 +4,7 @@
 
 use serde::Serialize;
 
+use crate::cluster::{place_layer, spread};
 use crate::ops::plan::Plan;
 
 /// What a model costs per token, as the predictor needs it (from `charm plan`'s memory plan).
@@ -129,7 +130,8 @@ pub struct NodeGpu {
 #[derive(Debug, Clone, Serialize)]
 pub struct Node {
     pub name: String,
-    /// Share of each layer's experts placed on it.
+    /// Its weight in placement: the share of each layer's experts placed on it without
+    /// replicas.
     pub share: f64,
     /// RAM it gives experts (0: unknown, taken as holding all placed on it).
     pub ram_bytes: u64,
@@ -171,6 +173,10 @@ pub struct Setup {
     /// (infinite: not a limit, or measured into each worker's figures by the probe).
     pub coordinator_bytes_s: f64,
     pub nodes: Vec<Node>,
+    /// Copies of each of the hottest `hot_share` of a layer's experts, on different nodes
+    /// (the cluster's `replicas`; 1: one copy of each), and that share.
+    pub replicas: usize,
+    pub hot_share: f64,
 }
 
 /// The time of one token (or one speculative step), split by what it is spent on; milliseconds.
@@ -198,6 +204,8 @@ pub struct Budget {
 #[derive(Debug, Clone, Serialize)]
 pub struct LinkUse {
     pub name: String,
+    /// Share of each layer's experts placed on it, replicas counted.
+    pub held_share: f64,
     pub experts_per_layer: f64,
     /// Share of the experts placed on it its RAM holds (those in its VRAM not counted).
     pub resident_share: f64,
@@ -271,34 +279,11 @@ fn draw(rng: &mut Rng, n: usize, k: usize, out: &mut Vec<usize>) {
     }
 }
 
-/// Per expert id, the node it is placed on: contiguous blocks sized by share.
-fn owners(nodes: &[Node], n: usize) -> Vec<usize> {
-    let total: f64 = nodes
-        .iter()
-        .map(|x| x.share)
-        .sum::<f64>()
-        .max(f64::MIN_POSITIVE);
-    let mut bounds = Vec::with_capacity(nodes.len());
-    let mut acc = 0.0;
-    for x in nodes {
-        acc += x.share / total;
-        bounds.push((acc * n as f64).round() as usize);
-    }
-    (0..n)
-        .map(|e| {
-            bounds
-                .iter()
-                .position(|&b| e < b)
-                .unwrap_or(nodes.len() - 1)
-        })
-        .collect()
-}
-
 impl Node {
-    /// Shares of the experts placed on it that its VRAM and its RAM hold, VRAM filled first
-    /// (the rest is read from its disk).
-    fn tiers(&self, m: &ModelCost) -> (f64, f64) {
-        let placed = self.share * m.experts_total_bytes as f64;
+    /// Shares of the experts placed on it (`held`, of each layer's, replicas counted) that its
+    /// VRAM and its RAM hold, VRAM filled first (the rest is read from its disk).
+    fn tiers(&self, m: &ModelCost, held: f64) -> (f64, f64) {
+        let placed = held * m.experts_total_bytes as f64;
         if placed <= 0.0 {
             return (0.0, 1.0);
         }
@@ -319,16 +304,48 @@ impl Node {
 fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>) {
     let nodes = &setup.nodes;
     let mut b = Budget::default();
-    let tiers: Vec<(f64, f64)> = nodes.iter().map(|x| x.tiers(m)).collect();
+    // placed as the coordinator places: by share, the hottest `hot_share` (under uniform
+    // routing any set; the lowest ids) with `replicas` holders
+    let weight: Vec<f64> = match nodes.iter().any(|x| x.share > 0.0) {
+        true => nodes.iter().map(|x| x.share).collect(),
+        false => vec![1.0; nodes.len()],
+    };
+    let order: Vec<u32> = (0..m.n_experts as u32).collect();
+    let hot = (setup.hot_share * m.n_experts as f64).round() as usize;
+    let holders = place_layer(&order, &weight, setup.replicas.max(1), hot, |_, _| true);
+    // per expert and holder, its place among the experts that node holds (ascending ids)
+    let mut count = vec![0usize; nodes.len()];
+    let place: Vec<Vec<usize>> = holders
+        .iter()
+        .map(|hs| {
+            hs.iter()
+                .map(|&w| {
+                    count[w] += 1;
+                    count[w] - 1
+                })
+                .collect()
+        })
+        .collect();
+    let held: Vec<f64> = count
+        .iter()
+        .map(|&c| c as f64 / m.n_experts.max(1) as f64)
+        .collect();
+    let tiers: Vec<(f64, f64)> = nodes
+        .iter()
+        .zip(&held)
+        .map(|(x, &h)| x.tiers(m, h))
+        .collect();
     let mut links: Vec<LinkUse> = nodes
         .iter()
         .zip(&tiers)
-        .map(|(x, &(vram, ram))| LinkUse {
+        .zip(&held)
+        .map(|((x, &(vram, ram)), &h)| LinkUse {
             name: x.name.clone(),
+            held_share: h,
             experts_per_layer: 0.0,
             resident_share: ram,
             vram_share: vram,
-            vram_bytes: (vram * x.share * m.experts_total_bytes as f64) as u64,
+            vram_bytes: (vram * h * m.experts_total_bytes as f64) as u64,
             vram_read_share: 0.0,
             bytes_per_token: 0.0,
             line_ms_per_token: 0.0,
@@ -338,7 +355,6 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
     if m.moe_layers == 0 || m.top_k == 0 || nodes.is_empty() {
         return (b, links);
     }
-    let owner = owners(nodes, m.n_experts);
     // of the experts not in VRAM, the share its RAM holds
     let hit: Vec<f64> = tiers
         .iter()
@@ -350,15 +366,9 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
             }
         })
         .collect();
-    // each node's block of expert ids, and how many of a layer's its VRAM holds (the first of
-    // the block: under uniform routing any will do), fractional: a layer holds the whole part
-    // and, with the fraction's probability, one more
-    let mut start = vec![usize::MAX; nodes.len()];
-    let mut count = vec![0usize; nodes.len()];
-    for (e, &w) in owner.iter().enumerate() {
-        start[w] = start[w].min(e);
-        count[w] += 1;
-    }
+    // how many of the experts a node holds its VRAM holds (the first: under uniform routing
+    // any will do), fractional: a layer holds the whole part and, with the fraction's
+    // probability, one more
     let in_vram: Vec<f64> = tiers
         .iter()
         .zip(&count)
@@ -369,7 +379,10 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
     let mut vram_k = vec![0usize; nodes.len()];
     let mut rng = Rng(0x5EED);
     let mut picks = Vec::new();
-    let mut used = vec![false; m.n_experts];
+    let mut step: Vec<usize> = Vec::new(); // the step's picks, token after token
+    let mut runs: Vec<usize> = Vec::new(); // its distinct experts
+    let mut run_rows = vec![0usize; m.n_experts];
+    let mut chosen = vec![usize::MAX; m.n_experts];
     let (mut toks, mut rows, mut distinct, mut on_gpu) = (
         vec![0usize; nodes.len()],
         vec![0usize; nodes.len()],
@@ -380,7 +393,6 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
     let mut touched = vec![false; nodes.len()];
     let mut sum = [0.0f64; 6]; // latency, transfer, compute, disk, overlap, the GPU's beyond the CPU's
     for _ in 0..DRAWS {
-        used.iter_mut().for_each(|u| *u = false);
         toks.iter_mut().for_each(|t| *t = 0);
         rows.iter_mut().for_each(|r| *r = 0);
         distinct.iter_mut().for_each(|d| *d = 0);
@@ -390,22 +402,46 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
             let frac = v - whole;
             *k = whole as usize + (frac > 0.0 && vram_rng.unit() < frac) as usize;
         }
+        step.clear();
+        runs.clear();
         for _ in 0..tokens {
             draw(&mut rng, m.n_experts, m.top_k.min(m.n_experts), &mut picks);
-            touched.iter_mut().for_each(|t| *t = false);
             for &e in &picks {
-                let w = owner[e];
-                rows[w] += 1;
-                touched[w] = true;
-                if !used[e] {
-                    used[e] = true;
-                    distinct[w] += 1;
-                    on_gpu[w] += (e - start[w] < vram_k[w]) as usize;
+                if run_rows[e] == 0 {
+                    runs.push(e);
+                }
+                run_rows[e] += 1;
+            }
+            step.extend_from_slice(&picks);
+        }
+        // each run to a holder as the coordinator assigns them (runs ascending by expert)
+        runs.sort_unstable();
+        let asked: Vec<(&[usize], usize)> = runs
+            .iter()
+            .map(|&e| (holders[e].as_slice(), run_rows[e]))
+            .collect();
+        for (&e, w) in runs.iter().zip(spread(nodes.len(), &asked)) {
+            let Some(w) = w else { continue };
+            chosen[e] = w;
+            rows[w] += run_rows[e];
+            distinct[w] += 1;
+            let at = holders[e].iter().position(|&x| x == w).expect("a holder");
+            on_gpu[w] += (place[e][at] < vram_k[w]) as usize;
+        }
+        for picks in step.chunks(m.top_k.min(m.n_experts).max(1)) {
+            touched.iter_mut().for_each(|t| *t = false);
+            for &e in picks {
+                if chosen[e] != usize::MAX {
+                    touched[chosen[e]] = true;
                 }
             }
             for (w, t) in touched.iter().enumerate() {
                 toks[w] += *t as usize;
             }
+        }
+        for &e in &runs {
+            run_rows[e] = 0;
+            chosen[e] = usize::MAX;
         }
         // each node's parts; the remote ones run in parallel, in-process ones after them
         let mut worst: Option<(f64, [f64; 4], f64, usize)> = None;
@@ -655,6 +691,8 @@ pub(super) mod tests {
             mtp_s: 0.001,
             coordinator_bytes_s: f64::INFINITY,
             nodes,
+            replicas: 1,
+            hot_share: 0.0,
         }
     }
 
@@ -718,6 +756,36 @@ pub(super) mod tests {
         // more workers cut compute per layer, not the latency floor
         let one = predict(setup(vec![node("w", 1.0, 2e-3)]), &m, 0, 0.0);
         assert!(p.token.expert_compute_ms < one.token.expert_compute_ms);
+    }
+
+    #[test]
+    fn replicas_even_out_the_busiest_node_and_take_its_ram() {
+        let m = model();
+        let four = || -> Vec<Node> { (0..4).map(|i| node(&format!("w{i}"), 0.25, 1e-4)).collect() };
+        let one = predict(setup(four()), &m, 0, 0.0);
+        let mut s = setup(four());
+        (s.replicas, s.hot_share) = (2, 0.5);
+        let two = predict(s.clone(), &m, 0, 0.0);
+        // each node holds 8 of the 16 single experts and 16 of the 64 copies of the other 32
+        for l in &two.links {
+            assert!((l.held_share - 0.375).abs() < 1e-12, "{l:?}");
+        }
+        let e: f64 = two.links.iter().map(|l| l.experts_per_layer).sum();
+        assert!((e - 8.0).abs() < 1e-9);
+        // the layer waits for a less busy node
+        let (a, b) = (one.token.expert_compute_ms, two.token.expert_compute_ms);
+        assert!(b < 0.9 * a, "{b} against {a} ms");
+        assert!(two.tok_s > one.tok_s);
+        // RAM for the single copies only: some experts now come from disk
+        for n in &mut s.nodes {
+            n.ram_bytes = m.experts_total_bytes / 4;
+        }
+        let short = predict(s, &m, 0, 0.0);
+        assert_eq!(one.token.expert_disk_ms, 0.0);
+        assert!(short.token.expert_disk_ms > 0.0);
+        for l in &short.links {
+            assert!((l.resident_share - 2.0 / 3.0).abs() < 1e-12, "{l:?}");
+        }
     }
 
     #[test]

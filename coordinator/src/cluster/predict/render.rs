@@ -7,6 +7,13 @@ impl Prediction {
     pub fn render(&self) -> String {
         let t = &self.token;
         let mut s = format!("speed ({}):\n", self.setup.source);
+        if self.setup.replicas > 1 && self.setup.hot_share > 0.0 {
+            s += &format!(
+                "  placement: {} copies of the hottest {:.0}% of each layer's experts, each run to its least loaded holder\n",
+                self.setup.replicas,
+                100.0 * self.setup.hot_share
+            );
+        }
         for (l, n) in self.links.iter().zip(&self.setup.nodes) {
             let vram = match n.gpu {
                 Some(_) => format!(
@@ -20,7 +27,7 @@ impl Prediction {
             s += &format!(
                 "  {:<12} {:>5.1}% of experts ({:>4.0}% in its RAM{vram}), {:.2} experts per layer, {}\n",
                 l.name,
-                100.0 * n.share,
+                100.0 * l.held_share,
                 100.0 * l.resident_share,
                 l.experts_per_layer,
                 if n.in_process {
