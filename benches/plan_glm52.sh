@@ -11,7 +11,9 @@
 #   benches/plan_glm52.sh --dense-gpu [path/to/charm]
 #     64 or 128 GiB machines, int4 dense weights, the coordinator's machine with one 24 GiB GPU
 #     at 936 GB/s (an RTX 3090) running the dense pass (`--dense-device gpu`), each row against
-#     the same machines with the dense pass on the CPU.
+#     the same machines with the dense pass on the CPU, and with two copies of as many of each
+#     layer's experts as the machines' RAM and VRAM hold (`--replicas 2 --hot-share F`, F the
+#     plan's room for replicas).
 set -euo pipefail
 vram=0 dense_gpu=0
 if [ "${1:-}" = --gpu ]; then
@@ -26,9 +28,9 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 cp tests/data/glm-5.2-config.json "$dir/config.json"
 
-# plan OUT N RAM LINK DENSE VRAM [DEVICE]: `charm plan --json` of N machines of RAM GiB on LINK
-# GbE with DENSE dense weights, a VRAM GiB GPU on each (0: none; -1: a 24 GiB one at 936 GB/s on
-# the first only) and the dense pass on DEVICE (default cpu), into OUT
+# plan OUT N RAM LINK DENSE VRAM [DEVICE [FLAGS...]]: `charm plan --json` of N machines of RAM
+# GiB on LINK GbE with DENSE dense weights, a VRAM GiB GPU on each (0: none; -1: a 24 GiB one at
+# 936 GB/s on the first only), the dense pass on DEVICE (default cpu) and further FLAGS, into OUT
 plan() {
   python3 - "$2" "$3" "$4" "$6" > "$dir/m.json" <<'PY'
 import json, sys
@@ -45,29 +47,34 @@ for i in range(n):
 print(json.dumps({"machines": ms}))
 PY
   "$charm" plan --model "$dir" --cluster "$dir/m.json" --activations int8 --dense "$5" \
-    --ctx 4096 --draft 3 --dense-device "${7:-cpu}" --json > "$1" || true
+    --ctx 4096 --draft 3 --dense-device "${7:-cpu}" "${@:8}" --json > "$1" || true
 }
 
 if [ "$dense_gpu" = 1 ]; then
-  echo "| machines | RAM each | link | tok/s, dense on the CPU | tok/s, dense on the GPU | with --draft 3 (70%) | per token, dense on the GPU: dense / round trips / transfer / experts RAM (GPU's part) / experts disk | bottleneck, dense on the GPU |"
-  echo "|---|---|---|---|---|---|---|---|"
+  echo "| machines | RAM each | link | tok/s, dense on the CPU | tok/s, dense on the GPU | with --draft 3 (70%) | with --replicas 2 (--hot-share) | per token, dense on the GPU: dense / round trips / transfer / experts RAM (GPU's part) / experts disk | bottleneck, dense on the GPU |"
+  echo "|---|---|---|---|---|---|---|---|---|"
   for n in 1 2 3 4; do
     for ram in 64 128; do
       for link in 1 2.5 10; do
         [ "$n" = 1 ] && [ "$link" != 10 ] && continue   # one machine: no link
         plan "$dir/cpu.json" "$n" "$ram" "$link" int4 -1 cpu
         plan "$dir/gpu.json" "$n" "$ram" "$link" int4 -1 gpu
-        python3 - "$n" "$ram" "$link" "$dir/cpu.json" "$dir/gpu.json" <<'PY'
+        share=$(python3 -c 'import json, math, sys; p = json.load(open(sys.argv[1])).get("prediction"); print(math.floor(p["replica_room"] * 100) / 100 if p else 0)' "$dir/gpu.json")
+        plan "$dir/rep.json" "$n" "$ram" "$link" int4 -1 gpu --replicas 2 --hot-share "$share"
+        python3 - "$n" "$ram" "$link" "$dir/cpu.json" "$dir/gpu.json" "$dir/rep.json" <<'PY'
 import json, sys
-n, ram, link, cpu, gpu = sys.argv[1:]
+n, ram, link, cpu, gpu, rep = sys.argv[1:]
 c = json.load(open(cpu)).get("prediction")
 p = json.load(open(gpu)).get("prediction")
+r = json.load(open(rep)).get("prediction")
 net = "-" if n == "1" else f"{link} GbE"
 if p is None:
-    print(f"| {n} | {ram} GiB | {net} | - | does not fit | | | |")
+    print(f"| {n} | {ram} GiB | {net} | - | does not fit | | | | |")
     sys.exit()
 t = p["token"]
-print(f"| {n} | {ram} GiB | {net} | {c['tok_s']:.2f} | {p['tok_s']:.2f} | {p['speculative']['tok_s']:.2f} | "
+room = int(p["replica_room"] * 100) / 100
+rep = f"{r['tok_s']:.2f} ({room:.2f})" if room > 0 and n != "1" else "-"
+print(f"| {n} | {ram} GiB | {net} | {c['tok_s']:.2f} | {p['tok_s']:.2f} | {p['speculative']['tok_s']:.2f} | {rep} | "
       f"{t['dense_ms']:.0f} / {t['round_trips_ms']:.0f} / {t['transfer_ms']:.0f} / "
       f"{t['expert_compute_ms']:.0f} ({t['expert_vram_ms']:.0f}) / {t['expert_disk_ms']:.0f} ms | {p['bottleneck']} |")
 PY

@@ -243,6 +243,9 @@ pub struct Prediction {
     /// What most of a token's time goes to, in words.
     pub bottleneck: String,
     pub speculative: Option<Speculative>,
+    /// The largest share of each layer's experts two copies of which (or `replicas`, if more)
+    /// the nodes' RAM and VRAM hold ([`replica_room`]; 0 with one node).
+    pub replica_room: f64,
 }
 
 /// Layer draws averaged per prediction.
@@ -279,6 +282,43 @@ fn draw(rng: &mut Rng, n: usize, k: usize, out: &mut Vec<usize>) {
     }
 }
 
+/// A layer's holders as the coordinator places them: by share, the `hot` hottest (under
+/// uniform routing any set: the lowest ids) with `replicas` holders.
+fn placed(nodes: &[Node], n: usize, replicas: usize, hot: usize) -> Vec<Vec<usize>> {
+    let weight: Vec<f64> = match nodes.iter().any(|x| x.share > 0.0) {
+        true => nodes.iter().map(|x| x.share).collect(),
+        false => vec![1.0; nodes.len()],
+    };
+    let order: Vec<u32> = (0..n as u32).collect();
+    place_layer(&order, &weight, replicas.max(1), hot, |_, _| true)
+}
+
+/// The largest share of each layer's experts that can have `copies` holders (the hottest
+/// first, as placed) while every node's RAM and VRAM still hold all the experts placed on it:
+/// the `--hot-share` that replicates without reading from disk (0 where even single copies do
+/// not fit, or one node holds them all).
+pub fn replica_room(setup: &Setup, m: &ModelCost, copies: usize) -> f64 {
+    let nodes = &setup.nodes;
+    let n = m.n_experts;
+    if nodes.len() < 2 || n == 0 {
+        return 0.0;
+    }
+    let fits = |hot: usize| {
+        let mut count = vec![0usize; nodes.len()];
+        for w in placed(nodes, n, copies, hot).into_iter().flatten() {
+            count[w] += 1;
+        }
+        nodes.iter().zip(count).all(|(x, c)| {
+            let room = x.ram_bytes + x.gpu.as_ref().map_or(0, |g| g.vram_bytes);
+            x.ram_bytes == 0 || c as f64 / n as f64 * m.experts_total_bytes as f64 <= room as f64
+        })
+    };
+    match (0..=n).take_while(|&hot| fits(hot)).last() {
+        Some(hot) => hot as f64 / n as f64,
+        None => 0.0,
+    }
+}
+
 impl Node {
     /// Shares of the experts placed on it (`held`, of each layer's, replicas counted) that its
     /// VRAM and its RAM hold, VRAM filled first (the rest is read from its disk).
@@ -304,15 +344,8 @@ impl Node {
 fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>) {
     let nodes = &setup.nodes;
     let mut b = Budget::default();
-    // placed as the coordinator places: by share, the hottest `hot_share` (under uniform
-    // routing any set; the lowest ids) with `replicas` holders
-    let weight: Vec<f64> = match nodes.iter().any(|x| x.share > 0.0) {
-        true => nodes.iter().map(|x| x.share).collect(),
-        false => vec![1.0; nodes.len()],
-    };
-    let order: Vec<u32> = (0..m.n_experts as u32).collect();
     let hot = (setup.hot_share * m.n_experts as f64).round() as usize;
-    let holders = place_layer(&order, &weight, setup.replicas.max(1), hot, |_, _| true);
+    let holders = placed(nodes, m.n_experts, setup.replicas, hot);
     // per expert and holder, its place among the experts that node holds (ascending ids)
     let mut count = vec![0usize; nodes.len()];
     let place: Vec<Vec<usize>> = holders
@@ -586,6 +619,7 @@ pub fn predict(setup: Setup, m: &ModelCost, draft: usize, acceptance: f64) -> Pr
         .map(|l| l.experts_per_layer * l.vram_read_share)
         .sum();
     Prediction {
+        replica_room: replica_room(&setup, m, setup.replicas.max(2)),
         setup,
         token,
         tok_s,
@@ -786,6 +820,18 @@ pub(super) mod tests {
         for l in &short.links {
             assert!((l.resident_share - 2.0 / 3.0).abs() < 1e-12, "{l:?}");
         }
+        // room for copies of half of the 64: each node's 16 and 8 replicas, 24 in all
+        assert_eq!(short.replica_room, 0.0);
+        let mut s = setup(four());
+        for n in &mut s.nodes {
+            n.ram_bytes = m.experts_total_bytes * 3 / 8;
+        }
+        assert_eq!(replica_room(&s, &m, 2), 0.5);
+        let room = predict(s, &m, 0, 0.0).replica_room;
+        assert_eq!(room, 0.5);
+        // RAM not known: taken as holding everything; one node: nothing to replicate on
+        assert_eq!(replica_room(&setup(four()), &m, 2), 1.0);
+        assert_eq!(replica_room(&setup(vec![node("w", 1.0, 0.0)]), &m, 2), 0.0);
     }
 
     #[test]

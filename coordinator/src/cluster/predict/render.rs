@@ -82,6 +82,20 @@ impl Prediction {
                 sp.tok_s
             );
         }
+        if self.setup.nodes.len() > 1 {
+            let copies = self.setup.replicas.max(2);
+            // (rounded down: the flag as printed keeps every expert in RAM or VRAM)
+            let share = (self.replica_room * 100.0).floor() / 100.0;
+            s += &match share > 0.0 {
+                true => format!(
+                    "  room for replicas: {copies} copies of the hottest {:.0}% of each layer's experts fit in the machines' RAM and VRAM (--replicas {copies} --hot-share {share:.2})\n",
+                    100.0 * share
+                ),
+                false => format!(
+                    "  room for replicas: none; {copies} copies of even 1% of each layer's experts would be read from disk\n"
+                ),
+            };
+        }
         s
     }
 }
