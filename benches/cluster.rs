@@ -7,12 +7,13 @@
 //! ```sh
 //! cargo bench --bench cluster -- --model DIR [--workers 2] [--tokens 32] [--delays 0,0.2,1]
 //!                                [--activations f32|int8] [--draft N] [--temperature T] [--pin]
-//!                                [--predict] [--spin-us N]
+//!                                [--predict] [--spin-us N] [--dense-device cpu|gpu]
 //! ```
 //!
 //! `--predict` checks `charm plan --cluster`'s prediction: before each delay's decode it probes
 //! the workers through the same client (this process's dense pass, each worker's requests) and
-//! predicts decode tok/s, then prints predicted against measured.
+//! predicts decode tok/s, then prints predicted against measured. `--dense-device gpu` runs the
+//! coordinator's dense pass on the GPU (and single-box too), which the probe then times there.
 //!
 //! `--pin` (one worker, two or more cores) measures the request overhead without two processes
 //! fighting for cores: this process (the coordinator, one compute thread) is pinned to core 0,
@@ -55,6 +56,7 @@ use charm_coordinator::cluster::{Loopback, WorkerAddr};
 use charm_coordinator::decode::generate::generate_with_drafts;
 use charm_coordinator::decode::sampling::{Sampler, SamplingParams};
 use charm_coordinator::decode::speculative::{DraftOptions, SpecStats};
+use charm_coordinator::model::engine::DenseDevice;
 use charm_coordinator::{Engine, EngineOptions, ForwardOptions, HistoryPolicy};
 use charm_shared::quant::Activations;
 
@@ -69,6 +71,9 @@ struct Args {
     draft: usize,
     temperature: f32,
     spin_us: Option<u64>,
+    /// The coordinator's dense pass on the GPU (`--dense-device gpu`), in the decode and in the
+    /// probe.
+    dense_gpu: bool,
 }
 
 fn args() -> Args {
@@ -83,6 +88,7 @@ fn args() -> Args {
         draft: 0,
         temperature: 1.0,
         spin_us: None,
+        dense_gpu: false,
     };
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -112,6 +118,13 @@ fn args() -> Args {
             "--draft" => a.draft = val().parse().expect("--draft N"),
             "--temperature" => a.temperature = val().parse().expect("--temperature T"),
             "--spin-us" => a.spin_us = Some(val().parse().expect("--spin-us N")),
+            "--dense-device" => {
+                a.dense_gpu = match val().as_str() {
+                    "gpu" => true,
+                    "cpu" => false,
+                    d => panic!("--dense-device cpu|gpu, not {d}"),
+                }
+            }
             // cargo bench passes --bench
             _ => {
                 i += 1;
@@ -530,24 +543,34 @@ fn main() {
         history: HistoryPolicy::Off,
         activations: act,
         context: a.tokens + 16,
+        dense_device: if a.dense_gpu {
+            DenseDevice::Gpu
+        } else {
+            DenseDevice::Cpu
+        },
         ..Default::default()
     };
     let prompt: Vec<u32> = (0..8).map(|i| (i * 37 + 11) % 1000 + 2).collect();
     let isa = format!("{:?}", charm_shared::quant::active_isa());
     println!(
-        "model {}, {} workers, {} tokens, activations {}, ISA {isa}, {} cores",
+        "model {}, {} workers, {} tokens, activations {}, ISA {isa}, {} cores, dense pass on the {}",
         a.model.display(),
         a.workers,
         a.tokens,
         a.act,
-        cores
+        cores,
+        if a.dense_gpu { "GPU" } else { "CPU" }
     );
 
     let single = Engine::load(&a.model, &opts).unwrap();
     let spec = single.model.spec.clone();
-    let plan = a
-        .predict
-        .then(|| charm_coordinator::ops::plan::plan(&a.model, &Default::default()).unwrap());
+    let plan = a.predict.then(|| {
+        let input = charm_coordinator::ops::plan::PlanInput {
+            dense_on_gpu: a.dense_gpu,
+            ..Default::default()
+        };
+        charm_coordinator::ops::plan::plan(&a.model, &input).unwrap()
+    });
     let moe = moe_layers(&spec)
         .iter()
         .filter(|l| l.0 < spec.layers.len())
@@ -648,7 +671,7 @@ fn main() {
                 acceptance: 0.0,
                 position: prompt.len() + a.tokens / 2,
                 worker_disk_bytes_s: probe::WORKER_DISK_BYTES_S,
-                dense_gpu: false,
+                dense_gpu: a.dense_gpu,
             };
             probe::predict_live(&a.model, &r, &spec, plan, o).unwrap()
         });
