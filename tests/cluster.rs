@@ -592,8 +592,8 @@ fn a_described_cluster_is_planned_from_config_json_alone() {
         std::fs::write(&f, serde_json::json!({ "machines": ms }).to_string()).unwrap();
         f
     };
-    let run = |f: &Path| {
-        let (ok, out, err) = charm(&[
+    let run_with = |f: &Path, extra: &[&str]| {
+        let mut args = vec![
             "plan",
             "--model",
             dir.to_str().unwrap(),
@@ -602,10 +602,13 @@ fn a_described_cluster_is_planned_from_config_json_alone() {
             "--activations",
             "int8",
             "--json",
-        ]);
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = charm(&args);
         assert!(ok, "{err}");
         json(&out)
     };
+    let run = |f: &Path| run_with(f, &[]);
     let one = run(&machines(1, 10.0));
     assert_eq!(one["source"], "config");
     let p1 = &one["prediction"];
@@ -647,6 +650,49 @@ fn a_described_cluster_is_planned_from_config_json_alone() {
         slow["prediction"]["token"]["transfer_ms"].as_f64().unwrap()
             > 5.0 * p4["token"]["transfer_ms"].as_f64().unwrap()
     );
+    // replicas: the room RAM leaves for two copies, used, evens the machines' load out; more
+    // than fits reads experts from disk
+    let room = p4["replica_room"].as_f64().unwrap();
+    assert!(room > 0.0 && room < 1.0, "{room}");
+    let share = format!("{:.2}", (room * 100.0).floor() / 100.0);
+    let rep = run_with(
+        &machines(4, 10.0),
+        &["--replicas", "2", "--hot-share", &share],
+    );
+    let pr = &rep["prediction"];
+    assert_eq!(pr["setup"]["replicas"], 2);
+    assert_eq!(pr["token"]["expert_disk_ms"].as_f64(), Some(0.0), "{pr}");
+    let ms = |p: &Value| p["token"]["expert_compute_ms"].as_f64().unwrap();
+    assert!(ms(pr) < 0.95 * ms(p4), "{} against {}", ms(pr), ms(p4));
+    let held: f64 = pr["links"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["held_share"].as_f64().unwrap())
+        .sum();
+    assert!(
+        (held - (1.0 + share.parse::<f64>().unwrap())).abs() < 0.01,
+        "{held}"
+    );
+    let all = run_with(&machines(4, 10.0), &["--replicas", "2", "--hot-share", "1"]);
+    assert!(
+        all["prediction"]["token"]["expert_disk_ms"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    let (ok, _, err) = charm(&[
+        "plan",
+        "--model",
+        dir.to_str().unwrap(),
+        "--cluster",
+        machines(4, 10.0).to_str().unwrap(),
+        "--replicas",
+        "2",
+        "--hot-share",
+        "1.5",
+    ]);
+    assert!(!ok && err.contains("--hot-share"), "{err}");
     // a bad description: a clear error
     let bad = dir.join("bad.json");
     std::fs::write(
