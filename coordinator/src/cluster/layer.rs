@@ -54,7 +54,7 @@ impl OwnedBatch {
 pub(super) type Assignment = Vec<(usize, Vec<usize>)>;
 
 /// Spreads `todo` runs over live holders ([`spread`]: the fewest holders first, each to the
-/// one with the fewest rows so far), skipping `avoid`: per worker, ascending, its runs
+/// one that would finish it first by its measured speed), skipping `avoid`: per worker, ascending, its runs
 /// ascending; the rest is returned for local compute.
 pub(super) fn assign(
     p: &Placement,
@@ -81,7 +81,8 @@ pub(super) fn assign(
         .collect();
     let mut out: Assignment = Vec::new();
     let mut local = Vec::new();
-    for (&r, w) in todo.iter().zip(spread(live.len(), &asked)) {
+    let cost: Vec<f64> = (0..live.len()).map(|w| p.cost(w)).collect();
+    for (&r, w) in todo.iter().zip(spread(&cost, &asked)) {
         match w {
             Some(w) => match out.iter_mut().find(|(x, _)| *x == w) {
                 Some((_, v)) => v.push(r),

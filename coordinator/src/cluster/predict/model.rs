@@ -408,6 +408,15 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
         .map(|(&(v, _), &n)| v * n as f64)
         .collect();
     // (its own sequence, so that the experts drawn are the same with and without GPUs)
+    // each node's time for a row, relative to the mean, as the coordinator weighs its holders
+    let mean_s = nodes.iter().map(|x| x.expert_s).sum::<f64>() / nodes.len() as f64;
+    let cost: Vec<f64> = nodes
+        .iter()
+        .map(|x| match x.expert_s > 0.0 && mean_s > 0.0 {
+            true => x.expert_s / mean_s,
+            false => 1.0,
+        })
+        .collect();
     let mut vram_rng = Rng(0x5EED_5EED);
     let mut vram_k = vec![0usize; nodes.len()];
     let mut rng = Rng(0x5EED);
@@ -453,7 +462,7 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
             .iter()
             .map(|&e| (holders[e].as_slice(), run_rows[e]))
             .collect();
-        for (&e, w) in runs.iter().zip(spread(nodes.len(), &asked)) {
+        for (&e, w) in runs.iter().zip(spread(&cost, &asked)) {
             let Some(w) = w else { continue };
             chosen[e] = w;
             rows[w] += run_rows[e];
@@ -829,6 +838,18 @@ pub(super) mod tests {
         assert_eq!(replica_room(&s, &m, 2), 0.5);
         let room = predict(s, &m, 0, 0.0).replica_room;
         assert_eq!(room, 0.5);
+        // every expert on both of two nodes, one three times as fast: it takes three of every
+        // four runs, so that both finish together
+        let mut slow = node("slow", 0.5, 1e-4);
+        slow.expert_s = 3e-4;
+        let mut s = setup(vec![node("fast", 0.5, 1e-4), slow]);
+        (s.replicas, s.hot_share) = (2, 1.0);
+        let p = predict(s, &m, 0, 0.0);
+        assert!(
+            (p.links[0].experts_per_layer - 6.0).abs() < 0.01,
+            "{:?}",
+            p.links
+        );
         // RAM not known: taken as holding everything; one node: nothing to replicate on
         assert_eq!(replica_room(&setup(four()), &m, 2), 1.0);
         assert_eq!(replica_room(&setup(vec![node("w", 1.0, 0.0)]), &m, 2), 0.0);
