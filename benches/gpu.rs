@@ -13,7 +13,10 @@
 //!   6144, inter 2048, groups of 64 (`--quick`: 1024 x 512), timed by `Gpu::time_run` (the
 //!   dispatches repeated in one submission, no read-back), the median of three. Weight bytes are
 //!   the three matrices' codes and f32 scales as they lie in VRAM. Each shape's outputs are first
-//!   compared bit for bit with `SwiGlu::forward` on the CPU.
+//!   compared bit for bit with `SwiGlu::forward` on the CPU. Both matrix kernels run, the
+//!   device's own first (`charm_worker::gpu::Matvec`: `matvec_tiled` on a GPU, `matvec` on a CPU
+//!   device), then the other; the dense pass and the end-to-end decode use the device's own, or
+//!   the one `CHARM_GPU_MATVEC=tiled|lanes` picks.
 //! - Dense pass: the coordinator's dense skeleton of the model (`--model DIR`, the yardstick's
 //!   from `charm synth --preset yardstick`; else the converted demo model) for one decoded token,
 //!   routed experts answered as zeros (`probe::dense_speed`), on the CPU and on the GPU
@@ -41,7 +44,7 @@ use charm_coordinator::{Engine, EngineOptions, ForwardOptions, HistoryPolicy};
 use charm_shared::kernels::Matrix;
 use charm_shared::linear::{Linear, SwiGlu};
 use charm_shared::quant::{Activations, QMatrix, QuantKind};
-use charm_worker::gpu::{same_bits, Gpu, GpuError, Job};
+use charm_worker::gpu::{same_bits, Gpu, GpuError, Job, Matvec};
 
 struct Args {
     quick: bool,
@@ -138,8 +141,9 @@ fn kernels(gpu: &Gpu, a: &Args, copy: f64) -> bool {
             let want = e.forward(&x, n);
             if let Some(i) = (0..want.len()).find(|&i| !same_bits(got[i], want[i])) {
                 println!(
-                    "MISMATCH: {} {hidden}x{inter} g{group}, {n} row(s): output {i} is {} on the GPU, {} on the CPU",
+                    "MISMATCH: {} {hidden}x{inter} g{group}, {n} row(s), {}: output {i} is {} on the GPU, {} on the CPU",
                     kind.name(),
+                    gpu.matvec_kernel.entry(),
                     got[i],
                     want[i]
                 );
@@ -155,8 +159,9 @@ fn kernels(gpu: &Gpu, a: &Args, copy: f64) -> bool {
             );
             let gbs = bytes as f64 / s / 1e9;
             println!(
-                "{} expert {hidden}x{inter} g{group}, {n} row(s): {:.1} us per forward, {:.2} MB weights, {gbs:.2} GB/s = {:.1}% of copy, exact [{}]",
+                "{} expert {hidden}x{inter} g{group}, {n} row(s), {}: {:.1} us per forward, {:.2} MB weights, {gbs:.2} GB/s = {:.1}% of copy, exact [{}]",
                 kind.name(),
+                gpu.matvec_kernel.entry(),
                 s * 1e6,
                 bytes as f64 / 1e6,
                 100.0 * gbs / copy,
@@ -357,7 +362,19 @@ fn main() {
     );
     let copy = copy_bandwidth(&gpu, a.quick);
     let mut exact = kernels(&gpu, &a, copy);
+    // the other matrix kernel, for comparison (the rest runs the one `CHARM_GPU_MATVEC` picks)
+    let other = match gpu.matvec_kernel {
+        Matvec::Tiled => Matvec::Lanes,
+        Matvec::Lanes => Matvec::Tiled,
+    };
     drop(gpu);
+    match Gpu::open_with(a.gpu, Some(other)) {
+        Ok(g) => exact &= kernels(&g, &a, copy),
+        Err(e) => {
+            println!("MISMATCH or no device with {}: {e}", other.entry());
+            exact = false;
+        }
+    }
     dense_pass(&a, copy);
     exact &= end_to_end(&a);
     if !exact {

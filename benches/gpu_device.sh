@@ -126,6 +126,9 @@ ys=$(mktemp -d)/yardstick
 target/release/charm synth --preset yardstick --out "$ys" >/dev/null || exit 1
 step "benches/gpu.rs --model yardstick" 100 "${gpu_bench[@]}" --model "$ys"
 bench_ys=$?
+# the yardstick's dense pass with the other matrix kernel (each lane reading its own row)
+step "CHARM_GPU_MATVEC=lanes benches/gpu.rs --model yardstick" 100 \
+  env CHARM_GPU_MATVEC=lanes "${gpu_bench[@]}" --model "$ys" --rows 1
 # 4. `charm plan --cluster`'s prediction, probed with the dense pass on the GPU, against the
 # measured decode on two loopback workers
 step "benches/cluster.rs --predict --dense-device gpu" 150 "${cluster_bench[@]}" --model "$ys" \

@@ -462,6 +462,34 @@ fn the_integer_path_and_experts_in_vram_keep_the_cpu_bits() {
 }
 
 #[test]
+fn both_matrix_kernels_give_the_cpu_tokens_on_the_integer_path() {
+    if device().is_none() {
+        return;
+    }
+    // int8 dense weights and int4 experts with int8 activations: every dense matrix and every
+    // expert in VRAM through `matvec_tiled` (a GPU's kernel) and `matvec` (a CPU device's)
+    let dir = int8_container();
+    let ids: Vec<String> = oracle_ids(GQA, "tf_input_ids")
+        .iter()
+        .map(|i| i.to_string())
+        .collect();
+    let prompt = ids.join(",");
+    let run = |args: &[&str], env: &[(&str, String)]| {
+        let args = [&["--activations", "int8"][..], args].concat();
+        let (ok, v, err) = common::generate_run(&dir, &prompt, 8, &args, env);
+        assert!(ok, "{args:?} {env:?}: {err}");
+        v["ids"].clone()
+    };
+    let cpu = run(&["--dense-device", "cpu"], &[]);
+    for kernel in ["tiled", "lanes"] {
+        let env = [("CHARM_GPU_MATVEC", kernel.to_string())];
+        let gpu = run(&["--dense-device", "gpu", "--vram", "1"], &env);
+        assert_eq!(gpu, cpu, "{kernel}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn the_cli_generates_the_cpu_tokens_and_refuses_a_device_that_fails_its_self_check() {
     if device().is_none() {
         return;

@@ -12,12 +12,17 @@ use std::path::{Path, PathBuf};
 use charm_shared::kernels::Matrix;
 use charm_shared::linear::{Linear, SwiGlu};
 use charm_shared::quant::{Activations, QMatrix, QuantKind};
-use charm_worker::gpu::{Gpu, GpuError, Job};
+use charm_worker::gpu::{Gpu, GpuError, Job, Matvec};
 use common::{charm, charm_env, convert, fixture, json, oracle_ids, scratch, FIXTURES};
 
 /// The device the tests use, or `None` (with a note) where this machine has none.
 fn device() -> Option<Gpu> {
-    match Gpu::open(None) {
+    device_with(Matvec::from_env())
+}
+
+/// [`device`] with the matrix kernel `matvec`.
+fn device_with(matvec: Option<Matvec>) -> Option<Gpu> {
+    match Gpu::open_with(None, matvec) {
         Ok(g) => Some(g),
         Err(e) => {
             assert!(
@@ -64,14 +69,28 @@ fn bits(v: &[f32]) -> Vec<u32> {
 
 #[test]
 fn expert_kernels_match_the_cpu_bit_for_bit_at_every_row_count() {
-    let Some(gpu) = device() else { return };
+    // both matrix kernels; the tiled one's tiles are 64 rows of 32 words: rows and row lengths
+    // that fill none, one and parts of several, and groups that span tiles
+    for matvec in [Matvec::Tiled, Matvec::Lanes] {
+        let Some(gpu) = device_with(Some(matvec)) else {
+            return;
+        };
+        expert_kernels_match_the_cpu(&gpu);
+    }
+}
+
+fn expert_kernels_match_the_cpu(gpu: &Gpu) {
     let shapes = [
         (QuantKind::Int4, 64, 128, 64),
         (QuantKind::Int4, 32, 96, 64),
         (QuantKind::Int4, 128, 256, 128),
+        (QuantKind::Int4, 32, 352, 96),
         (QuantKind::Int8, 32, 64, 96),
         (QuantKind::Int8, 64, 128, 64),
+        (QuantKind::Int8, 32, 160, 96),
+        (QuantKind::Int8, 256, 512, 256),
     ];
+    let matvec = gpu.matvec_kernel;
     for (si, &(kind, group, hidden, inter)) in shapes.iter().enumerate() {
         let e = expert(kind, group, hidden, inter, 10 * si as u64);
         let on_gpu = gpu.upload(&e).unwrap();
@@ -97,7 +116,7 @@ fn expert_kernels_match_the_cpu_bit_for_bit_at_every_row_count() {
             assert_eq!(
                 bits(&got),
                 bits(&want),
-                "{kind:?} group {group} {hidden}x{inter}, {rows} rows"
+                "{matvec:?}: {kind:?} group {group} {hidden}x{inter}, {rows} rows"
             );
             // and each row alone gives the same bits as in the batch
             if rows > 1 {

@@ -18,8 +18,9 @@
 // - `quantize`: per row and group, `amax` of |x| (NaN skipped, as f32::max does), scale
 //   `amax / 127`, codes `round_half_away(x * (1 / scale))` clamped to +-127 (NaN to 0): exactly
 //   `scalar::quantize_group`, with the same code sum.
-// - `matvec`: per output row, token and group the exact i32 dot product of the codes (packed
-//   4 x i8 dot products; int4's `+ 8` removed with the code sum), then
+// - `matvec` (and `matvec_tiled`, the same arithmetic from weights read a tile at a time): per
+//   output row, token and group the exact i32 dot product of the codes (packed 4 x i8 dot
+//   products; int4's `+ 8` removed with the code sum), then
 //   `acc = fma(scale_w * scale_x, f32(isum), acc)` from `acc = +0` in group order, each step
 //   rounded once as IEEE binary32 (sf_mul, sf_from_i32, sf_fma): exactly `scalar::row_dot_i8`.
 // - `swiglu`: `silu(g) * u` with charm's SiLU (`softfloat::silu`, the CPU's definition), then
@@ -149,6 +150,75 @@ fn matvec(@builtin(global_invocation_id) gid: vec3<u32>) {
         acc = sf_fma(s, sf_from_i32(isum), acc);
     }
     arena[p.out0 + t * p.rows + r] = acc;
+}
+
+// `matvec` with the weights read a tile at a time: a workgroup of 64 lanes takes 64 rows (one
+// token); per step the lanes copy 32 words of each of those rows into workgroup memory,
+// consecutive lanes reading consecutive words of a row (memory reads that coalesce, where each
+// lane reading its own row does not), then each lane computes its row from the tile with
+// `matvec`'s arithmetic: the same exact integer sums of each group and the same combines in
+// group order, so the same bits.
+const TILE_WORDS: u32 = 32u;
+// (a word of padding per row: the lanes reading their rows' word j meet different banks)
+const TILE_STRIDE: u32 = 33u;
+var<workgroup> tile: array<u32, 2112>; // 64 rows x TILE_STRIDE
+
+@compute @workgroup_size(64)
+fn matvec_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
+    let r0 = wid.x * 64u;
+    let t = wid.y;
+    let r = r0 + lane;
+    let ng = p.cols / p.group;
+    let row_words = p.cols / (8u - 4u * (1u - p.int4)); // int8: cols / 4; int4: cols / 8
+    let gw = p.group / (8u - 4u * (1u - p.int4));
+    let ga = p.group / 4u;
+    let arow = p.in0 + t * (p.cols / 4u);
+    var acc = 0u;
+    var isum = 0i;
+    for (var s0 = 0u; s0 < row_words; s0 += TILE_WORDS) {
+        // (every lane has read the last tile)
+        workgroupBarrier();
+        for (var i = lane; i < 64u * TILE_WORDS; i += 64u) {
+            let row = r0 + i / TILE_WORDS;
+            let k = s0 + i % TILE_WORDS;
+            var v = 0u;
+            if (row < p.rows && k < row_words) {
+                v = w[p.w_data + row * row_words + k];
+            }
+            tile[(i / TILE_WORDS) * TILE_STRIDE + i % TILE_WORDS] = v;
+        }
+        workgroupBarrier();
+        if (r < p.rows && t < p.n) {
+            for (var j = 0u; j < min(TILE_WORDS, row_words - s0); j++) {
+                let q = s0 + j;
+                let g = q / gw;
+                let qg = q % gw;
+                let wv = tile[lane * TILE_STRIDE + j];
+                let ag = arow + g * ga;
+                if (p.int4 == 0u) {
+                    isum += dot4I8Packed(wv, arena[ag + qg]);
+                } else {
+                    // word `qg` of the group: word `k` of nibble block `c` (see `matvec`)
+                    let bw = p.nb / 8u;
+                    let c = qg / bw;
+                    let k = qg % bw;
+                    isum += dot4I8Packed(wv & 0x0f0f0f0fu, arena[ag + c * 2u * bw + k]);
+                    isum += dot4I8Packed((wv >> 4u) & 0x0f0f0f0fu, arena[ag + c * 2u * bw + bw + k]);
+                }
+                if (qg == gw - 1u) {
+                    if (p.int4 != 0u) {
+                        isum -= 8i * bitcast<i32>(arena[p.in2 + t * ng + g]);
+                    }
+                    let s = sf_mul(w[p.w_scales + r * ng + g], arena[p.in1 + t * ng + g]);
+                    acc = sf_fma(s, sf_from_i32(isum), acc);
+                    isum = 0i;
+                }
+            }
+        }
+    }
+    if (r < p.rows && t < p.n) {
+        arena[p.out0 + t * p.rows + r] = acc;
+    }
 }
 
 // One lane per element of `[n]`: h = silu(g) * u.

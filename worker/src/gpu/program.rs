@@ -124,9 +124,8 @@ impl Gpu {
             .iter()
             .map(|&e| (e, pipeline(&dense, e)))
             .collect();
-        for e in ["quantize", "matvec"] {
-            pipes.push((e, pipeline(&expert, e)));
-        }
+        pipes.push(("quantize", pipeline(&expert, "quantize")));
+        pipes.push(("matvec", pipeline(&expert, self.matvec_kernel.entry())));
         let dummy = [0, 1].map(|_| {
             device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("unbound"),
