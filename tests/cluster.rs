@@ -633,12 +633,16 @@ fn a_described_cluster_is_planned_from_config_json_alone() {
         spec.router.as_ref().unwrap().top_k as f64,
     );
     let layers = four["moe_layers"].as_f64().unwrap();
-    let bytes: f64 = p4["links"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["bytes_per_token"].as_f64().unwrap())
-        .sum();
+    // a figure of every machine's, summed
+    let links = |p: &Value, what: &str| -> f64 {
+        p["links"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l[what].as_f64().unwrap())
+            .sum()
+    };
+    let bytes = links(p4, "bytes_per_token");
     let row_out = h * (1.0 + 4.0 / 64.0);
     assert!(
         bytes > layers * (k * 4.0 * h + row_out) && bytes < layers * (k * 4.0 * h + 4.0 * row_out),
@@ -664,12 +668,7 @@ fn a_described_cluster_is_planned_from_config_json_alone() {
     assert_eq!(pr["token"]["expert_disk_ms"].as_f64(), Some(0.0), "{pr}");
     let ms = |p: &Value| p["token"]["expert_compute_ms"].as_f64().unwrap();
     assert!(ms(pr) < 0.95 * ms(p4), "{} against {}", ms(pr), ms(p4));
-    let held: f64 = pr["links"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["held_share"].as_f64().unwrap())
-        .sum();
+    let held = links(pr, "held_share");
     assert!(
         (held - (1.0 + share.parse::<f64>().unwrap())).abs() < 0.01,
         "{held}"
