@@ -54,8 +54,8 @@ impl OwnedBatch {
 pub(super) type Assignment = Vec<(usize, Vec<usize>)>;
 
 /// Spreads `todo` runs over live holders ([`spread`]: the fewest holders first, each to the
-/// one that would finish it first by its measured speed), skipping `avoid`: per worker, ascending, its runs
-/// ascending; the rest is returned for local compute.
+/// one that would finish it first by its measured speed), skipping `avoid`: per worker,
+/// ascending, its runs ascending; the rest is returned for local compute.
 pub(super) fn assign(
     p: &Placement,
     live: &[bool],

@@ -407,7 +407,6 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
         .zip(&count)
         .map(|(&(v, _), &n)| v * n as f64)
         .collect();
-    // (its own sequence, so that the experts drawn are the same with and without GPUs)
     // each node's time for a row, relative to the mean, as the coordinator weighs its holders
     let mean_s = nodes.iter().map(|x| x.expert_s).sum::<f64>() / nodes.len() as f64;
     let cost: Vec<f64> = nodes
@@ -417,6 +416,7 @@ fn layers(setup: &Setup, m: &ModelCost, tokens: usize) -> (Budget, Vec<LinkUse>)
             false => 1.0,
         })
         .collect();
+    // (its own sequence, so that the experts drawn are the same with and without GPUs)
     let mut vram_rng = Rng(0x5EED_5EED);
     let mut vram_k = vec![0usize; nodes.len()];
     let mut rng = Rng(0x5EED);
@@ -809,7 +809,7 @@ pub(super) mod tests {
         let mut s = setup(four());
         (s.replicas, s.hot_share) = (2, 0.5);
         let two = predict(s.clone(), &m, 0, 0.0);
-        // each node holds 8 of the 16 single experts and 16 of the 64 copies of the other 32
+        // each node holds 8 of the 32 single experts and 16 of the 64 copies of the other 32
         for l in &two.links {
             assert!((l.held_share - 0.375).abs() < 1e-12, "{l:?}");
         }
