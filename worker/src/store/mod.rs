@@ -183,8 +183,7 @@ pub struct StreamingExperts {
 /// bf16 with a width not a multiple of 8 (the kernels' layout for those).
 pub fn expert_ram_bytes(l: &ExpertLayer) -> u64 {
     use charm_shared::container::StoreFormat;
-    let record = l.payload_bytes.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64;
-    record
+    record_bytes(l)
         + [&l.gate, &l.up, &l.down]
             .iter()
             .map(|p| match p.format {
@@ -281,24 +280,8 @@ impl StreamingExperts {
             }),
             opts,
         });
-        // The cache's buffers are mapped and faulted in now: the budget is taken at start (as
-        // the plan said), and no step later pays for first-touch page faults. They are parts of
-        // one mapping, so that small experts sit on huge pages too.
-        {
-            let n = inner
-                .capacity()
-                .checked_div(inner.expert_bytes)
-                .unwrap_or(0)
-                .min(inner.layers.values().map(|l| l.meta.count as u64).sum());
-            let rec = inner
-                .layers
-                .values()
-                .map(|l| l.meta.payload_bytes.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64)
-                .max()
-                .unwrap_or(0) as usize;
-            let mut free = inner.pool.free.lock().unwrap_or_else(|p| p.into_inner());
-            free.extend(AlignedBuf::populated_many(n as usize, rec));
-        }
+        // the cache's buffers, mapped and faulted in at start
+        inner.add_buffers(inner.cache_experts(inner.capacity()));
         {
             let mut st = lock(&inner.state);
             inner.seed_frequencies(&mut st);
@@ -324,23 +307,12 @@ impl StreamingExperts {
             return;
         }
         let inner = &*self.inner;
-        let total: u64 = inner.layers.values().map(|l| l.meta.count as u64).sum();
-        let fit = |cap: u64| cap.checked_div(inner.expert_bytes).unwrap_or(0).min(total);
         let mut st = lock(&inner.state);
         let old = inner
             .capacity
             .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
         st.stats.cache_capacity_bytes = old + bytes;
-        let more = fit(old + bytes) - fit(old);
-        if let Some(rec) = inner
-            .layers
-            .values()
-            .map(|l| l.meta.payload_bytes.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64)
-            .max()
-        {
-            let mut free = inner.pool.free.lock().unwrap_or_else(|p| p.into_inner());
-            free.extend(AlignedBuf::populated_many(more as usize, rec as usize));
-        }
+        inner.add_buffers(inner.cache_experts(old + bytes) - inner.cache_experts(old));
         inner.repin(&mut st);
         drop(st);
         inner.cv.notify_all();
@@ -448,11 +420,7 @@ impl StreamingExperts {
 
 /// [`StreamingExperts::io_bytes`] for expert layers `layers` read by `readers` threads.
 pub fn io_bytes(layers: &[&ExpertLayer], readers: usize) -> u64 {
-    let rec = layers
-        .iter()
-        .map(|l| l.payload_bytes.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64)
-        .max()
-        .unwrap_or(0);
+    let rec = layers.iter().map(|l| record_bytes(l)).max().unwrap_or(0);
     let dec = layers
         .iter()
         .map(|l| expert_ram_bytes(l))
@@ -471,10 +439,39 @@ impl Drop for StreamingExperts {
     }
 }
 
+/// Bytes of one record of `l` as read with `O_DIRECT`: its payload rounded up to the alignment.
+pub(super) fn record_bytes(l: &ExpertLayer) -> u64 {
+    l.payload_bytes.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64
+}
+
 impl Inner {
     /// Cache bytes allowed now.
     fn capacity(&self) -> u64 {
         self.capacity.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Experts a cache of `capacity` bytes holds (at most every expert).
+    fn cache_experts(&self, capacity: u64) -> u64 {
+        let all = self.layers.values().map(|l| l.meta.count as u64).sum();
+        capacity
+            .checked_div(self.expert_bytes)
+            .unwrap_or(0)
+            .min(all)
+    }
+
+    /// Maps and faults in `n` more cache buffers, each the largest record, into the pool: the
+    /// budget is taken when it is given (as the plan said), and no step later pays for
+    /// first-touch page faults. They are parts of one mapping, so that small experts sit on huge
+    /// pages too.
+    fn add_buffers(&self, n: u64) {
+        let rec = self
+            .layers
+            .values()
+            .map(|l| record_bytes(&l.meta))
+            .max()
+            .unwrap_or(0);
+        let mut free = self.pool.free.lock().unwrap_or_else(|p| p.into_inner());
+        free.extend(AlignedBuf::populated_many(n as usize, rec as usize));
     }
 
     fn wait<'a>(&self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {

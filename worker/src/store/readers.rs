@@ -106,7 +106,7 @@ impl Inner {
             };
             let src = &self.layers[&key.0];
             let len = src.meta.payload_bytes as usize;
-            let need = len.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
+            let need = super::record_bytes(&src.meta) as usize;
             // The record is read into a recycled buffer and decoded in place: the expert's
             // weights stay in it, and it returns to the pool when the expert is dropped.
             let mut b = self.pool.take(need);
