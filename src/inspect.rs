@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use charm_coordinator::cluster::predict::{self, ModelCost as ClusterCost};
 use charm_coordinator::cluster::probe;
-use charm_coordinator::cluster::ClusterOptions;
+use charm_coordinator::cluster::HOT_SHARE;
 use charm_coordinator::model::engine::DenseDevice;
 use charm_coordinator::ops;
 use charm_coordinator::ops::info::ModelInfo;
@@ -140,9 +140,8 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
                 .setup_with(&m, dense, int_path)
                 .map_err(anyhow::Error::msg)?;
             // the placement a coordinator with these flags makes (no cluster file here)
-            let o = ClusterOptions::new(PathBuf::new(), "coordinator", vec![]);
-            setup.replicas = args.replicas.unwrap_or(o.replicas);
-            setup.hot_share = args.hot_share.unwrap_or(o.hot_share);
+            setup.replicas = args.replicas.unwrap_or(1);
+            setup.hot_share = args.hot_share.unwrap_or(HOT_SHARE);
             if setup.replicas == 0 || !(0.0..=1.0).contains(&setup.hot_share) {
                 bail!("--replicas must be at least 1 and --hot-share within 0 to 1");
             }

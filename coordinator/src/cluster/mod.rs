@@ -103,6 +103,9 @@ pub struct ClusterOptions {
     pub request_bytes: usize,
 }
 
+/// Default [`ClusterOptions::hot_share`]: a quarter of each layer's experts get the copies.
+pub const HOT_SHARE: f64 = 0.25;
+
 /// Default [`ClusterOptions::request_bytes`]: half the wire's frame limit, which leaves room for
 /// the archive's own bytes (GLM-5.2, 6144 wide with 8 experts a token: up to 151 tokens a
 /// request).
@@ -118,7 +121,7 @@ impl ClusterOptions {
             deadline: Duration::from_secs(30),
             heartbeat: Duration::from_secs(1),
             replicas: 1,
-            hot_share: 0.25,
+            hot_share: HOT_SHARE,
             rebalance_steps: 256,
             spin: COORDINATOR_SPIN,
             request_bytes: REQUEST_BYTES,

@@ -999,16 +999,7 @@ impl Run<'_> {
                 .collect());
         }
         let lists = self.flush(&[(self.r.keys, n * stride)])?.remove(0);
-        Ok(lists
-            .chunks_exact(stride)
-            .map(|row| {
-                let count = row[0].to_bits() as usize;
-                row[1..=count.min(stride - 1)]
-                    .iter()
-                    .map(|k| k.to_bits())
-                    .collect()
-            })
-            .collect())
+        Ok(key_lists(&lists, stride))
     }
 }
 
@@ -1523,6 +1514,21 @@ impl Model {
     }
 }
 
+/// Each row's keys from key lists as the arena holds them: `stride` words a row, its count
+/// then the keys, ascending (a count past the row is cut to it).
+fn key_lists(words: &[f32], stride: usize) -> Selection {
+    words
+        .chunks_exact(stride)
+        .map(|row| {
+            let count = row[0].to_bits() as usize;
+            row[1..=count.min(stride - 1)]
+                .iter()
+                .map(|k| k.to_bits())
+                .collect()
+        })
+        .collect()
+}
+
 /// A draft's logits and the MTP layer's output states.
 type DraftOut = (Vec<f32>, Vec<f32>);
 
@@ -1629,16 +1635,11 @@ mod tests {
                     &[(&arena, keys as u64, n * (ctx + 1))],
                 )
                 .unwrap();
-            for (t, row) in back[0].chunks_exact(ctx + 1).enumerate() {
+            for (t, got) in key_lists(&back[0], ctx + 1).into_iter().enumerate() {
                 let len = pos0 + t + 1;
                 let want: Vec<u32> = top_k_set(&scores[t * ctx..t * ctx + len], topk)
                     .into_iter()
                     .map(|j| j as u32)
-                    .collect();
-                let count = row[0].to_bits() as usize;
-                let got: Vec<u32> = row[1..=count.min(ctx)]
-                    .iter()
-                    .map(|v| v.to_bits())
                     .collect();
                 assert_eq!(
                     got, want,
