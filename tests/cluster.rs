@@ -593,20 +593,8 @@ fn a_described_cluster_is_planned_from_config_json_alone() {
         f
     };
     let run_with = |f: &Path, extra: &[&str]| {
-        let mut args = vec![
-            "plan",
-            "--model",
-            dir.to_str().unwrap(),
-            "--cluster",
-            f.to_str().unwrap(),
-            "--activations",
-            "int8",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        let (ok, out, err) = charm(&args);
-        assert!(ok, "{err}");
-        json(&out)
+        let args = ["--cluster", f.to_str().unwrap(), "--activations", "int8"];
+        common::plan_json(&dir, &[&args[..], extra].concat())
     };
     let run = |f: &Path| run_with(f, &[]);
     let one = run(&machines(1, 10.0));

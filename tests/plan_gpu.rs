@@ -184,22 +184,8 @@ fn the_example_machines_file_plans_with_its_gpu() {
 fn a_single_box_plan_with_the_dense_pass_on_the_gpu_gives_its_room_to_the_expert_cache() {
     let dir = glm52("plan-dense-gpu-box");
     let plan = |dense: &str| -> Value {
-        let (ok, out, err) = charm(&[
-            "plan",
-            "--model",
-            dir.to_str().unwrap(),
-            "--activations",
-            "int8",
-            "--dense",
-            "int4",
-            "--ram",
-            "120",
-            "--dense-device",
-            dense,
-            "--json",
-        ]);
-        assert!(ok, "{err}");
-        serde_json::from_str(&out).unwrap()
+        let args = ["--activations", "int8", "--dense", "int4", "--ram", "120"];
+        common::plan_json(&dir, &[&args[..], &["--dense-device", dense]].concat())
     };
     let (cpu, gpu) = (plan("cpu"), plan("gpu"));
     let n = |v: &Value, k: &str| v[k].as_u64().unwrap();

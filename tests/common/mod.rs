@@ -182,22 +182,22 @@ pub fn generate_run(
     (ok, v, err)
 }
 
+/// `charm plan --model DIR --json` with `args` after it: the plan, which must succeed.
+pub fn plan_json(dir: &Path, args: &[&str]) -> serde_json::Value {
+    let all = [
+        &["plan", "--model", dir.to_str().unwrap(), "--json"][..],
+        args,
+    ]
+    .concat();
+    let (ok, out, err) = charm(&all);
+    assert!(ok, "{args:?}: {err}");
+    json(&out)
+}
+
 /// `charm plan` of `dir` for a context of `ctx` tokens, with a large budget.
 pub fn plan(dir: &Path, ctx: usize) -> serde_json::Value {
-    let (ok, out, err) = charm(&[
-        "plan",
-        "--model",
-        dir.to_str().unwrap(),
-        "--json",
-        "--ram",
-        "64",
-        "--ctx",
-        &ctx.to_string(),
-        "--history",
-        "none",
-    ]);
-    assert!(ok, "{err}");
-    json(&out)
+    let ctx = ctx.to_string();
+    plan_json(dir, &["--ram", "64", "--ctx", &ctx, "--history", "none"])
 }
 
 /// A predicted time budget adds up: its parts (less what the shared expert hides) are its
