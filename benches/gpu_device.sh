@@ -5,12 +5,12 @@
 # int4/int8 expert kernels at GLM-5.2's shape, the demo model and the yardstick end to end, their
 # dense pass on the GPU and on the CPU), then `charm plan --cluster`'s prediction with the dense
 # pass on the GPU against a measured decode (`benches/cluster.rs --predict`). Everything goes to
-# stdout; under 10 minutes in all.
+# stdout; each step has a time limit, under 9 minutes in all (a device call may run 10).
 #
 # usage: benches/gpu_device.sh prepare   (here, with cargo)
 #        benches/gpu_device.sh           (there)
-# The lent machines have no Rust toolchain. `prepare` builds the three test and bench programs
-# and charm in release, strips them into .device/bins.tar.xz (about 25 MB; the programs look for
+# The lent machines have no Rust toolchain. `prepare` builds the two test and two bench programs
+# and charm in release, strips them into .device/bins.tar.xz (about 17 MB; the programs look for
 # the checkout at the path they were built in, which the run links to its own) and fetches the
 # Vulkan loader's packages into .gl/. Then one device call:
 #   run(command="benches/gpu_device.sh 2>&1 | tee $OUT/log", carry=[".device/bins.tar.xz", ".gl"])
@@ -114,25 +114,28 @@ else
 fi
 # 2. the kernels and the VRAM tier against the CPU, bit for bit, on the first adapter in order;
 # then the dense skeleton on the device (every oracle fixture, the demo, the gateway, workers)
-step "tests/gpu.rs" 100 "${gpu_tests[@]}"
+step "tests/gpu.rs" 80 "${gpu_tests[@]}"
 tests=$?
-step "tests/dense_gpu.rs" 120 "${dense_tests[@]}"
+step "tests/dense_gpu.rs" 100 "${dense_tests[@]}"
 dense=$?
 # 3. the bench at full shapes (its own MISMATCH lines and exit 1 if the GPU differs), on the demo
 # model and on the yardstick (`charm synth --preset yardstick`)
-step "benches/gpu.rs" 80 "${gpu_bench[@]}"
+step "benches/gpu.rs" 60 "${gpu_bench[@]}"
 bench=$?
 ys=$(mktemp -d)/yardstick
 target/release/charm synth --preset yardstick --out "$ys" >/dev/null || exit 1
-step "benches/gpu.rs --model yardstick" 100 "${gpu_bench[@]}" --model "$ys"
+step "benches/gpu.rs --model yardstick" 80 "${gpu_bench[@]}" --model "$ys"
 bench_ys=$?
 # the yardstick's dense pass with the other matrix kernel (each lane reading its own row)
-step "CHARM_GPU_MATVEC=lanes benches/gpu.rs --model yardstick" 100 \
+step "CHARM_GPU_MATVEC=lanes benches/gpu.rs --model yardstick" 80 \
   env CHARM_GPU_MATVEC=lanes "${gpu_bench[@]}" --model "$ys" --rows 1
+bench_lanes=$?
 # 4. `charm plan --cluster`'s prediction, probed with the dense pass on the GPU, against the
 # measured decode on two loopback workers
-step "benches/cluster.rs --predict --dense-device gpu" 150 "${cluster_bench[@]}" --model "$ys" \
+step "benches/cluster.rs --predict --dense-device gpu" 120 "${cluster_bench[@]}" --model "$ys" \
   --workers 2 --tokens 64 --delays 0 --predict --activations int8 --dense-device gpu
 predict=$?
-echo "tests exit $tests, dense tests exit $dense, bench exit $bench / $bench_ys, prediction exit $predict"
-[ "$tests" -eq 0 ] && [ "$dense" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$bench_ys" -eq 0 ] && [ "$predict" -eq 0 ]
+echo "tests exit $tests, dense tests exit $dense, bench exit $bench / $bench_ys / $bench_lanes, prediction exit $predict"
+for rc in "$tests" "$dense" "$bench" "$bench_ys" "$bench_lanes" "$predict"; do
+  [ "$rc" -eq 0 ] || exit 1
+done
