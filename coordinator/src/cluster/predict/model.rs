@@ -96,8 +96,9 @@ pub const GPU_HEADROOM_GIB: f64 = 1.0;
 /// Share of a machine's memory bandwidth its CPU reads routed experts at (the default of a
 /// described cluster's `expert_efficiency`): one MoE layer at GLM-5.2's shapes, one token, int8
 /// activations, as the expert store runs it (`cargo bench --bench kernels -- --experts --glm52
-/// --tokens 1 --top K`, K of 1, 2, 3 and 8, on AVX-512 VNNI and AVX2): the medians of 16 runs
-/// read int4 experts at 94% of the memory probe and int8 at 88% (docs/benchmarks.md).
+/// --tokens 1 --top K`, K of 1, 2, 3 and 8, on AVX-512 VNNI and AVX2): the medians of 24 runs
+/// read int4 experts at 97% of the memory probe and int8 at 93%, and this lies below both
+/// (docs/benchmarks.md).
 pub const EXPERT_EFFICIENCY: f64 = 0.9;
 
 /// Share of a GPU's memory bandwidth its expert kernels are assumed to read weights at (the
